@@ -1,0 +1,32 @@
+# grpo-fast: `make demo` (the main job) and `make test` work on a fresh clone.
+PY ?= python3
+VENV := .venv
+VPY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: setup test demo bench lint clean
+
+setup: $(STAMP)
+
+# torch first and pinned: 2.13.0 is a local CPU build here; an unpinned torch pulls a multi-GB CUDA build.
+$(STAMP): pyproject.toml
+	test -x $(VPY) || $(PY) -m venv $(VENV)
+	$(VPY) -m pip install -q --upgrade pip
+	$(VPY) -m pip install -q torch==2.13.0
+	$(VPY) -m pip install -q -e ".[test,bench]"
+	touch $(STAMP)
+
+test: setup
+	$(VPY) -m pytest tests
+
+demo: setup
+	$(VPY) -m grpo_fast.train --output-dir runs/demo
+
+bench: setup
+	$(VPY) -m bench.run_all
+
+lint: setup
+	$(VPY) -m ruff check kernels grpo_fast tests bench
+
+clean:
+	rm -rf $(VENV) build *.egg-info

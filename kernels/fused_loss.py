@@ -1,0 +1,163 @@
+"""The GRPO loss straight from the last hidden state: LM head, log-softmax, gather and clipped loss in one call.
+
+    hidden (B, T, H), weight (V, H), targets (B, T) int64, mask (B, T), advantages (B,)  ->  fp32 loss, metrics
+Only active (mask != 0) tokens are scored. Triton: the fused log-prob kernels (logits never whole) feed the
+loss kernel, whose gradient flows back through the log-prob backward. PyTorch twin: at token level one pass
+over chunks of tokens computes logits, log-probs, the loss and, since the loss is then known, every gradient
+(three matmuls, as plain PyTorch); at sequence level (GSPO) a first pass takes the log-probs and a second
+the gradients.
+"""
+
+import torch
+
+from ._common import check_tensor, resolve_impl
+from .logprobs import (
+    _twin_bwd,
+    _twin_fwd,
+    check_logprob_inputs,
+    fused_linear_logprobs,
+    twin_accumulate,
+    twin_chunk_rows,
+    twin_grad_from_logits,
+    twin_logits,
+)
+from .loss import (
+    _loss_torch,
+    attach_grads,
+    check_loss_tensors,
+    clip_metric_sums,
+    finish_metrics,
+    grpo_loss,
+    make_loss_params,
+    per_token_terms,
+    token_weights,
+)
+
+
+def _one_pass(h, weight, bias, tgt, inv_t, w, adv, old, ref, m, params, need_grad):
+    """Token level over active tokens (flat): loss, metric sums and, when asked, every gradient."""
+    N, H = h.shape
+    grad_h = torch.zeros(N, H, dtype=h.dtype, device=h.device) if need_grad else None
+    grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=h.device) if need_grad else None
+    grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=h.device) if need_grad and bias is not None else None
+    sums = torch.zeros(5, dtype=torch.float32, device=h.device)  # loss, kl, low, high, region
+    step = twin_chunk_rows(weight.shape[0])
+    for i in range(0, N, step):
+        sl = slice(i, i + step)
+        # 1. logits tile, log-probs
+        z = twin_logits(h[sl], weight, bias, inv_t)
+        lse = torch.logsumexp(z, dim=-1)
+        logp = z.gather(1, tgt[sl, None]).squeeze(1) - lse
+        # 2. the chunk's loss and d loss / d logp (per token: the loss is known here)
+        with torch.enable_grad():
+            lp = logp.requires_grad_(True)
+            pt, kl, low, high = per_token_terms(lp, None if old is None else old[sl], None if ref is None else ref[sl],
+                                                adv[sl], m[sl], params)
+            loss_c = (w[sl] * pt).sum()
+            g = torch.autograd.grad(loss_c, lp)[0] if need_grad else None
+        low_s, high_s, region_s, _ = clip_metric_sums(low, high, m[sl], False)
+        kl_s = (kl.detach() * m[sl]).sum() if kl is not None else sums.new_zeros(())
+        sums += torch.stack([loss_c.detach(), kl_s, low_s, high_s, region_s])
+        # 3. gradients of this chunk: d logits in place of z, then d hidden, d weight, d bias
+        if need_grad and bool(g.any()):
+            dz = twin_grad_from_logits(z, lse, tgt[sl], g, inv_t)
+            grad_h[sl] = twin_accumulate(dz, h[sl], weight, grad_w, grad_b)
+    return sums, grad_h, grad_w, grad_b
+
+
+def _two_pass(h, weight, bias, tgt, inv_t, B, T, idx, mask, w, adv, old, ref, params, need_grad):
+    """Sequence level: log-probs of active tokens first, then the loss on (B, T), then the gradients."""
+    logp_act, lse, _, _ = _twin_fwd(h, weight, bias, tgt, inv_t, False)
+    logp = torch.zeros(B * T, dtype=torch.float32, device=h.device).index_copy_(0, idx, logp_act).view(B, T)
+    loss, g, metrics = _loss_torch(logp, old, ref, adv, mask, w, params)
+    if not need_grad:
+        return loss, metrics, None, None, None
+    grad_h, grad_w, grad_b = _twin_bwd(h, weight, bias, tgt, inv_t, lse, g.reshape(-1)[idx], None, None)
+    return loss, metrics, grad_h, grad_w, grad_b
+
+
+def _fused_twin(hidden, weight, targets, mask, advantages, bias, inv_t, old_logps, ref_logps, params,
+                num_items_in_batch):
+    B, T, H = hidden.shape
+    need_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
+    # only active tokens are scored: padding costs nothing
+    idx = mask.reshape(-1).nonzero().squeeze(1)
+    h = hidden.detach().reshape(-1, H).index_select(0, idx)
+    tgt = targets.reshape(-1).long().index_select(0, idx)
+    wt, bs = weight.detach(), None if bias is None else bias.detach()
+    w = token_weights(mask, params, num_items_in_batch)
+    adv = advantages.reshape(-1).float()
+    old = None if old_logps is None else old_logps.float()
+    ref = None if ref_logps is None else ref_logps.float()
+    if params.sequence_level:
+        loss, metrics, gh, gw, gb = _two_pass(h, wt, bs, tgt, inv_t, B, T, idx, mask, w, adv, old, ref, params,
+                                              need_grad)
+    else:
+        flat = lambda x: None if x is None else x.reshape(-1).index_select(0, idx)  # noqa: E731
+        adv_tok = flat(adv[:, None].expand(B, T))
+        sums, gh, gw, gb = _one_pass(h, wt, bs, tgt, inv_t, flat(w), adv_tok, flat(old), flat(ref),
+                                     flat(mask.float()), params, need_grad)
+        loss = sums[0]
+        n_tok = mask.float().sum()
+        metrics = finish_metrics(sums[2], sums[3], sums[4], n_tok, sums[1], n_tok, ref is not None)
+    if not need_grad:
+        return loss, metrics
+    grad_hidden = torch.zeros(B * T, H, dtype=hidden.dtype, device=hidden.device)
+    grad_hidden.index_copy_(0, idx, gh.to(hidden.dtype))
+    grads = (grad_hidden.view(B, T, H), gw.to(weight.dtype), None if gb is None else gb.to(bias.dtype))
+    return attach_grads(loss, (hidden, weight, bias), grads), metrics
+
+
+def fused_linear_grpo_loss(hidden, weight, targets, mask, advantages, *, bias=None, temperature=1.0,
+                           old_logps=None, ref_logps=None, beta=0.0, epsilon_low=0.2, epsilon_high=None,
+                           loss_type="dapo", importance_sampling_level="token", max_completion_length=None,
+                           num_items_in_batch=None, use_bias_correction_kl=False, impl="auto"):
+    """GRPO loss from the LM head's input, never materializing the (tokens x vocab) logits.
+
+    Same semantics and options as `grpo_loss` (TRL 1.16 GRPOTrainer), with the policy log-probs taken as
+    `log_softmax((hidden @ weight.T + bias) / temperature)[targets]`. Memory: Triton holds one (64 x 128)
+    fp32 logits tile per program; the twin one (C x V) fp32 tile, C = max(1, 2**24 // V) tokens, plus one
+    temporary of that size.
+
+    Args:
+        hidden: (B, T, H) float tensor, the LM head's input at the positions predicting `targets`.
+        weight: (V, H) LM head weight, hidden's dtype.
+        targets: (B, T) int64 completion token ids in [0, V).
+        mask: (B, T) completion mask; tokens with mask 0 are neither scored nor differentiated.
+        advantages: (B,) float advantages.
+        bias: optional (V,) LM head bias.
+        temperature: float > 0 dividing the logits (the sampling temperature).
+        old_logps, ref_logps, beta, epsilon_low, epsilon_high, loss_type, importance_sampling_level,
+        max_completion_length, num_items_in_batch, use_bias_correction_kl: as in `grpo_loss`.
+        impl: "auto" (Triton for CUDA tensors, else the twin), "triton" or "torch".
+
+    Returns:
+        (loss, metrics) as `grpo_loss`; the loss is differentiable w.r.t. hidden, weight and bias.
+    """
+    check_tensor("hidden", hidden, (3,))
+    check_logprob_inputs(hidden, weight, targets, bias, temperature)
+    params = make_loss_params(beta=beta, epsilon_low=epsilon_low, epsilon_high=epsilon_high, loss_type=loss_type,
+                              importance_sampling_level=importance_sampling_level,
+                              max_completion_length=max_completion_length,
+                              use_bias_correction_kl=use_bias_correction_kl)
+    check_loss_tensors(hidden.shape[:2], advantages, mask, old_logps, ref_logps, params.beta, num_items_in_batch)
+    if params.beta == 0.0:
+        ref_logps = None
+    impl = resolve_impl(impl, hidden, weight, targets, mask, advantages, bias, old_logps, ref_logps)
+    if impl == "torch":
+        return _fused_twin(hidden, weight, targets, mask, advantages, bias, 1.0 / float(temperature), old_logps,
+                           ref_logps, params, num_items_in_batch)
+    # Triton: score the active tokens with the fused log-prob kernels, then the loss kernel
+    B, T, H = hidden.shape
+    active = mask.reshape(-1) != 0
+    logp_act = fused_linear_logprobs(hidden.reshape(-1, H)[active], weight, targets.reshape(-1)[active], bias=bias,
+                                     temperature=temperature, impl="triton")
+    logps = logp_act.new_zeros(B * T).masked_scatter(active, logp_act).view(B, T)
+    return grpo_loss(logps, advantages, mask, old_logps=old_logps, ref_logps=ref_logps, beta=beta,
+                     epsilon_low=epsilon_low, epsilon_high=epsilon_high, loss_type=loss_type,
+                     importance_sampling_level=importance_sampling_level,
+                     max_completion_length=max_completion_length, num_items_in_batch=num_items_in_batch,
+                     use_bias_correction_kl=use_bias_correction_kl, impl="triton")
+
+
+__all__ = ["fused_linear_grpo_loss"]

@@ -1,0 +1,386 @@
+"""Token log-probabilities (and entropy) straight from hidden states and the LM head, logits never whole.
+
+    z = (hidden @ weight.T + bias) / T          hidden (N, H), weight (V, H), bias (V,), any float dtype
+    logp[n] = z[n, targets[n]] - logsumexp(z[n])   fp32 (N,)
+    entropy[n] = logsumexp(z[n]) - sum_v softmax(z[n])_v * z[n, v]   fp32 (N,)
+
+Triton: the forward sweeps vocabulary tiles with an online logsumexp (fp32) and writes only per-token
+statistics; the backward recomputes each logits tile from the saved LSE and adds its share of the hidden,
+weight and bias gradients with fp32 atomics. The PyTorch twin does the same over chunks of tokens.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import INTERPRET, check_positive, check_tensor, resolve_impl
+
+# The twin's logits tile: at most this many fp32 elements (64 MiB) live at once, plus one temporary of the
+# same size. 2**24 keeps 110 tokens per chunk at V=151,936: large enough for an efficient CPU matmul.
+TWIN_TILE_ELEMS = 1 << 24
+
+# Triton tiles. 64 x 128 logits per program with 64-wide K steps is the usual sweet spot for a bf16
+# tl.dot on Hopper/Ampere (register budget of 8 warps); not autotuned, see GRPO_FAST_AUTOTUNE in README.
+BLOCK_N, BLOCK_V, BLOCK_H = 64, 128, 64
+
+
+# --------------------------------------------------------------------------------------------------------
+# Triton kernels
+# --------------------------------------------------------------------------------------------------------
+@triton.jit
+def _logits_tile(h_ptr, w_ptr, b_ptr, offs_n, offs_v, n_mask, v_mask, H, stride_h, stride_w, inv_t,
+                 HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr):
+    # (BLOCK_N, BLOCK_V) tile of z = (h @ w.T + b) / T, accumulated in fp32 over K steps of BLOCK_H
+    acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
+    for h0 in range(0, H, BLOCK_H):
+        offs_h = h0 + tl.arange(0, BLOCK_H)
+        h_mask = offs_h < H
+        a = tl.load(h_ptr + offs_n[:, None] * stride_h + offs_h[None, :],
+                    mask=n_mask[:, None] & h_mask[None, :], other=0.0)
+        b = tl.load(w_ptr + offs_v[:, None] * stride_w + offs_h[None, :],
+                    mask=v_mask[:, None] & h_mask[None, :], other=0.0)
+        if UPCAST:  # the interpreter's tl.dot is wrong on bf16/fp16 tiles
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, tl.trans(b), acc, input_precision=PRECISION)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_v, mask=v_mask, other=0.0).to(tl.float32)[None, :]
+    return acc * inv_t
+
+
+@triton.heuristics({"HAS_BIAS": lambda args: args["b_ptr"] is not None})
+@triton.jit
+def _logprob_fwd_kernel(
+    h_ptr, w_ptr, b_ptr, tgt_ptr,
+    m_ptr, s_ptr, zt_ptr, sz_ptr,  # partial statistics, (SPLIT, N) fp32 each
+    N, V, H, v_per_split, stride_h, stride_w, inv_t,
+    HAS_BIAS: tl.constexpr, WITH_ENTROPY: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    pid_n = tl.program_id(0).to(tl.int64)  # int64 before pointer math: N * H overflows int32
+    pid_s = tl.program_id(1).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    tgt = tl.load(tgt_ptr + offs_n, mask=n_mask, other=-1)
+
+    # 1. online logsumexp over this split's vocabulary tiles (fp32)
+    m = tl.full((BLOCK_N,), float("-inf"), dtype=tl.float32)
+    s = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    zt = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    sz = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    v_start = pid_s * v_per_split
+    v_end = tl.minimum(v_start + v_per_split, V)
+    for v0 in range(v_start, v_end, BLOCK_V):
+        offs_v = v0 + tl.arange(0, BLOCK_V)
+        v_mask = offs_v < v_end
+        z = _logits_tile(h_ptr, w_ptr, b_ptr, offs_n, offs_v, n_mask, v_mask, H, stride_h, stride_w, inv_t,
+                         HAS_BIAS, UPCAST, PRECISION, BLOCK_N, BLOCK_V, BLOCK_H)
+        z = tl.where(v_mask[None, :], z, float("-inf"))
+        m_new = tl.maximum(m, tl.max(z, axis=1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(z - m_new[:, None])
+        s = s * alpha + tl.sum(p, axis=1)
+        # 2. the chosen token's logit, and sum p*z for the entropy (rescaled like s)
+        zt += tl.sum(tl.where(offs_v[None, :] == tgt[:, None], z, 0.0), axis=1)
+        if WITH_ENTROPY:
+            sz = sz * alpha + tl.sum(p * tl.where(v_mask[None, :], z, 0.0), axis=1)
+        m = m_new
+
+    out = pid_s * N + offs_n
+    tl.store(m_ptr + out, m, mask=n_mask)
+    tl.store(s_ptr + out, s, mask=n_mask)
+    tl.store(zt_ptr + out, zt, mask=n_mask)
+    if WITH_ENTROPY:
+        tl.store(sz_ptr + out, sz, mask=n_mask)
+
+
+@triton.heuristics({"HAS_BIAS": lambda args: args["b_ptr"] is not None})
+@triton.jit
+def _logprob_bwd_kernel(
+    h_ptr, w_ptr, b_ptr, tgt_ptr, lse_ptr, glp_ptr, gent_ptr, ez_ptr,
+    gh_ptr, gw_ptr, gb_ptr,  # fp32 gradient accumulators
+    N, V, H, stride_h, stride_w, inv_t,
+    HAS_BIAS: tl.constexpr, WITH_ENTROPY: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    pid_n = tl.program_id(0).to(tl.int64)
+    pid_v = tl.program_id(1).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    n_mask = offs_n < N
+    v_mask = offs_v < V
+
+    # 1. recompute the logits tile and softmax from the saved LSE
+    z = _logits_tile(h_ptr, w_ptr, b_ptr, offs_n, offs_v, n_mask, v_mask, H, stride_h, stride_w, inv_t,
+                     HAS_BIAS, UPCAST, PRECISION, BLOCK_N, BLOCK_V, BLOCK_H)
+    lse = tl.load(lse_ptr + offs_n, mask=n_mask, other=0.0)
+    p = tl.exp(z - lse[:, None])
+
+    # 2. dz = g_logp * (onehot - p) + g_ent * p * (E_p[z] - z), then d logits = dz / T
+    tgt = tl.load(tgt_ptr + offs_n, mask=n_mask, other=-1)
+    g = tl.load(glp_ptr + offs_n, mask=n_mask, other=0.0)
+    dz = tl.where(offs_v[None, :] == tgt[:, None], g[:, None], 0.0) - g[:, None] * p
+    if WITH_ENTROPY:
+        ge = tl.load(gent_ptr + offs_n, mask=n_mask, other=0.0)
+        ez = tl.load(ez_ptr + offs_n, mask=n_mask, other=0.0)
+        dz += ge[:, None] * p * (ez[:, None] - z)
+    dz = tl.where(n_mask[:, None] & v_mask[None, :], dz * inv_t, 0.0)
+    if HAS_BIAS:
+        tl.atomic_add(gb_ptr + offs_v, tl.sum(dz, axis=0), mask=v_mask)
+
+    # 3. this tile's share of d hidden = dz @ W and d W = dz.T @ hidden, accumulated in fp32
+    dz_mm = dz.to(h_ptr.dtype.element_ty)
+    if UPCAST:
+        dz_mm = dz
+    for h0 in range(0, H, BLOCK_H):
+        offs_h = h0 + tl.arange(0, BLOCK_H)
+        h_mask = offs_h < H
+        w = tl.load(w_ptr + offs_v[:, None] * stride_w + offs_h[None, :],
+                    mask=v_mask[:, None] & h_mask[None, :], other=0.0)
+        x = tl.load(h_ptr + offs_n[:, None] * stride_h + offs_h[None, :],
+                    mask=n_mask[:, None] & h_mask[None, :], other=0.0)
+        if UPCAST:
+            w = w.to(tl.float32)
+            x = x.to(tl.float32)
+        gh = tl.dot(dz_mm, w, input_precision=PRECISION)
+        tl.atomic_add(gh_ptr + offs_n[:, None] * H + offs_h[None, :], gh, mask=n_mask[:, None] & h_mask[None, :])
+        gw = tl.dot(tl.trans(dz_mm), x, input_precision=PRECISION)
+        tl.atomic_add(gw_ptr + offs_v[:, None] * H + offs_h[None, :], gw, mask=v_mask[:, None] & h_mask[None, :])
+
+
+# --------------------------------------------------------------------------------------------------------
+# Launchers
+# --------------------------------------------------------------------------------------------------------
+def _precision(dtype: torch.dtype) -> str:
+    # fp32 inputs follow torch's own matmul setting (TF32 only when the user allowed it)
+    if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
+        return "ieee"
+    return "tf32"
+
+
+def _num_splits(n_blocks: int, V: int, device: torch.device) -> int:
+    # Split the vocabulary across programs when there are too few token blocks to fill the GPU.
+    if device.type != "cuda":
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(triton.cdiv(4 * sms, n_blocks), triton.cdiv(V, 8 * BLOCK_V)))
+
+
+def _logprob_fwd(hidden, weight, bias, targets, inv_t, with_entropy):
+    N, H = hidden.shape
+    V = weight.shape[0]
+    n_blocks = triton.cdiv(N, BLOCK_N)
+    splits = _num_splits(n_blocks, V, hidden.device)
+    v_per_split = triton.cdiv(triton.cdiv(V, splits), BLOCK_V) * BLOCK_V
+    splits = triton.cdiv(V, v_per_split)
+    stats = torch.zeros(4, splits, N, dtype=torch.float32, device=hidden.device)
+    if N == 0:
+        return stats[0, 0], stats[0, 0], stats[0, 0], stats[0, 0]
+    _logprob_fwd_kernel[(n_blocks, splits)](
+        hidden, weight, bias, targets, stats[0], stats[1], stats[2], stats[3],
+        N, V, H, v_per_split, hidden.stride(0), weight.stride(0), inv_t,
+        WITH_ENTROPY=with_entropy, UPCAST=INTERPRET, PRECISION=_precision(hidden.dtype),
+        BLOCK_N=BLOCK_N, BLOCK_V=BLOCK_V, BLOCK_H=BLOCK_H, num_warps=8,
+    )
+    # 3. merge the splits' partial logsumexps (a few floats per token)
+    m, s, zt, sz = stats
+    m_all = m.max(dim=0).values
+    scale = torch.exp(m - m_all)
+    s_all = (s * scale).sum(0)
+    lse = m_all + torch.log(s_all)
+    logp = zt.sum(0) - lse
+    if not with_entropy:
+        return logp, lse, None, None
+    ez = (sz * scale).sum(0) / s_all
+    return logp, lse, lse - ez, ez
+
+
+def _logprob_bwd(hidden, weight, bias, targets, inv_t, lse, g_logp, g_ent, ez):
+    N, H = hidden.shape
+    V = weight.shape[0]
+    gh = torch.zeros(N, H, dtype=torch.float32, device=hidden.device)
+    gw = torch.zeros(V, H, dtype=torch.float32, device=hidden.device)
+    gb = torch.zeros(V, dtype=torch.float32, device=hidden.device) if bias is not None else None
+    with_entropy = g_ent is not None
+    if N == 0:
+        return gh, gw, gb
+    _logprob_bwd_kernel[(triton.cdiv(N, BLOCK_N), triton.cdiv(V, BLOCK_V))](
+        hidden, weight, bias, targets, lse, g_logp.contiguous(),
+        g_ent.contiguous() if with_entropy else None, ez if with_entropy else None,
+        gh, gw, gb, N, V, H, hidden.stride(0), weight.stride(0), inv_t,
+        WITH_ENTROPY=with_entropy, UPCAST=INTERPRET, PRECISION=_precision(hidden.dtype),
+        BLOCK_N=BLOCK_N, BLOCK_V=BLOCK_V, BLOCK_H=BLOCK_H, num_warps=8,
+    )
+    return gh, gw, gb
+
+
+# --------------------------------------------------------------------------------------------------------
+# PyTorch twin: the same math over chunks of tokens (CPU path, benchmark baseline)
+# --------------------------------------------------------------------------------------------------------
+def twin_chunk_rows(V: int) -> int:
+    """Tokens per twin chunk: the (rows, V) fp32 logits tile stays under TWIN_TILE_ELEMS."""
+    return max(1, TWIN_TILE_ELEMS // V)
+
+
+def twin_logits(h_chunk, weight, bias, inv_t):
+    """fp32 (C, V) logits of a chunk; the matmul runs in the input dtype, as in plain PyTorch."""
+    z = h_chunk @ weight.T if bias is None else torch.addmm(bias, h_chunk, weight.T)
+    return z.float().mul_(inv_t)
+
+
+def twin_grad_from_logits(z, lse, targets, g_logp, inv_t, g_ent=None, ez=None):
+    """Turn the fp32 logits tile `z` into d loss / d logits in place and return it."""
+    ent_term = None
+    if g_ent is not None:
+        # d entropy / dz = p * (E_p[z] - z), taken while z is still intact
+        ent_term = torch.exp(z - lse[:, None]).mul_(ez[:, None] - z).mul_(g_ent[:, None])
+    dz = z.sub_(lse[:, None]).exp_().mul_(-g_logp[:, None])  # z is consumed: it now holds -g * softmax
+    rows = torch.arange(dz.shape[0], device=dz.device)
+    dz[rows, targets] += g_logp
+    if ent_term is not None:
+        dz += ent_term
+    return dz.mul_(inv_t)
+
+
+def twin_accumulate(dz, h_chunk, weight, grad_w, grad_b):
+    """d hidden of the chunk (returned) and the chunk's share of d weight / d bias (accumulated, fp32)."""
+    grad_h = dz.to(weight.dtype) @ weight
+    grad_w.addmm_(dz.T, h_chunk.float())
+    if grad_b is not None:
+        grad_b += dz.sum(0)
+    return grad_h
+
+
+def _twin_fwd(hidden, weight, bias, targets, inv_t, with_entropy):
+    N = hidden.shape[0]
+    logp = torch.empty(N, dtype=torch.float32, device=hidden.device)
+    lse = torch.empty_like(logp)
+    ent = torch.empty_like(logp) if with_entropy else None
+    ez = torch.empty_like(logp) if with_entropy else None
+    step = twin_chunk_rows(weight.shape[0])
+    for i in range(0, N, step):
+        sl = slice(i, i + step)
+        z = twin_logits(hidden[sl], weight, bias, inv_t)
+        lse[sl] = torch.logsumexp(z, dim=-1)
+        logp[sl] = z.gather(1, targets[sl, None]).squeeze(1) - lse[sl]
+        if with_entropy:
+            ez[sl] = (torch.softmax(z, dim=-1) * z).sum(-1)
+            ent[sl] = lse[sl] - ez[sl]
+    return logp, lse, ent, ez
+
+
+def _twin_bwd(hidden, weight, bias, targets, inv_t, lse, g_logp, g_ent, ez):
+    N, H = hidden.shape
+    grad_h = torch.empty(N, H, dtype=hidden.dtype, device=hidden.device)
+    grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+    grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if bias is not None else None
+    step = twin_chunk_rows(weight.shape[0])
+    for i in range(0, N, step):
+        sl = slice(i, i + step)
+        z = twin_logits(hidden[sl], weight, bias, inv_t)
+        dz = twin_grad_from_logits(z, lse[sl], targets[sl], g_logp[sl], inv_t,
+                                   None if g_ent is None else g_ent[sl], None if ez is None else ez[sl])
+        grad_h[sl] = twin_accumulate(dz, hidden[sl], weight, grad_w, grad_b)
+    return grad_h, grad_w, grad_b
+
+
+# --------------------------------------------------------------------------------------------------------
+# Autograd
+# --------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Params:
+    inv_t: float
+    with_entropy: bool
+    impl: str
+
+
+class _FusedLinearLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, params: _Params):
+        fwd = _logprob_fwd if params.impl == "triton" else _twin_fwd
+        logp, lse, ent, ez = fwd(hidden, weight, bias, targets, params.inv_t, params.with_entropy)
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, ez)
+        ctx.params = params
+        if ent is None:
+            ent = torch.zeros_like(logp)  # autograd needs a tensor; never returned to the caller
+        return logp, ent
+
+    @staticmethod
+    def backward(ctx, g_logp, g_ent):
+        hidden, weight, bias, targets, lse, ez = ctx.saved_tensors
+        p = ctx.params
+        if g_logp is None:
+            g_logp = torch.zeros_like(lse)
+        g_ent = g_ent.float() if (p.with_entropy and g_ent is not None) else None
+        bwd = _logprob_bwd if p.impl == "triton" else _twin_bwd
+        gh, gw, gb = bwd(hidden, weight, bias, targets, p.inv_t, lse, g_logp.float(), g_ent, ez)
+        return (
+            gh.to(hidden.dtype) if ctx.needs_input_grad[0] else None,
+            gw.to(weight.dtype) if ctx.needs_input_grad[1] else None,
+            gb.to(bias.dtype) if bias is not None and ctx.needs_input_grad[2] else None,
+            None,
+            None,
+        )
+
+
+def check_logprob_inputs(hidden, weight, targets, bias, temperature):
+    """Validate the shared (hidden, weight, targets, bias, temperature) arguments; return flat views."""
+    check_tensor("hidden", hidden, (2, 3))
+    check_tensor("weight", weight, (2,))
+    if hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(f"hidden's last dimension ({hidden.shape[-1]}) must equal weight.shape[1] ({weight.shape[1]})")
+    if not isinstance(targets, torch.Tensor) or targets.dtype not in (torch.int64, torch.int32):
+        got = targets.dtype if isinstance(targets, torch.Tensor) else type(targets).__name__
+        raise TypeError(f"targets must be an int64 (or int32) tensor, got {got}")
+    if tuple(targets.shape) != tuple(hidden.shape[:-1]):
+        raise ValueError(f"targets must have hidden's leading shape {tuple(hidden.shape[:-1])}, got {tuple(targets.shape)}")
+    if bias is not None:
+        check_tensor("bias", bias, (1,))
+        if bias.shape[0] != weight.shape[0]:
+            raise ValueError(f"bias must have shape ({weight.shape[0]},), got {tuple(bias.shape)}")
+    check_positive("temperature", temperature)
+    if hidden.dtype != weight.dtype:
+        raise TypeError(f"hidden and weight must share a dtype, got {hidden.dtype} and {weight.dtype}")
+    V = weight.shape[0]
+    if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= V):
+        raise ValueError(f"targets must lie in [0, {V}), got values in [{int(targets.min())}, {int(targets.max())}]")
+    return hidden.reshape(-1, hidden.shape[-1]).contiguous(), targets.reshape(-1).long().contiguous()
+
+
+def fused_linear_logprobs(hidden, weight, targets, *, bias=None, temperature=1.0, return_entropy=False,
+                          impl="auto"):
+    """Log-probability of each target token under `softmax((hidden @ weight.T + bias) / temperature)`.
+
+    The (tokens x vocab) logits are never materialized. Triton holds one (64 x 128) fp32 tile per program;
+    the PyTorch twin holds one (C x V) fp32 tile of C = max(1, 2**24 // V) tokens (64 MiB) plus one
+    temporary of the same size. Log-probs, LSE and entropy are computed and returned in fp32.
+
+    Args:
+        hidden: (N, H) or (B, T, H) float tensor, the LM head's input.
+        weight: (V, H) tensor of hidden's dtype, the LM head's weight.
+        targets: int64 tensor of hidden's leading shape, values in [0, V).
+        bias: optional (V,) LM head bias.
+        temperature: float > 0; logits are divided by it before the softmax.
+        return_entropy: also return the entropy of softmax(logits / temperature), fp32.
+        impl: "auto" (Triton for CUDA tensors, else the twin), "triton" or "torch".
+
+    Returns:
+        fp32 log-probs with hidden's leading shape; with return_entropy, a (logps, entropy) pair.
+        Differentiable with respect to hidden, weight and bias.
+    """
+    flat_h, flat_t = check_logprob_inputs(hidden, weight, targets, bias, temperature)
+    impl = resolve_impl(impl, hidden, weight, targets, bias)
+    params = _Params(inv_t=1.0 / float(temperature), with_entropy=bool(return_entropy), impl=impl)
+    weight_c = weight.contiguous()
+    bias_c = bias.contiguous() if bias is not None else None
+    logp, ent = _FusedLinearLogprobs.apply(flat_h, weight_c, bias_c, flat_t, params)
+    lead = hidden.shape[:-1]
+    if return_entropy:
+        return logp.view(lead), ent.view(lead)
+    return logp.view(lead)
+
+
+__all__ = ["fused_linear_logprobs"]
