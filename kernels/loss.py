@@ -149,6 +149,8 @@ def _grpo_loss_fwd_kernel(
     a = tl.load(adv_ptr + row)
     lo = 1.0 - eps_low
     hi = 1.0 + eps_high
+    a_neg = tl.where(a < 0, 1.0, 0.0)  # float flags: the interpreter cannot `&` a scalar with a block
+    a_pos = tl.where(a > 0, 1.0, 0.0)
     zero = tl.zeros((BLOCK_T,), dtype=tl.float32)
 
     # 1. sequence level: the row's masked-mean log-ratio and summed weight come before any token's gradient
@@ -201,8 +203,8 @@ def _grpo_loss_fwd_kernel(
             c = tl.minimum(tl.maximum(r, lo), hi) * a
             loss_t = -tl.minimum(u, c)
             grad_t = tl.where((u <= c) | ((r >= lo) & (r <= hi)), -u, 0.0)
-            low = tl.where((r < lo) & (a < 0), m, 0.0)
-            high = tl.where((r > hi) & (a > 0), m, 0.0)
+            low = tl.where(r < lo, m, 0.0) * a_neg
+            high = tl.where(r > hi, m, 0.0) * a_pos
             low_v += low
             high_v += high
             region_v += tl.maximum(low, high)
@@ -234,8 +236,8 @@ def _grpo_loss_fwd_kernel(
             m = tl.load(mask_ptr + base + offs, mask=tm, other=0.0)
             g = tl.load(grad_ptr + base + offs, mask=tm, other=0.0)
             tl.store(grad_ptr + base + offs, g + g_seq * m * inv_len, mask=tm)
-        low_s = ((r_seq < lo) & (a < 0)).to(tl.float32)
-        high_s = ((r_seq > hi) & (a > 0)).to(tl.float32)
+        low_s = tl.where(r_seq < lo, 1.0, 0.0) * a_neg
+        high_s = tl.where(r_seq > hi, 1.0, 0.0) * a_pos
         region_s = tl.maximum(low_s, high_s)
     else:
         low_s = tl.sum(low_v, axis=0)

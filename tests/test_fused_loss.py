@@ -1,0 +1,111 @@
+import itertools
+
+import pytest
+import torch
+from oracle import assert_within, naive_grpo_loss, naive_logprobs
+
+from grpo_fast.kernels import fused_linear_grpo_loss
+
+LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo"]
+
+
+def _problem(B=3, T=37, H=32, V=1001, dtype=torch.float32, bias=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(B, T, H, generator=g).to(dtype)
+    weight = (torch.randn(V, H, generator=g) / H**0.5 * 3).to(dtype)
+    b = torch.randn(V, generator=g).to(dtype) if bias else None
+    targets = torch.randint(0, V, (B, T), generator=g)
+    lengths = torch.tensor([T, T // 3, 0, 7, 1][:B])  # ragged, a fully masked sequence
+    mask = (torch.arange(T)[None, :] < lengths[:, None]).long()
+    adv = torch.randn(B, generator=g)
+    with torch.no_grad():
+        base = naive_logprobs(hidden, weight, targets, b, 0.7).float()
+    old = base + 0.3 * torch.randn(B, T, generator=g)
+    ref = base + 0.2 * torch.randn(B, T, generator=g)
+    return hidden, weight, b, targets, mask, adv, old, ref
+
+
+def _grads(fn, tensors):
+    leaves = [None if t is None else t.detach().clone().requires_grad_(True) for t in tensors]
+    loss, metrics = fn(*leaves)
+    (loss * 1.3).backward()
+    return loss.detach(), metrics, [None if x is None else x.grad for x in leaves]
+
+
+def _naive(targets, mask, adv, temperature, dtype, **kw):
+    def f(h, w, b):
+        lp = naive_logprobs(h, w, targets, b, temperature, dtype=dtype)
+        return naive_grpo_loss(lp, adv, mask, **kw)
+    return f
+
+
+def _compare(impl, dtype, bias, kw, B=3, T=37, V=1001):
+    hidden, weight, b, targets, mask, adv, old, ref = _problem(B=B, T=T, V=V, dtype=dtype, bias=bias)
+    kw = dict(kw, old_logps=old, ref_logps=ref)
+    ours = _grads(lambda h, w, bb: fused_linear_grpo_loss(h, w, targets, mask, adv, bias=bb, temperature=0.7,
+                                                          impl=impl, **kw), (hidden, weight, b))
+    f64 = (hidden.double(), weight.double(), None if b is None else b.double())
+    exact = _grads(_naive(targets, mask, adv, 0.7, torch.float64, **kw), f64)
+    lowp = _grads(_naive(targets, mask, adv, 0.7, dtype, **kw), (hidden, weight, b))
+    assert ours[0].dtype == torch.float32
+    assert_within("loss", ours[0], exact[0], lowp[0], dtype)
+    for k, v in exact[1].items():
+        assert abs(ours[1][k].item() - v.item()) < (1e-5 if dtype == torch.float32 else 0.05), k
+    for name, g, r, lg in zip(["d hidden", "d weight", "d bias"], ours[2], exact[2], lowp[2]):
+        if r is not None:
+            assert g.dtype == dtype
+            assert_within(name, g, r, lg, dtype)
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("loss_type,level,beta", list(itertools.product(LOSS_TYPES, ["token", "sequence"], [0.0, 0.04])))
+def test_fused_loss_matches_naive(impl, loss_type, level, beta):
+    _compare(impl, torch.float32, bias=False, kw=dict(beta=beta, loss_type=loss_type, importance_sampling_level=level,
+                                                      max_completion_length=40, epsilon_high=0.28))
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_fused_loss_bias_and_dtypes(impl, dtype, level):
+    _compare(impl, dtype, bias=True, kw=dict(beta=0.04, importance_sampling_level=level, use_bias_correction_kl=True))
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_fused_loss_twin_real_vocabulary(level):
+    _compare("torch", torch.float32, bias=False, B=2, T=60, V=151936,
+             kw=dict(beta=0.04, importance_sampling_level=level))
+
+
+def test_fused_loss_single_token():
+    _compare("torch", torch.float32, bias=False, B=1, T=1, kw=dict(beta=0.0))
+    _compare("triton", torch.float32, bias=False, B=1, T=1, kw=dict(beta=0.0))
+
+
+def test_no_grad_forward_matches():
+    hidden, weight, _, targets, mask, adv, old, _ = _problem()
+    with torch.no_grad():
+        a, _ = fused_linear_grpo_loss(hidden, weight, targets, mask, adv, old_logps=old, impl="torch")
+    b, _ = fused_linear_grpo_loss(hidden.requires_grad_(), weight, targets, mask, adv, old_logps=old, impl="torch")
+    assert abs(a.item() - b.item()) < 1e-6
+
+
+# ---- against Liger-Kernel's LigerFusedLinearGRPOLoss, an independent implementation ----
+@pytest.mark.parametrize("loss_type,level,beta", list(itertools.product(LOSS_TYPES, ["token", "sequence"], [0.0, 0.04])))
+def test_fused_loss_matches_liger(loss_type, level, beta):
+    liger = pytest.importorskip("liger_kernel.chunked_loss")
+    hidden, weight, b, targets, mask, adv, old, ref = _problem(bias=True, seed=3)
+    lg = liger.LigerFusedLinearGRPOLoss(beta=beta, compiled=False, use_ref_model=beta != 0.0, epsilon_low=0.2,
+                                        epsilon_high=0.28, loss_type=loss_type, max_completion_length=40,
+                                        importance_sampling_level=level, temperature=0.7)
+    theirs = _grads(lambda h, w, bb: lg(h, w, targets, mask, adv, bias=bb, ref_per_token_logps=ref,
+                                        old_per_token_logps=old), (hidden, weight, b))
+    kw = dict(beta=beta, epsilon_low=0.2, epsilon_high=0.28, loss_type=loss_type, importance_sampling_level=level,
+              max_completion_length=40, old_logps=old, ref_logps=ref)
+    for impl in ("torch", "triton"):
+        ours = _grads(lambda h, w, bb: fused_linear_grpo_loss(h, w, targets, mask, adv, bias=bb, temperature=0.7,
+                                                              impl=impl, **kw), (hidden, weight, b))
+        assert abs(ours[0].item() - theirs[0].item()) < 1e-5, (impl, ours[0].item(), theirs[0].item())
+        for name, g, r in zip(["d hidden", "d weight", "d bias"], ours[2], theirs[2]):
+            err = (g - r).abs().max().item()
+            assert err < 1e-5 * max(1.0, r.abs().max().item()), f"{impl} {name}: max err {err:.3g}"
