@@ -89,7 +89,7 @@ def _fused_twin(hidden, weight, targets, mask, advantages, bias, inv_t, old_logp
     adv = advantages.reshape(-1).float()
     old = None if old_logps is None else old_logps.float()
     ref = None if ref_logps is None else ref_logps.float()
-    if params.sequence_level:
+    if params.sequence_level or not need_grad:
         loss, metrics, gh, gw, gb = _two_pass(h, wt, bs, tgt, inv_t, B, T, idx, mask, w, adv, old, ref, params,
                                               need_grad)
     else:

@@ -83,14 +83,23 @@ def test_temperature_one_equals_log_softmax_default():
 
 
 def test_twin_chunks_bound_the_logits_tile(monkeypatch):
-    # shrink the tile to 7 tokens' worth: the result must not depend on the chunking
+    # shrink the tile: ragged token blocks and vocabulary slices must not change values or gradients
     import grpo_fast.kernels.logprobs as lp_mod
-    hidden, weight, _, targets = _inputs((50,), 16, 100, torch.float32, False)
-    full = fused_linear_logprobs(hidden, weight, targets, impl="torch")
-    monkeypatch.setattr(lp_mod, "TWIN_TILE_ELEMS", 700)
-    assert lp_mod.twin_chunk_rows(100) == 7
-    chunked = fused_linear_logprobs(hidden, weight, targets, impl="torch")
-    assert torch.allclose(full, chunked, atol=1e-6)
+    hidden, weight, b, targets = _inputs((50,), 16, 1000, torch.float32, True)
+    up = [torch.randn(50), torch.randn(50)]
+
+    def f(h, w, bb):
+        return fused_linear_logprobs(h, w, targets, bias=bb, return_entropy=True, impl="torch")
+
+    full, full_grads = _run(f, (hidden, weight, b), up)
+    monkeypatch.setattr(lp_mod, "TWIN_TILE_ELEMS", 16 * 130)
+    monkeypatch.setattr(lp_mod, "TWIN_MAX_ROWS", 16)
+    assert lp_mod.twin_chunk_rows(1000) == 2
+    chunked, chunked_grads = _run(f, (hidden, weight, b), up)
+    for x, y in zip(full + full_grads, chunked + chunked_grads):
+        assert torch.allclose(x, y, atol=1e-5)
+    ref = naive_logprobs(hidden, weight, targets, b)
+    assert (chunked[0].double() - ref).abs().max() < 1e-5
 
 
 @pytest.mark.requires_cuda

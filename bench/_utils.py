@@ -1,0 +1,223 @@
+"""Shared benchmark plumbing: one provider per process, peak memory above the inputs, median times, reports.
+
+Each measurement runs in a fresh `python -m bench.<script> --worker ...` process so that one provider's
+allocator state cannot hide another's peak. On CPU the peak is the resident-set high-water mark (VmHWM, reset
+through /proc/self/clear_refs after the inputs exist); on CUDA it is torch.cuda.max_memory_allocated.
+"""
+
+import ctypes
+import gc
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Machine and versions
+# ---------------------------------------------------------------------------------------------------------
+def machine_info() -> dict:
+    cpu = platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    info = {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "python": platform.python_version(), "platform": platform.platform()}
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+    versions = {}
+    for pkg in ("torch", "triton", "transformers", "trl", "liger_kernel", "cut_cross_entropy"):
+        try:
+            versions[pkg] = __import__(pkg).__version__
+        except Exception:  # noqa: BLE001 - absent or broken packages are reported, not fatal
+            try:
+                from importlib.metadata import version
+                versions[pkg] = version(pkg.replace("_", "-"))
+            except Exception:  # noqa: BLE001
+                versions[pkg] = None
+    info["versions"] = versions
+    try:
+        info["git_commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                                            text=True, check=True).stdout.strip()
+    except Exception:  # noqa: BLE001
+        info["git_commit"] = None
+    return info
+
+
+def machine_name() -> str:
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name().lower().replace(" ", "-")
+    return "cpu"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Memory and time, inside a worker
+# ---------------------------------------------------------------------------------------------------------
+def _rss_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def _release_memory():
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+    else:
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)  # hand freed heap pages back: the baseline is what is live
+        except OSError:
+            pass
+
+
+def peak_memory_mb(fn, device) -> float:
+    """Peak memory (MiB) that `fn()` uses above what is allocated when it starts."""
+    _release_memory()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        fn()
+        torch.cuda.synchronize()
+        return (torch.cuda.max_memory_allocated() - base) / 2**20
+    base = _rss_kib("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
+    fn()
+    return (_rss_kib("VmHWM") - base) / 1024
+
+
+def time_ms(fn, device, repeats: int) -> dict:
+    """Median and spread of `repeats` timed calls (one warm-up call is the caller's)."""
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    times.sort()
+    return {"median_ms": statistics.median(times), "min_ms": times[0], "max_ms": times[-1], "repeats": repeats}
+
+
+def measure(fn, device, repeats: int) -> dict:
+    fn()  # warm-up: lazy initialization, compilation
+    mem = peak_memory_mb(fn, device)
+    out = time_ms(fn, device, repeats)
+    out["peak_mem_mb"] = mem
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Running workers and writing reports
+# ---------------------------------------------------------------------------------------------------------
+def run_worker(module: str, args: dict, timeout: float = 1800) -> dict:
+    """Run `python -m bench.<module> --worker` with `args` in a fresh process; return its JSON result."""
+    cmd = [sys.executable, "-m", f"bench.{module}", "--worker", json.dumps(args)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    err = (proc.stderr or proc.stdout).strip().splitlines()
+    return {"error": err[-1] if err else f"exit code {proc.returncode}"}
+
+
+def worker_main(measure_one) -> bool:
+    """If this process is a worker, run `measure_one(args)` and print its JSON; return True."""
+    if len(sys.argv) >= 3 and sys.argv[1] == "--worker":
+        args = json.loads(sys.argv[2])
+        print(json.dumps(measure_one(args)))
+        return True
+    return False
+
+
+def markdown_table(rows: list[dict], columns: list[tuple[str, str]]) -> str:
+    head = "| " + " | ".join(title for _, title in columns) + " |"
+    sep = "|" + "|".join("---" for _ in columns) + "|"
+    lines = [head, sep]
+    for r in rows:
+        cells = []
+        for key, _ in columns:
+            v = r.get(key)
+            cells.append(f"{v:.3g}" if isinstance(v, float) else ("-" if v is None else str(v)))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def write_results(name: str, payload: dict, markdown: str, out_dir: Path | None = None) -> Path:
+    out_dir = out_dir or RESULTS / machine_name()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{name}.json").write_text(json.dumps(payload, indent=2))
+    (out_dir / f"{name}.md").write_text(markdown)
+    return out_dir
+
+
+def sweep(module: str, providers: list[str], ns: list[int], modes: list[str], base: dict) -> list[dict]:
+    """Measure every (N, mode, provider) in its own process; print each row as it lands."""
+    rows = []
+    for n in ns:
+        for mode in modes:
+            for p in providers:
+                args = dict(base, provider=p, N=n, mode=mode)
+                t0 = time.time()
+                res = run_worker(module, args)
+                row = dict(args, **res)
+                rows.append(row)
+                shown = res.get("error") or f"{res['median_ms']:.1f} ms, peak {res['peak_mem_mb']:.0f} MiB"
+                print(f"  N={n:<6} {mode:<8} {p:<22} {shown}   ({time.time() - t0:.0f}s)", flush=True)
+    for r in rows:  # ratios against the naive provider of the same (N, mode), same run
+        naive = next((x for x in rows if x["N"] == r["N"] and x["mode"] == r["mode"] and x["provider"] == "naive"
+                      and "error" not in x), None)
+        if naive and "error" not in r:
+            r["time_vs_naive"] = r["median_ms"] / naive["median_ms"]
+            r["mem_vs_naive"] = r["peak_mem_mb"] / max(naive["peak_mem_mb"], 1e-9)
+    return rows
+
+
+def plot_sweep(rows: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    modes = sorted({r["mode"] for r in rows}, reverse=True)
+    fig, axes = plt.subplots(len(modes), 2, figsize=(11, 4 * len(modes)), squeeze=False)
+    for i, mode in enumerate(modes):
+        for p in dict.fromkeys(r["provider"] for r in rows):
+            pts = sorted((r["N"], r["median_ms"], r["peak_mem_mb"]) for r in rows
+                         if r["mode"] == mode and r["provider"] == p and "error" not in r)
+            if not pts:
+                continue
+            ns, ts, ms = zip(*pts)
+            axes[i][0].plot(ns, ts, marker="o", label=p)
+            axes[i][1].plot(ns, ms, marker="o", label=p)
+        axes[i][0].set(title=f"{mode}: median time", xlabel="tokens N", ylabel="ms", xscale="log", yscale="log")
+        axes[i][1].set(title=f"{mode}: peak memory above inputs", xlabel="tokens N", ylabel="MiB", xscale="log",
+                       yscale="log")
+        for ax in axes[i]:
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+SWEEP_COLUMNS = [("N", "N"), ("mode", "mode"), ("provider", "provider"), ("median_ms", "median ms"),
+                 ("peak_mem_mb", "peak MiB above inputs"), ("time_vs_naive", "time / naive"),
+                 ("mem_vs_naive", "memory / naive"), ("error", "error")]

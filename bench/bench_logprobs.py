@@ -1,0 +1,93 @@
+"""Per-token log-probs from hidden states and an LM head, forward and forward+backward, side by side.
+
+    python -m bench.bench_logprobs [--quick]
+
+Providers: naive torch (full logits, log_softmax, gather), TRL's selective_log_softmax on full logits,
+TRL 1.16's tiled LM-head path (ChunkedLogProbFunction), Cut Cross-Entropy's torch_compile implementation
+(-CE per token) and ours (fused_linear_logprobs, the twin on CPU). Each is measured in its own process.
+"""
+
+import argparse
+import sys
+
+import torch
+
+from bench._utils import SWEEP_COLUMNS, machine_info, markdown_table, measure, plot_sweep, sweep, worker_main, \
+    write_results
+
+PROVIDERS = ["naive", "trl_selective", "trl_chunked", "cce_torch_compile", "grpo_fast"]
+
+
+def make_provider(name, h, w, tgt):
+    if name == "naive":
+        return lambda: torch.log_softmax((h @ w.T).float(), -1).gather(-1, tgt[:, None]).squeeze(-1)
+    if name == "trl_selective":
+        from trl.trainer.utils import selective_log_softmax
+        return lambda: selective_log_softmax(h @ w.T, tgt)
+    if name == "trl_chunked":
+        from trl.kernels.chunked_logprob import ChunkedLogProbFunction
+        return lambda: ChunkedLogProbFunction.apply(h, w, None, tgt, 1.0, 32768, None, 1.0, ())[0]
+    if name == "cce_torch_compile":
+        from cut_cross_entropy import linear_cross_entropy
+        return lambda: -linear_cross_entropy(h, w, tgt, reduction="none", impl="torch_compile")
+    if name == "grpo_fast":
+        from grpo_fast.kernels import fused_linear_logprobs
+        return lambda: fused_linear_logprobs(h, w, tgt)
+    raise ValueError(f"unknown provider {name!r}")
+
+
+def measure_one(a):
+    torch.manual_seed(0)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = getattr(torch, a["dtype"])
+    N, H, V = a["N"], a["H"], a["V"]
+    grad = a["mode"] == "fwd_bwd"
+    h = torch.randn(N, H, device=device).to(dtype).requires_grad_(grad)
+    w = (torch.randn(V, H, device=device) / H**0.5).to(dtype).requires_grad_(grad)
+    tgt = torch.randint(0, V, (N,), device=device)
+    up = torch.randn(N, device=device)
+    fn = make_provider(a["provider"], h, w, tgt)
+
+    if grad:
+        def step():
+            h.grad = w.grad = None
+            fn().float().backward(up)
+    else:
+        def step():
+            with torch.no_grad():
+                fn()
+    res = measure(step, device, a["repeats"])
+    res["grad_mb"] = (h.numel() + w.numel()) * h.element_size() / 2**20 if grad else 0.0
+    return res
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--quick", action="store_true", help="small shapes (a smoke run)")
+    ap.add_argument("--providers", default=",".join(PROVIDERS))
+    ap.add_argument("--ns", default=None, help="comma-separated token counts")
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args(argv)
+    H, V = (64, 4096) if args.quick else (1024, 151936)
+    ns = [int(x) for x in args.ns.split(",")] if args.ns else ([256, 512] if args.quick else [512, 1024, 2048])
+    base = dict(H=H, V=V, dtype="float32", repeats=args.repeats)
+    print(f"bench_logprobs: H={H} V={V} fp32, N in {ns}", flush=True)
+    rows = sweep("bench_logprobs", args.providers.split(","), ns, ["fwd", "fwd_bwd"], base)
+    for r in rows:
+        if "error" not in r:
+            r["peak_above_grads_mb"] = r["peak_mem_mb"] - r["grad_mb"]
+    info = machine_info()
+    cols = SWEEP_COLUMNS[:5] + [("peak_above_grads_mb", "peak MiB above inputs+grads")] + SWEEP_COLUMNS[5:]
+    md = (f"# Token log-probs from hidden states (H={H}, V={V}, fp32)\n\n"
+          f"Machine: {info['cpu']} ({info['cores']} cores), torch {info['versions']['torch']}, "
+          f"commit {info['git_commit']}.\n\n" + markdown_table(rows, cols) + "\n")
+    name = "bench_logprobs_quick" if args.quick else "bench_logprobs"
+    out = write_results(name, {"machine": info, "config": base, "rows": rows}, md)
+    plot_sweep(rows, out / f"{name}.png", f"Token log-probs from hidden states, H={H}, V={V}, fp32")
+    print(md)
+    print(f"wrote {out}/{name}.{{json,md,png}}")
+
+
+if __name__ == "__main__":
+    if not worker_main(measure_one):
+        main(sys.argv[1:])

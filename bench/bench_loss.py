@@ -1,0 +1,117 @@
+"""GRPO loss from the last hidden state, forward and forward+backward: ours vs naive torch, TRL and Liger.
+
+    python -m bench.bench_loss [--quick]
+
+Every provider computes the same TRL-semantics loss (dapo, beta 0.04 with reference log-probs, old log-probs,
+two-sided clip) from hidden (N, H) and an LM head (V, H), each measured in its own process.
+"""
+
+import argparse
+import sys
+
+import torch
+
+from bench._utils import SWEEP_COLUMNS, machine_info, markdown_table, measure, plot_sweep, sweep, worker_main, \
+    write_results
+
+PROVIDERS = ["naive", "trl_selective", "trl_chunked", "liger", "grpo_fast"]
+T_LEN = 256  # completion length: N tokens are N / 256 sequences
+BETA, EPS = 0.04, 0.2
+
+
+def trl_loss(logps, old, ref, adv, mask):
+    """TRL 1.16 GRPOTrainer's dapo loss on per-token log-probs (the part that follows the LM head)."""
+    coef_1 = torch.exp(logps - old)
+    coef_2 = torch.clamp(coef_1, 1 - EPS, 1 + EPS)
+    per_token = -torch.min(coef_1 * adv[:, None], coef_2 * adv[:, None])
+    per_token = per_token + BETA * (torch.exp(ref - logps) - (ref - logps) - 1)
+    return (per_token * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def make_provider(name, h, w, tgt, mask, adv, old, ref):
+    B, T, H = h.shape
+    if name == "naive":
+        return lambda: trl_loss(torch.log_softmax((h @ w.T).float(), -1).gather(-1, tgt[..., None]).squeeze(-1),
+                                old, ref, adv, mask)
+    if name == "trl_selective":
+        from trl.trainer.utils import selective_log_softmax
+        return lambda: trl_loss(selective_log_softmax(h @ w.T, tgt), old, ref, adv, mask)
+    if name == "trl_chunked":
+        from trl.kernels.chunked_logprob import ChunkedLogProbFunction
+
+        def f():
+            lp = ChunkedLogProbFunction.apply(h.reshape(-1, H), w, None, tgt.reshape(-1), 1.0, 32768, None, 1.0, ())
+            return trl_loss(lp[0].view(B, T), old, ref, adv, mask)
+        return f
+    if name == "liger":
+        from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+        # compiled=False on CPU: torch.compile of Liger's chunk function takes minutes on 2 cores
+        lg = LigerFusedLinearGRPOLoss(beta=BETA, compiled=h.is_cuda, use_ref_model=True, epsilon_low=EPS,
+                                      epsilon_high=EPS, loss_type="dapo")
+        return lambda: lg(h, w, tgt, mask, adv, ref_per_token_logps=ref, old_per_token_logps=old)[0]
+    if name == "grpo_fast":
+        from grpo_fast.kernels import fused_linear_grpo_loss
+        return lambda: fused_linear_grpo_loss(h, w, tgt, mask, adv, old_logps=old, ref_logps=ref, beta=BETA,
+                                              epsilon_low=EPS, loss_type="dapo")[0]
+    raise ValueError(f"unknown provider {name!r}")
+
+
+def measure_one(a):
+    torch.manual_seed(0)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = getattr(torch, a["dtype"])
+    N, H, V = a["N"], a["H"], a["V"]
+    B = max(1, N // T_LEN)
+    T = N // B
+    h = torch.randn(B, T, H, device=device).to(dtype).requires_grad_(a["mode"] == "fwd_bwd")
+    w = (torch.randn(V, H, device=device) / H**0.5).to(dtype).requires_grad_(a["mode"] == "fwd_bwd")
+    tgt = torch.randint(0, V, (B, T), device=device)
+    mask = torch.ones(B, T, device=device)
+    adv = torch.randn(B, device=device)
+    base = -torch.rand(B, T, device=device) * 2 - 10  # log-probs near log(1/V): ratios around 1
+    old, ref = base + 0.1 * torch.randn_like(base), base + 0.1 * torch.randn_like(base)
+    loss_fn = make_provider(a["provider"], h, w, tgt, mask, adv, old, ref)
+
+    if a["mode"] == "fwd":
+        def step():
+            with torch.no_grad():
+                loss_fn()
+    else:
+        def step():
+            h.grad = w.grad = None
+            loss_fn().backward()
+    res = measure(step, device, a["repeats"])
+    res["grad_mb"] = (h.numel() + w.numel()) * h.element_size() / 2**20 if a["mode"] == "fwd_bwd" else 0.0
+    return res
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--quick", action="store_true", help="small shapes (a smoke run)")
+    ap.add_argument("--providers", default=",".join(PROVIDERS))
+    ap.add_argument("--ns", default=None, help="comma-separated token counts")
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args(argv)
+    H, V = (64, 4096) if args.quick else (1024, 151936)
+    ns = [int(x) for x in args.ns.split(",")] if args.ns else ([256, 512] if args.quick else [512, 1024, 2048])
+    base = dict(H=H, V=V, dtype="float32", repeats=args.repeats)
+    print(f"bench_loss: H={H} V={V} fp32, N in {ns}", flush=True)
+    rows = sweep("bench_loss", args.providers.split(","), ns, ["fwd", "fwd_bwd"], base)
+    for r in rows:
+        if "error" not in r:
+            r["peak_above_grads_mb"] = r["peak_mem_mb"] - r["grad_mb"]
+    info = machine_info()
+    cols = SWEEP_COLUMNS[:5] + [("peak_above_grads_mb", "peak MiB above inputs+grads")] + SWEEP_COLUMNS[5:]
+    md = (f"# GRPO loss from hidden states (H={H}, V={V}, fp32, dapo, beta={BETA})\n\n"
+          f"Machine: {info['cpu']} ({info['cores']} cores), torch {info['versions']['torch']}, "
+          f"commit {info['git_commit']}.\n\n" + markdown_table(rows, cols) + "\n")
+    name = "bench_loss_quick" if args.quick else "bench_loss"
+    out = write_results(name, {"machine": info, "config": base, "rows": rows}, md)
+    plot_sweep(rows, out / f"{name}.png", f"GRPO loss from hidden states, H={H}, V={V}, fp32")
+    print(md)
+    print(f"wrote {out}/{name}.{{json,md,png}}")
+
+
+if __name__ == "__main__":
+    if not worker_main(measure_one):
+        main(sys.argv[1:])
