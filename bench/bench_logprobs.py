@@ -12,8 +12,16 @@ import sys
 
 import torch
 
-from bench._utils import SWEEP_COLUMNS, machine_info, markdown_table, measure, plot_sweep, sweep, worker_main, \
-    write_results
+from bench._utils import (
+    SWEEP_COLUMNS,
+    machine_info,
+    markdown_table,
+    measure,
+    plot_sweep,
+    sweep,
+    worker_main,
+    write_results,
+)
 
 PROVIDERS = ["naive", "trl_selective", "trl_chunked", "cce_torch_compile", "grpo_fast"]
 
@@ -50,8 +58,8 @@ def measure_one(a):
 
     if grad:
         def step():
-            h.grad = w.grad = None
             fn().float().backward(up)
+            h.grad = w.grad = None  # freed after the step: the next baseline holds inputs only
     else:
         def step():
             with torch.no_grad():

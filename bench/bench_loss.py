@@ -11,8 +11,16 @@ import sys
 
 import torch
 
-from bench._utils import SWEEP_COLUMNS, machine_info, markdown_table, measure, plot_sweep, sweep, worker_main, \
-    write_results
+from bench._utils import (
+    SWEEP_COLUMNS,
+    machine_info,
+    markdown_table,
+    measure,
+    plot_sweep,
+    sweep,
+    worker_main,
+    write_results,
+)
 
 PROVIDERS = ["naive", "trl_selective", "trl_chunked", "liger", "grpo_fast"]
 T_LEN = 256  # completion length: N tokens are N / 256 sequences
@@ -78,8 +86,8 @@ def measure_one(a):
                 loss_fn()
     else:
         def step():
-            h.grad = w.grad = None
             loss_fn().backward()
+            h.grad = w.grad = None  # freed after the step: the next baseline holds inputs only
     res = measure(step, device, a["repeats"])
     res["grad_mb"] = (h.numel() + w.numel()) * h.element_size() / 2**20 if a["mode"] == "fwd_bwd" else 0.0
     return res

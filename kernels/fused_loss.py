@@ -18,7 +18,7 @@ from .logprobs import (
     fused_linear_logprobs,
     twin_accumulate,
     twin_chunk_rows,
-    twin_grad_from_logits,
+    twin_grad_from_probs,
     twin_logits,
 )
 from .loss import (
@@ -42,12 +42,17 @@ def _one_pass(h, weight, bias, tgt, inv_t, w, adv, old, ref, m, params, need_gra
     grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=h.device) if need_grad and bias is not None else None
     sums = torch.zeros(5, dtype=torch.float32, device=h.device)  # loss, kl, low, high, region
     step = twin_chunk_rows(weight.shape[0])
+    buf = torch.empty(min(N, step) * weight.shape[0], dtype=torch.float32, device=h.device)
     for i in range(0, N, step):
         sl = slice(i, i + step)
         # 1. logits tile, log-probs
-        z = twin_logits(h[sl], weight, bias, inv_t)
-        lse = torch.logsumexp(z, dim=-1)
-        logp = z.gather(1, tgt[sl, None]).squeeze(1) - lse
+        z = twin_logits(h[sl], weight, bias, inv_t, out=buf)
+        zt = z.gather(1, tgt[sl, None]).squeeze(1)
+        m_max = z.amax(dim=1)
+        p = z.sub_(m_max[:, None]).exp_()  # the tile becomes the softmax in place: no second tile
+        s = p.sum(1)
+        p.div_(s[:, None])
+        logp = zt - (m_max + torch.log(s))
         # 2. the chunk's loss and d loss / d logp (per token: the loss is known here)
         with torch.enable_grad():
             lp = logp.requires_grad_(True)
@@ -60,7 +65,7 @@ def _one_pass(h, weight, bias, tgt, inv_t, w, adv, old, ref, m, params, need_gra
         sums += torch.stack([loss_c.detach(), kl_s, low_s, high_s, region_s])
         # 3. gradients of this chunk: d logits in place of z, then d hidden, d weight, d bias
         if need_grad and bool(g.any()):
-            dz = twin_grad_from_logits(z, lse, tgt[sl], g, inv_t)
+            dz = twin_grad_from_probs(p, tgt[sl], g, inv_t)
             grad_h[sl] = twin_accumulate(dz, h[sl], weight, grad_w, grad_b)
     return sums, grad_h, grad_w, grad_b
 

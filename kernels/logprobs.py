@@ -226,10 +226,19 @@ def twin_chunk_rows(V: int) -> int:
     return max(1, TWIN_TILE_ELEMS // V)
 
 
-def twin_logits(h_chunk, weight, bias, inv_t):
-    """fp32 (C, V) logits of a chunk; the matmul runs in the input dtype, as in plain PyTorch."""
-    z = h_chunk @ weight.T if bias is None else torch.addmm(bias, h_chunk, weight.T)
-    return z.float().mul_(inv_t)
+def twin_logits(h_chunk, weight, bias, inv_t, out=None):
+    """fp32 (C, V) logits of a chunk; the matmul runs in the input dtype, as in plain PyTorch.
+
+    `out` is a reusable fp32 buffer of at least C * V elements (fresh pages cost a fault each on CPU)."""
+    if out is not None and h_chunk.dtype == torch.float32:
+        z = out[: h_chunk.shape[0] * weight.shape[0]].view(h_chunk.shape[0], weight.shape[0])
+        if bias is None:
+            torch.mm(h_chunk, weight.T, out=z)
+        else:
+            torch.addmm(bias, h_chunk, weight.T, out=z)
+    else:
+        z = (h_chunk @ weight.T if bias is None else torch.addmm(bias, h_chunk, weight.T)).float()
+    return z if inv_t == 1.0 else z.mul_(inv_t)
 
 
 def twin_grad_from_logits(z, lse, targets, g_logp, inv_t, g_ent=None, ez=None):
@@ -238,12 +247,17 @@ def twin_grad_from_logits(z, lse, targets, g_logp, inv_t, g_ent=None, ez=None):
     if g_ent is not None:
         # d entropy / dz = p * (E_p[z] - z), taken while z is still intact
         ent_term = torch.exp(z - lse[:, None]).mul_(ez[:, None] - z).mul_(g_ent[:, None])
-    dz = z.sub_(lse[:, None]).exp_().mul_(-g_logp[:, None])  # z is consumed: it now holds -g * softmax
+    return twin_grad_from_probs(z.sub_(lse[:, None]).exp_(), targets, g_logp, inv_t, ent_term)
+
+
+def twin_grad_from_probs(p, targets, g_logp, inv_t, extra=None):
+    """d loss / d logits = (g * (onehot - p) + extra) / T, computed in place of the softmax tile `p`."""
+    dz = p.mul_(-g_logp[:, None])
     rows = torch.arange(dz.shape[0], device=dz.device)
     dz[rows, targets] += g_logp
-    if ent_term is not None:
-        dz += ent_term
-    return dz.mul_(inv_t)
+    if extra is not None:
+        dz += extra
+    return dz if inv_t == 1.0 else dz.mul_(inv_t)
 
 
 def twin_accumulate(dz, h_chunk, weight, grad_w, grad_b):
@@ -264,23 +278,23 @@ def _twin_fwd(hidden, weight, bias, targets, inv_t, with_entropy):
     ent, ez = (torch.empty(N, **f32), torch.empty(N, **f32)) if with_entropy else (None, None)
     rows = max(1, min(N, TWIN_MAX_ROWS))
     vc = min(V, max(BLOCK_V, TWIN_TILE_ELEMS // rows))
+    buf = torch.empty(rows * vc, **f32)
     for i in range(0, N, rows):
         h, t = hidden[i:i + rows], targets[i:i + rows]
         n = h.shape[0]
         m = torch.full((n,), float("-inf"), **f32)
         s, zt, sz = torch.zeros(n, **f32), torch.zeros(n, **f32), torch.zeros(n, **f32)
         for v0 in range(0, V, vc):
-            z = twin_logits(h, weight[v0:v0 + vc], None if bias is None else bias[v0:v0 + vc], inv_t)
+            z = twin_logits(h, weight[v0:v0 + vc], None if bias is None else bias[v0:v0 + vc], inv_t, out=buf)
+            # 1. the chosen tokens that fall in this slice
+            here = ((t >= v0) & (t < v0 + z.shape[1])).nonzero().squeeze(1)
+            zt[here] = z[here, t[here] - v0]
+            # 2. online logsumexp (and sum p*z for the entropy), consuming z in place
             m_new = torch.maximum(m, z.amax(dim=1))
             alpha = torch.exp(m - m_new)
-            p = torch.exp(z - m_new[:, None])
-            s = s * alpha + p.sum(1)
             if with_entropy:
-                sz = sz * alpha + (p * z).sum(1)
-            del p
-            here = (t >= v0) & (t < v0 + z.shape[1])
-            rows_here = here.nonzero().squeeze(1)
-            zt[rows_here] = z[rows_here, t[rows_here] - v0]
+                sz = sz * alpha + (torch.exp(z - m_new[:, None]) * z).sum(1)
+            s = s * alpha + z.sub_(m_new[:, None]).exp_().sum(1)
             m = m_new
         lse[i:i + n] = m + torch.log(s)
         logp[i:i + n] = zt - lse[i:i + n]
@@ -296,9 +310,10 @@ def _twin_bwd(hidden, weight, bias, targets, inv_t, lse, g_logp, g_ent, ez):
     grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
     grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if bias is not None else None
     step = twin_chunk_rows(weight.shape[0])
+    buf = torch.empty(min(N, step) * weight.shape[0], dtype=torch.float32, device=hidden.device)
     for i in range(0, N, step):
         sl = slice(i, i + step)
-        z = twin_logits(hidden[sl], weight, bias, inv_t)
+        z = twin_logits(hidden[sl], weight, bias, inv_t, out=buf)
         dz = twin_grad_from_logits(z, lse[sl], targets[sl], g_logp[sl], inv_t,
                                    None if g_ent is None else g_ent[sl], None if ez is None else ez[sl])
         grad_h[sl] = twin_accumulate(dz, hidden[sl], weight, grad_w, grad_b)

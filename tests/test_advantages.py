@@ -1,8 +1,7 @@
 import pytest
 import torch
-from oracle import naive_advantages
-
 from grpo_fast.kernels import group_advantages
+from oracle import naive_advantages
 
 
 @pytest.mark.parametrize("impl", ["torch", "triton"])

@@ -2,9 +2,8 @@ import itertools
 
 import pytest
 import torch
-from oracle import assert_within, naive_grpo_loss, naive_logprobs
-
 from grpo_fast.kernels import fused_linear_grpo_loss
+from oracle import assert_within, naive_grpo_loss, naive_logprobs
 
 LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo"]
 

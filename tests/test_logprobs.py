@@ -1,8 +1,7 @@
 import pytest
 import torch
-from oracle import assert_within, naive_entropy, naive_logprobs
-
 from grpo_fast.kernels import fused_linear_logprobs
+from oracle import assert_within, naive_entropy, naive_logprobs
 
 DTYPES = [torch.float32, torch.bfloat16]
 

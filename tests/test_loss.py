@@ -2,9 +2,8 @@ import itertools
 
 import pytest
 import torch
-from oracle import naive_grpo_loss
-
 from grpo_fast.kernels import grpo_loss
+from oracle import naive_grpo_loss
 
 LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo"]
 

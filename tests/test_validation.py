@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-
 from grpo_fast.kernels import fused_linear_grpo_loss, fused_linear_logprobs, group_advantages, grpo_loss
 
 H, V = 8, 50

@@ -1,0 +1,80 @@
+"""Rollouts: G sampled completions per prompt from a Hugging Face causal LM, with a KV cache.
+
+Prompts are left-padded; sample s belongs to prompt s // G. Sampling follows the usual order (temperature,
+then top-k, then top-p) and stops per sample at EOS; tokens after EOS are padding with mask 0.
+"""
+
+import torch
+
+
+def position_ids_from_mask(mask: torch.Tensor) -> torch.Tensor:
+    """RoPE positions that ignore left padding: the first real token is position 0."""
+    return (mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def sample_next(logits, temperature, top_p, top_k, generator):
+    """One token per row from (rows, V) logits; temperature 0 is greedy."""
+    if temperature == 0:
+        return logits.argmax(-1)
+    logits = logits.float() / temperature
+    if top_k and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+        probs = torch.softmax(sorted_logits, -1)
+        # drop a token when the tokens before it already hold top_p of the mass (the first always stays)
+        drop = probs.cumsum(-1) - probs > top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    probs = torch.softmax(logits, -1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+@torch.no_grad()
+def generate_groups(model, prompt_ids, prompt_mask, num_generations, max_new_tokens, *, temperature=1.0,
+                    top_p=1.0, top_k=0, eos_token_id=None, generator=None):
+    """Sample `num_generations` completions for every prompt.
+
+    Args:
+        model: a Hugging Face causal LM.
+        prompt_ids, prompt_mask: (n_prompts, P) left-padded prompt tokens and their attention mask.
+        num_generations: G, completions per prompt.
+        max_new_tokens: C, the longest completion.
+        temperature, top_p, top_k: sampling; temperature 0 is greedy, top_k 0 and top_p 1 disable those filters.
+        eos_token_id: int or list of ints that end a completion (kept in it, mask 1).
+        generator: optional torch.Generator for reproducible sampling.
+
+    Returns:
+        (completion_ids, completion_mask), each (n_prompts * G, C'), C' <= C the longest completion.
+    """
+    if num_generations < 1 or max_new_tokens < 1:
+        raise ValueError(f"num_generations and max_new_tokens must be >= 1, got {num_generations}, {max_new_tokens}")
+    device = prompt_ids.device
+    eos = torch.tensor([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []), device=device)
+    ids = prompt_ids.repeat_interleave(num_generations, 0)
+    mask = prompt_mask.repeat_interleave(num_generations, 0).long()
+    pad = 0 if not eos.numel() else int(eos[0])
+    rows = ids.shape[0]
+    out = torch.full((rows, max_new_tokens), pad, dtype=torch.long, device=device)
+    done = torch.zeros(rows, dtype=torch.bool, device=device)
+    lengths = torch.zeros(rows, dtype=torch.long, device=device)
+    pos = position_ids_from_mask(mask)
+    res = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1)
+    cache, next_pos = res.cache if hasattr(res, "cache") else res.past_key_values, pos[:, -1:] + 1
+    logits = res.logits[:, -1]
+    for t in range(max_new_tokens):
+        tok = sample_next(logits, temperature, top_p, top_k, generator)
+        tok = torch.where(done, torch.full_like(tok, pad), tok)
+        out[:, t] = tok
+        lengths += (~done).long()
+        if eos.numel():
+            done |= torch.isin(tok, eos)
+        if bool(done.all()) or t == max_new_tokens - 1:
+            break
+        mask = torch.cat([mask, torch.ones(rows, 1, dtype=mask.dtype, device=device)], dim=1)
+        res = model(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos, cache=cache, use_cache=True)
+        cache, next_pos, logits = res.cache if hasattr(res, "cache") else res.past_key_values, next_pos + 1, res.logits[:, -1]
+    width = int(lengths.max()) if rows else 0
+    completion_mask = (torch.arange(width, device=device)[None, :] < lengths[:, None]).long()
+    return out[:, :width], completion_mask
