@@ -6,9 +6,9 @@ evaluation. Held-out problems are chosen so that their two facts (a * b and P - 
 so a model can get them right by composing what it saw, never by recalling the problem.
 
 The base model (built by `scripts/build_base_model.py`, shipped in `grpo_fast/assets/shop-base`) learned from a
-deliberately noisy teacher: the right chain of thought 35% of the time, a systematic slip (answering one too
-many) 45%, and other mistakes 20%. It therefore knows the format and the procedure but its greedy answer is
-usually the slip; sampling finds the right answer about a third of the time, which is what GRPO can amplify.
+deliberately noisy teacher: the right chain of thought 25% of the time, a systematic slip (answering one too
+many) 55%, and other mistakes 20%. It therefore knows the format and the procedure but its greedy answer is
+usually the slip; sampling finds the right answer about a quarter of the time, which is what GRPO can amplify.
 """
 
 import random
@@ -73,7 +73,7 @@ def noisy_completion(p, rng: random.Random) -> str:
     a, b, c = p
     prod, res = a * b, a * b - c
     u = rng.random()
-    if u < 0.35:
+    if u < 0.25:
         return completion_text(a, b, c, prod, res, res)
     if u < 0.80:  # the systematic slip
         return completion_text(a, b, c, prod, res + 1, res + 1)

@@ -2,7 +2,7 @@
 
     python scripts/build_base_model.py [--out DIR] [--steps N]
 
-A word-level tokenizer made offline from the task's vocabulary, and a 2-layer Qwen2-shaped model pretrained
+A word-level tokenizer made offline from the task's vocabulary, and a 2-layer Llama-shaped model pretrained
 by next-token prediction on the noisy teacher's corpus (grpo_fast/default_task.py): it learns the format and
 the procedure, and the teacher's systematic slip. Runs in about a minute on 2 CPU cores; deterministic.
 """
@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from grpo_fast import default_task as task
 
@@ -25,17 +25,20 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     vocab = {tok: i for i, tok in enumerate(SPECIAL + task.vocabulary())}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece()  # words joined by single spaces
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
     fast.padding_side = "left"
     return fast
 
 
-def build_model(vocab_size: int, tok: PreTrainedTokenizerFast) -> Qwen2ForCausalLM:
-    config = Qwen2Config(vocab_size=vocab_size, hidden_size=128, intermediate_size=384, num_hidden_layers=2,
+def build_model(vocab_size: int, tok: PreTrainedTokenizerFast) -> LlamaForCausalLM:
+    # Llama-shaped: AutoTokenizer honours our tokenizer.json for model_type "llama" (for "qwen2" transformers 5
+    # substitutes its BPE Qwen2Tokenizer)
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=128, intermediate_size=384, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                          tie_word_embeddings=True, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
                          bos_token_id=None)
-    return Qwen2ForCausalLM(config)
+    return LlamaForCausalLM(config)
 
 
 def corpus_batch(tok, problems, rng, batch):
