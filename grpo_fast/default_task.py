@@ -36,25 +36,23 @@ def _facts(p):
     return (("mul", a, b), ("sub", a * b, c))
 
 
-def split_problems(n_eval: int = 64, n_train: int = 160) -> dict[str, list[tuple[int, int, int]]]:
-    """Deterministic disjoint split {"pretrain", "train", "eval"}: a problem leaves the pretraining corpus
-    only while both of its facts are still taught by another pretraining problem."""
+def split_problems(n_eval: int = 64) -> dict[str, list[tuple[int, int, int]]]:
+    """Deterministic disjoint split {"train", "eval"}: a problem is held out only while both of its facts
+    are still taught by some training problem."""
     probs = all_problems()
     random.Random(SPLIT_SEED).shuffle(probs)
     count = {}
     for p in probs:
         for f in _facts(p):
             count[f] = count.get(f, 0) + 1
-    out = {"eval": [], "train": [], "pretrain": []}
+    out = {"eval": [], "train": []}
     for p in probs:
-        movable = all(count[f] > 1 for f in _facts(p))
-        dest = "eval" if len(out["eval"]) < n_eval else "train" if len(out["train"]) < n_train else "pretrain"
-        if dest != "pretrain" and movable:
+        if len(out["eval"]) < n_eval and all(count[f] > 1 for f in _facts(p)):
             for f in _facts(p):
                 count[f] -= 1
-            out[dest].append(p)
+            out["eval"].append(p)
         else:
-            out["pretrain"].append(p)
+            out["train"].append(p)
     return out
 
 
@@ -84,7 +82,7 @@ def noisy_completion(p, rng: random.Random) -> str:
 
 
 def dataset_rows(split: str) -> list[dict]:
-    """Rows for the trainer: a `prompt` and the `answer` column the reward reads."""
+    """Rows for the trainer (split "train" or "eval"): a `prompt` and the `answer` column the reward reads."""
     rows = []
     for p in split_problems()[split]:
         for t in range(len(TEMPLATES)):

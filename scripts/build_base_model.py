@@ -63,7 +63,7 @@ def main(argv=None):
     rng = random.Random(0)
     tok = build_tokenizer()
     model = build_model(len(tok), tok)
-    problems = task.split_problems()["pretrain"]
+    problems = task.split_problems()["train"]
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=args.lr, total_steps=args.steps, pct_start=0.1)
     t0 = time.time()

@@ -1,0 +1,90 @@
+"""Checkpoints written atomically: a temporary directory, fsynced, then renamed into place.
+
+A kill at any moment leaves either the previous checkpoints or the new one complete, never a torn one:
+`latest_checkpoint` only sees directories named `checkpoint-<step>` that hold `trainer_state.json`, which is
+written last, inside the temporary directory.
+"""
+
+import json
+import os
+import random
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+_NAME = re.compile(r"^checkpoint-(\d+)$")
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(out_dir: Path, step: int, model, tokenizer, optimizer, scheduler, sampler_state: dict,
+                    generator: torch.Generator, extra: dict, keep: int) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    final = out_dir / f"checkpoint-{step}"
+    tmp = Path(tempfile.mkdtemp(prefix=f".checkpoint-{step}-", dir=out_dir))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, tmp / "optimizer.pt")
+        torch.save({"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+                    "generator": generator.get_state(),
+                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}, tmp / "rng.pt")
+        state = {"step": step, "sampler": sampler_state, **extra}
+        (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2))  # last: marks the checkpoint whole
+        for f in tmp.iterdir():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+        _fsync_dir(tmp)
+        if final.exists():  # a re-save of the same step: move the old one aside first
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _fsync_dir(out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    for old in list_checkpoints(out_dir)[:-keep] if keep > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def list_checkpoints(out_dir: Path) -> list[Path]:
+    """Complete checkpoints, oldest first."""
+    if not out_dir.is_dir():
+        return []
+    found = []
+    for p in out_dir.iterdir():
+        m = _NAME.match(p.name)
+        if m and (p / "trainer_state.json").is_file():
+            found.append((int(m.group(1)), p))
+    return [p for _, p in sorted(found)]
+
+
+def latest_checkpoint(out_dir: Path) -> Path | None:
+    ckpts = list_checkpoints(out_dir)
+    return ckpts[-1] if ckpts else None
+
+
+def load_training_state(ckpt: Path, optimizer, scheduler, generator: torch.Generator) -> dict:
+    """Restore optimizer, scheduler and RNG states; return trainer_state.json (the model loads separately)."""
+    opt = torch.load(ckpt / "optimizer.pt", weights_only=False)
+    optimizer.load_state_dict(opt["optimizer"])
+    scheduler.load_state_dict(opt["scheduler"])
+    rng = torch.load(ckpt / "rng.pt", weights_only=False)
+    random.setstate(rng["python"])
+    np.random.set_state(rng["numpy"])
+    torch.set_rng_state(rng["torch"])
+    generator.set_state(rng["generator"])
+    if rng["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+    return json.loads((ckpt / "trainer_state.json").read_text())

@@ -1,0 +1,20 @@
+"""`grpo-fast` command line: `grpo-fast train [--flag value ...]`."""
+
+import sys
+
+
+def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: grpo-fast train [--flag value ...]   (grpo-fast train --help lists the flags)")
+        sys.exit(0 if argv else 2)
+    if argv[0] != "train":
+        print(f"grpo-fast: unknown command {argv[0]!r}; expected 'train'", file=sys.stderr)
+        sys.exit(2)
+    from .train import main as train_main
+
+    train_main(argv[1:])
+
+
+if __name__ == "__main__":
+    main()

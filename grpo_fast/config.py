@@ -1,0 +1,170 @@
+"""The trainer's configuration: one dataclass, set from a YAML/JSON file and CLI flags (flags win).
+
+Names and defaults follow TRL's GRPOConfig where they overlap. With neither --model nor --dataset the
+embedded default task runs, with the preset below for the fields the user did not set.
+"""
+
+import argparse
+import dataclasses
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+def _f(default, help: str, **kw):
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass
+class GRPOConfig:
+    # --- model and data ---
+    model: str = _f("", "local directory or Hub id of a causal LM; empty = the embedded default base model")
+    dtype: str = _f("fp32", "parameter dtype", choices=("fp32", "bf16"))
+    gradient_checkpointing: bool = _f(False, "recompute activations in backward to save memory")
+    lora_r: int = _f(0, "LoRA rank (0 = train all weights); the reference model is the base, adapters off")
+    lora_alpha: int = _f(16, "LoRA alpha")
+    lora_dropout: float = _f(0.0, "LoRA dropout")
+    lora_target_modules: str = _f("all-linear", "LoRA target modules (comma-separated names or all-linear)")
+    dataset: str = _f("", "local JSONL/JSON/CSV/Parquet file or Hub dataset name; empty = the embedded task")
+    dataset_split: str = _f("train", "split of a Hub dataset")
+    eval_dataset: str = _f("", "held-out prompts (file or Hub name); empty = none (embedded task: its eval split)")
+    eval_split: str = _f("test", "split of a Hub eval dataset")
+    max_prompt_length: int = _f(512, "prompts are cut to their last N tokens")
+    # --- rewards ---
+    reward: list = _f(None, "reward function: built-in name or path/file.py:func (repeatable)", action="append")
+    reward_weights: list = _f(None, "one weight per reward function (default 1 each)", nargs="+", type=float)
+    on_reward_error: str = _f("raise", "a failing reward function stops training, or its samples are dropped",
+                              choices=("raise", "skip"))
+    # --- generation ---
+    num_generations: int = _f(8, "completions per prompt (the group size G)")
+    prompts_per_step: int = _f(8, "prompts per optimizer step (each yields num_generations completions)")
+    max_completion_length: int = _f(256, "longest completion in tokens")
+    temperature: float = _f(1.0, "sampling temperature (also divides the logits in the loss)")
+    top_p: float = _f(1.0, "nucleus sampling threshold")
+    top_k: int = _f(0, "top-k sampling (0 = off)")
+    # --- GRPO ---
+    beta: float = _f(0.0, "KL coefficient (k3 estimator against the reference model)")
+    epsilon: float = _f(0.2, "lower clip epsilon")
+    epsilon_high: float = _f(None, "upper clip epsilon (default: epsilon)", type=float)
+    loss_type: str = _f("dapo", "loss normalization", choices=("grpo", "bnpo", "dr_grpo", "dapo"))
+    scale_rewards: str = _f("group", "advantage scaling", choices=("group", "batch", "none"))
+    importance_sampling_level: str = _f("token", "importance ratio per token or per sequence (GSPO)",
+                                        choices=("token", "sequence"))
+    num_iterations: int = _f(1, "optimizer passes over each generated batch (mu)")
+    mask_truncated_completions: bool = _f(False, "exclude completions that hit max_completion_length")
+    # --- optimization ---
+    learning_rate: float = _f(1e-6, "AdamW peak learning rate")
+    adam_beta1: float = _f(0.9, "AdamW beta1")
+    adam_beta2: float = _f(0.999, "AdamW beta2")
+    weight_decay: float = _f(0.0, "AdamW weight decay")
+    max_grad_norm: float = _f(1.0, "gradient clipping norm")
+    warmup_ratio: float = _f(0.0, "fraction of max_steps with linear warmup")
+    lr_scheduler_type: str = _f("linear", "decay after warmup", choices=("linear", "cosine", "constant"))
+    gradient_accumulation_steps: int = _f(1, "micro-batches per optimizer step (prompts_per_step splits evenly)")
+    max_steps: int = _f(100, "optimizer steps")
+    seed: int = _f(42, "random seed")
+    # --- output ---
+    output_dir: str = _f("runs/grpo", "where metrics, plots and checkpoints go")
+    logging_steps: int = _f(1, "write a metrics record every N steps")
+    eval_steps: int = _f(0, "evaluate held-out greedy accuracy every N steps (0 = only before and after)")
+    eval_max_samples: int = _f(256, "held-out prompts per evaluation")
+    save_steps: int = _f(0, "checkpoint every N steps (0 = only at the end)")
+    save_total_limit: int = _f(2, "checkpoints kept")
+    resume: bool = _f(False, "continue from the latest checkpoint in output_dir")
+    report_to: str = _f("none", "also log to tensorboard or wandb", choices=("none", "tensorboard", "wandb"))
+    time_budget_s: float = _f(0.0, "stop after this many seconds of training (0 = no limit)")
+
+
+# The embedded default task: a tiny base model learns in minutes on a CPU with these.
+DEFAULT_TASK_PRESET = dict(
+    reward=["shop_answer"], num_generations=8, prompts_per_step=16, max_completion_length=20, max_prompt_length=32,
+    learning_rate=1e-4, warmup_ratio=0.02, lr_scheduler_type="constant", max_steps=400, eval_steps=25,
+    eval_max_samples=128, save_steps=100, time_budget_s=280.0,
+)
+
+
+def _field_type(f):
+    t = f.type if not isinstance(f.type, str) else eval(f.type, vars(typing))  # noqa: S307 - our own annotations
+    if isinstance(t, types.UnionType) or typing.get_origin(t) is typing.Union:
+        t = next(a for a in typing.get_args(t) if a is not type(None))
+    return t
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="grpo-fast train", description="GRPO training on fused kernels.",
+                                argument_default=argparse.SUPPRESS)
+    p.add_argument("--config", help="YAML or JSON file of config fields (flags override it)")
+    for f in dataclasses.fields(GRPOConfig):
+        meta = dict(f.metadata)
+        flag = "--" + f.name.replace("_", "-")
+        kw = {"help": f"{meta.pop('help')} (default: {f.default})", "dest": f.name}
+        t = _field_type(f)
+        if t is bool:
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
+            continue
+        if "action" in meta or "nargs" in meta:
+            kw.update(meta)
+        else:
+            kw.update(type=meta.pop("type", t), **meta)
+        p.add_argument(flag, **kw)
+    return p
+
+
+def load_config_file(path: str) -> dict:
+    text = Path(path).read_text()
+    if path.endswith((".yaml", ".yml")):
+        import yaml
+
+        data = yaml.safe_load(text) or {}
+    else:
+        data = json.loads(text)
+    if not isinstance(data, dict):
+        raise ValueError(f"--config {path}: expected a mapping of config fields, got {type(data).__name__}")
+    names = {f.name for f in dataclasses.fields(GRPOConfig)}
+    unknown = sorted(k for k in (k.replace("-", "_") for k in data) if k not in names)
+    if unknown:
+        raise ValueError(f"--config {path}: unknown fields {unknown}")
+    return {k.replace("-", "_"): v for k, v in data.items()}
+
+
+def validate(cfg: GRPOConfig) -> GRPOConfig:
+    for f in dataclasses.fields(GRPOConfig):
+        choices = f.metadata.get("choices")
+        if choices and getattr(cfg, f.name) not in choices:
+            raise ValueError(f"{f.name} must be one of {choices}, got {getattr(cfg, f.name)!r}")
+    positive = ("num_generations", "prompts_per_step", "max_completion_length", "max_prompt_length", "max_steps",
+                "num_iterations", "gradient_accumulation_steps", "logging_steps")
+    for name in positive:
+        if getattr(cfg, name) < 1:
+            raise ValueError(f"{name} must be >= 1, got {getattr(cfg, name)}")
+    if cfg.prompts_per_step % cfg.gradient_accumulation_steps:
+        raise ValueError(f"prompts_per_step ({cfg.prompts_per_step}) must be divisible by "
+                         f"gradient_accumulation_steps ({cfg.gradient_accumulation_steps})")
+    if cfg.temperature <= 0:
+        raise ValueError(f"temperature must be > 0 for sampling, got {cfg.temperature}")
+    if not 0 < cfg.top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {cfg.top_p}")
+    if cfg.learning_rate <= 0:
+        raise ValueError(f"learning_rate must be > 0, got {cfg.learning_rate}")
+    if cfg.reward_weights is not None and len(cfg.reward_weights) != len(cfg.reward or []):
+        raise ValueError(f"reward_weights has {len(cfg.reward_weights)} values for {len(cfg.reward or [])} "
+                         "reward functions")
+    if not cfg.reward:
+        raise ValueError("no reward function: pass --reward NAME or --reward path/file.py:func")
+    return cfg
+
+
+def parse_config(argv=None) -> GRPOConfig:
+    """Config from (in increasing priority) defaults, the embedded-task preset, --config FILE, flags."""
+    args = vars(build_parser().parse_args(argv))
+    file_values = load_config_file(args.pop("config")) if "config" in args else {}
+    values = {**file_values, **args}
+    if not values.get("model") and not values.get("dataset"):
+        values = {**DEFAULT_TASK_PRESET, **values}
+    return validate(GRPOConfig(**values))
+
+
+def to_dict(cfg: GRPOConfig) -> dict:
+    return dataclasses.asdict(cfg)

@@ -1,0 +1,87 @@
+"""Prompt datasets: the embedded task, local files or Hub datasets (through `datasets`), and their order.
+
+A dataset needs a `prompt` column (text, or chat messages as a list of {"role", "content"}); every other
+column reaches the reward functions as a keyword argument. Prompts are rendered with the tokenizer's chat
+template when it has one.
+"""
+
+import random
+from pathlib import Path
+
+from . import default_task
+
+_FILE_TYPES = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
+
+
+def load_rows(spec: str, split: str, what: str = "--dataset") -> list[dict]:
+    """Rows of a local JSONL/JSON/CSV/Parquet file or a Hub dataset, checked for a usable `prompt` column."""
+    import datasets
+
+    path = Path(spec)
+    if path.suffix in _FILE_TYPES:
+        if not path.is_file():
+            raise ValueError(f"{what} {spec!r}: no such file")
+        ds = datasets.load_dataset(_FILE_TYPES[path.suffix], data_files=str(path), split="train")
+    elif path.exists():
+        raise ValueError(f"{what} {spec!r}: expected a .jsonl, .json, .csv or .parquet file")
+    else:
+        try:
+            ds = datasets.load_dataset(spec, split=split)
+        except Exception as exc:  # noqa: BLE001 - offline, missing, private: say which and why
+            raise ValueError(f"{what} {spec!r}: could not load it as a Hub dataset ({type(exc).__name__}: {exc})")
+    if "prompt" not in ds.column_names:
+        raise ValueError(f"{what} {spec!r}: no 'prompt' column (columns: {ds.column_names})")
+    if len(ds) == 0:
+        raise ValueError(f"{what} {spec!r}: the dataset is empty")
+    return [dict(r) for r in ds]
+
+
+def train_and_eval_rows(cfg) -> tuple[list[dict], list[dict]]:
+    if not cfg.dataset:
+        return default_task.dataset_rows("train"), default_task.dataset_rows("eval")
+    train = load_rows(cfg.dataset, cfg.dataset_split)
+    evals = load_rows(cfg.eval_dataset, cfg.eval_split, "--eval-dataset") if cfg.eval_dataset else []
+    return train, evals
+
+
+def render_prompt(prompt, tokenizer) -> str:
+    """Text the model sees: the chat template (with the generation prompt) when there is one."""
+    if isinstance(prompt, list):
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("a conversational prompt (list of messages) needs a tokenizer with a chat template")
+        return tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template([{"role": "user", "content": str(prompt)}], add_generation_prompt=True,
+                                             tokenize=False)
+    return str(prompt)
+
+
+class PromptSampler:
+    """Prompts in a reshuffled order each epoch; its state (epoch, position) goes into checkpoints."""
+
+    def __init__(self, rows: list[dict], batch: int, seed: int):
+        self.rows, self.batch, self.seed = rows, batch, seed
+        self.epoch, self.pos = 0, 0
+        self._order = self._shuffle()
+
+    def _shuffle(self):
+        order = list(range(len(self.rows)))
+        random.Random(self.seed * 100_003 + self.epoch).shuffle(order)
+        return order
+
+    def next(self) -> list[dict]:
+        out = []
+        while len(out) < self.batch:
+            if self.pos == len(self._order):
+                self.epoch, self.pos = self.epoch + 1, 0
+                self._order = self._shuffle()
+            out.append(self.rows[self._order[self.pos]])
+            self.pos += 1
+        return out
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "pos": self.pos}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.pos = state["epoch"], state["pos"]
+        self._order = self._shuffle()

@@ -1,0 +1,87 @@
+"""Loading the policy (full or LoRA) and taking completion hidden states from it.
+
+The trainer never asks the model for logits over the completions: it runs the decoder (the backbone) and
+hands its last hidden states, with the LM head's weight, to the fused loss.
+"""
+
+from pathlib import Path
+
+import torch
+
+from . import default_task
+from .rollout import position_ids_from_mask
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def load_model_and_tokenizer(cfg, device):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = cfg.model or str(default_task.ASSET_DIR)
+    local = Path(path)
+    if (local.exists() or path.startswith((".", "/"))) and not (local / "config.json").is_file():
+        raise ValueError(f"--model {path!r}: not a model directory (no config.json there)")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=_DTYPES[cfg.dtype])
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--model {path!r}: could not load it ({type(exc).__name__}: {exc})") from exc
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model.to(device)
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    lora = cfg.lora_r > 0
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        targets = cfg.lora_target_modules
+        targets = targets if targets == "all-linear" else [t.strip() for t in targets.split(",")]
+        model = get_peft_model(model, LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha,
+                                                 lora_dropout=cfg.lora_dropout, target_modules=targets,
+                                                 task_type="CAUSAL_LM"))
+    info = {"model": path, "lora": lora, "dtype": cfg.dtype, "device": str(device),
+            "attn_implementation": getattr(model.config, "_attn_implementation", None),
+            "n_params": sum(p.numel() for p in model.parameters()),
+            "n_trainable": sum(p.numel() for p in model.parameters() if p.requires_grad)}
+    return model, tokenizer, info
+
+
+def _causal_lm(model):
+    """The transformers CausalLM inside a PEFT wrapper (or the model itself)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def lm_head_of(model) -> torch.nn.Linear:
+    return _causal_lm(model).get_output_embeddings()
+
+
+def decoder_of(model):
+    lm = _causal_lm(model)
+    return lm.get_decoder() if hasattr(lm, "get_decoder") else getattr(lm, lm.base_model_prefix)
+
+
+def completion_hidden_states(model, prompt_ids, prompt_mask, completion_ids, completion_mask):
+    """(B, C, H) last hidden states; [b, j] is the state that predicts completion token j of sample b."""
+    ids = torch.cat([prompt_ids, completion_ids], dim=1)
+    mask = torch.cat([prompt_mask, completion_mask], dim=1)
+    out = decoder_of(model)(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask),
+                            use_cache=False)
+    P = prompt_ids.shape[1]
+    return out.last_hidden_state[:, P - 1:-1]
+
+
+def load_weights_from_checkpoint(model, ckpt: Path, lora: bool) -> None:
+    """Put a checkpoint's weights into the already-built model (optimizer state stays bound to its params)."""
+    from safetensors.torch import load_file
+
+    if lora:
+        from peft import set_peft_model_state_dict
+
+        set_peft_model_state_dict(model, load_file(ckpt / "adapter_model.safetensors"))
+        return
+    from transformers import AutoModelForCausalLM
+
+    saved = AutoModelForCausalLM.from_pretrained(ckpt, dtype=next(model.parameters()).dtype)
+    model.load_state_dict(saved.state_dict())
