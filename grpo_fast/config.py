@@ -44,6 +44,7 @@ class GRPOConfig:
     temperature: float = _f(1.0, "sampling temperature (also divides the logits in the loss)")
     top_p: float = _f(1.0, "nucleus sampling threshold")
     top_k: int = _f(0, "top-k sampling (0 = off)")
+    share_prefix: bool = _f(True, "prefill and train each prompt once per group (exact; see shared_prefix.py)")
     # --- GRPO ---
     beta: float = _f(0.0, "KL coefficient (k3 estimator against the reference model)")
     epsilon: float = _f(0.2, "lower clip epsilon")

@@ -21,7 +21,14 @@ def load_rows(spec: str, split: str, what: str = "--dataset") -> list[dict]:
     if path.suffix in _FILE_TYPES:
         if not path.is_file():
             raise ValueError(f"{what} {spec!r}: no such file")
-        ds = datasets.load_dataset(_FILE_TYPES[path.suffix], data_files=str(path), split="train")
+        if path.stat().st_size == 0:
+            raise ValueError(f"{what} {spec!r}: the dataset is empty")
+        try:
+            ds = datasets.load_dataset(_FILE_TYPES[path.suffix], data_files=str(path), split="train")
+        except Exception as exc:  # noqa: BLE001 - malformed or empty files: name the file and the cause
+            if "corresponds to no data" in str(exc):
+                raise ValueError(f"{what} {spec!r}: the dataset is empty") from exc
+            raise ValueError(f"{what} {spec!r}: could not read it ({type(exc).__name__}: {exc})") from exc
     elif path.exists():
         raise ValueError(f"{what} {spec!r}: expected a .jsonl, .json, .csv or .parquet file")
     else:

@@ -62,10 +62,18 @@ def decoder_of(model):
     return lm.get_decoder() if hasattr(lm, "get_decoder") else getattr(lm, lm.base_model_prefix)
 
 
-def completion_hidden_states(model, prompt_ids, prompt_mask, completion_ids, completion_mask):
-    """(B, C, H) last hidden states; [b, j] is the state that predicts completion token j of sample b."""
-    ids = torch.cat([prompt_ids, completion_ids], dim=1)
-    mask = torch.cat([prompt_mask, completion_mask], dim=1)
+def completion_hidden_states(model, prompt_ids, prompt_mask, completion_ids, completion_mask, share_prefix=True):
+    """(n * G, C, H) last hidden states; [s, j] is the state that predicts completion token j of sample s.
+
+    Prompts are (n, P), completions (n * G, C) with sample s answering prompt s // G. With share_prefix each
+    prompt runs once per group (grpo_fast.shared_prefix); otherwise it is repeated for each sample."""
+    if share_prefix:
+        from .shared_prefix import shared_prefix_forward
+
+        return shared_prefix_forward(model, prompt_ids, prompt_mask, completion_ids, completion_mask)
+    G = completion_ids.shape[0] // prompt_ids.shape[0]
+    ids = torch.cat([prompt_ids.repeat_interleave(G, 0), completion_ids], dim=1)
+    mask = torch.cat([prompt_mask.repeat_interleave(G, 0), completion_mask], dim=1)
     out = decoder_of(model)(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask),
                             use_cache=False)
     P = prompt_ids.shape[1]

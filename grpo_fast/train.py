@@ -33,7 +33,7 @@ from .data import PromptSampler, render_prompt, train_and_eval_rows
 from .kernels import fused_linear_grpo_loss, fused_linear_logprobs, group_advantages
 from .modeling import completion_hidden_states, lm_head_of, load_model_and_tokenizer, load_weights_from_checkpoint
 from .rewards import load_reward, reward_name, score
-from .rollout import generate_groups
+from .shared_prefix import generate_groups
 
 # --------------------------------------------------------------------------------------------------------
 # Pieces of one step
@@ -67,11 +67,22 @@ def advantages_of(rewards: torch.Tensor, G: int, scale: str) -> torch.Tensor:
 
 
 @torch.no_grad()
-def sequence_logps(model, batch, temperature):
+def sequence_logps(model, batch, cfg: GRPOConfig):
     """Per-token log-probs (no grad) of the completions, through the fused kernel (old / reference)."""
-    hidden = completion_hidden_states(model, *batch)
+    hidden = completion_hidden_states(model, *batch, share_prefix=cfg.share_prefix)
     head = lm_head_of(model)
-    return fused_linear_logprobs(hidden, head.weight, batch[2], bias=head.bias, temperature=temperature)
+    return fused_linear_logprobs(hidden, head.weight, batch[2], bias=head.bias, temperature=cfg.temperature)
+
+
+def policy_loss(model, batch, loss_mask, advantages, old_logps, ref_logps, cfg: GRPOConfig, n_items):
+    """The GRPO loss of one micro-batch, from the policy's last hidden states through the fused kernel."""
+    hidden = completion_hidden_states(model, *batch, share_prefix=cfg.share_prefix)
+    head = lm_head_of(model)
+    return fused_linear_grpo_loss(
+        hidden, head.weight, batch[2], loss_mask, advantages, bias=head.bias, temperature=cfg.temperature,
+        old_logps=old_logps, ref_logps=ref_logps, beta=cfg.beta, epsilon_low=cfg.epsilon,
+        epsilon_high=cfg.epsilon_high, loss_type=cfg.loss_type, importance_sampling_level=cfg.importance_sampling_level,
+        max_completion_length=cfg.max_completion_length, num_items_in_batch=n_items)
 
 
 @torch.no_grad()
@@ -83,7 +94,7 @@ def evaluate(model, tokenizer, rows, reward_funcs, cfg, device) -> dict:
         chunk = rows[i:i + 64]
         texts, ids, mask = encode_prompts(chunk, tokenizer, cfg.max_prompt_length, device)
         comp, cmask = generate_groups(model, ids, mask, 1, cfg.max_completion_length, temperature=0.0,
-                                      eos_token_id=tokenizer.eos_token_id)
+                                      eos_token_id=tokenizer.eos_token_id, share_prefix=False)
         completions = tokenizer.batch_decode(comp * cmask, skip_special_tokens=True)
         cols = reward_columns(chunk, 1, comp, cmask)
         values = score(reward_funcs[:1], [1.0], texts, completions, cols, on_error="skip").per_func[:, 0]
@@ -201,7 +212,7 @@ def train(cfg: GRPOConfig) -> dict:
     reward_funcs = [load_reward(s, cfg.max_completion_length) for s in cfg.reward]
     names = [reward_name(f) for f in reward_funcs]
     weights = cfg.reward_weights or [1.0] * len(reward_funcs)
-    G, eps_high = cfg.num_generations, cfg.epsilon if cfg.epsilon_high is None else cfg.epsilon_high
+    G = cfg.num_generations
 
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
@@ -248,7 +259,8 @@ def train(cfg: GRPOConfig) -> dict:
             model.eval()
             c_ids, c_mask = generate_groups(model, p_ids, p_mask, G, cfg.max_completion_length,
                                             temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                                            eos_token_id=tokenizer.eos_token_id, generator=generator)
+                                            eos_token_id=tokenizer.eos_token_id, share_prefix=cfg.share_prefix,
+                                            generator=generator)
             t1 = time.perf_counter()
             # 2. rewards, then group advantages
             completions = tokenizer.batch_decode(c_ids * c_mask, skip_special_tokens=True)
@@ -263,29 +275,23 @@ def train(cfg: GRPOConfig) -> dict:
                 loss_mask[~ended.any(dim=1)] = 0
             t2 = time.perf_counter()
             # 3. the loss on hidden states through the fused kernel; old / reference log-probs only if needed
-            p_ids_g, p_mask_g = p_ids.repeat_interleave(G, 0), p_mask.repeat_interleave(G, 0)
             n_items = loss_mask.sum().clamp(min=1).float()
-            micro = torch.arange(len(completions), device=device).chunk(cfg.gradient_accumulation_steps)
-            batches = [(p_ids_g[i], p_mask_g[i], c_ids[i], c_mask[i]) for i in micro]
-            old = [sequence_logps(model, b, cfg.temperature) for b in batches] if cfg.num_iterations > 1 else None
+            # micro-batches of whole groups: (prompts, their G completions each)
+            micro_prompts = torch.arange(len(rows), device=device).chunk(cfg.gradient_accumulation_steps)
+            micro = [(pi[:, None] * G + torch.arange(G, device=device)).reshape(-1) for pi in micro_prompts]
+            batches = [(p_ids[pi], p_mask[pi], c_ids[i], c_mask[i]) for pi, i in zip(micro_prompts, micro)]
+            old = [sequence_logps(model, b, cfg) for b in batches] if cfg.num_iterations > 1 else None
             ref = None
             if cfg.beta != 0.0:
                 ctx = model.disable_adapter() if info["lora"] else nullcontext()
                 with ctx:
-                    ref = [sequence_logps(ref_model or model, b, cfg.temperature) for b in batches]
+                    ref = [sequence_logps(ref_model or model, b, cfg) for b in batches]
             model.train()
             for _ in range(cfg.num_iterations):
                 metrics_acc = {}
                 for k, (i, b) in enumerate(zip(micro, batches)):
-                    hidden = completion_hidden_states(model, *b)
-                    head = lm_head_of(model)
-                    loss, m = fused_linear_grpo_loss(
-                        hidden, head.weight, b[2], loss_mask[i], advantages[i], bias=head.bias,
-                        temperature=cfg.temperature, old_logps=old[k] if old else None,
-                        ref_logps=ref[k] if ref else None, beta=cfg.beta, epsilon_low=cfg.epsilon,
-                        epsilon_high=eps_high, loss_type=cfg.loss_type,
-                        importance_sampling_level=cfg.importance_sampling_level,
-                        max_completion_length=cfg.max_completion_length, num_items_in_batch=n_items)
+                    loss, m = policy_loss(model, b, loss_mask[i], advantages[i], old[k] if old else None,
+                                          ref[k] if ref else None, cfg, n_items)
                     # dapo is already normalized over the whole step; the others average the micro-batches
                     (loss if cfg.loss_type == "dapo" else loss / len(micro)).backward()
                     metrics_acc["loss"] = metrics_acc.get("loss", 0.0) + loss.item() * (
@@ -301,7 +307,7 @@ def train(cfg: GRPOConfig) -> dict:
             t3 = time.perf_counter()
             elapsed_train += t3 - t0
             # 4. log
-            n_tokens = int(p_mask_g.sum() + c_mask.sum())
+            n_tokens = int(p_mask.sum() * G + c_mask.sum())  # as if unshared: comparable across modes
             record = {
                 "step": step, "reward_mean": float(scores.rewards.nanmean()),
                 "reward_std": float(scores.rewards[~scores.rewards.isnan()].std()) if len(completions) > 1 else 0.0,

@@ -281,7 +281,10 @@ def _loss_torch(logps, old_logps, ref_logps, advantages, mask, w, params: LossPa
 
 
 class AttachGrad(torch.autograd.Function):
-    """`value` as a function of `inputs` whose gradients are already known: `grads` times the upstream."""
+    """`value` as a function of `inputs` whose gradients are already known: `grads` times the upstream.
+
+    The precomputed gradients are handed to autograd in place (no second weight-sized buffer), so the
+    backward runs once: retain_graph is not supported."""
 
     @staticmethod
     def forward(ctx, value, grads, *inputs):
@@ -290,7 +293,15 @@ class AttachGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        return (None, None, *(None if t is None else g.to(t.dtype) * t for t in ctx.grads))
+        if ctx.grads is None:
+            raise RuntimeError("the fused GRPO loss's backward can run only once (retain_graph is not supported)")
+        grads, ctx.grads = ctx.grads, None
+        scaled = []
+        for t in grads:
+            if t is not None and not bool(g == 1):
+                t = t.mul_(g.to(t.dtype))
+            scaled.append(t)
+        return (None, None, *scaled)
 
 
 def attach_grads(value, inputs, grads):
