@@ -38,7 +38,7 @@ def _one_pass(h, weight, bias, tgt, inv_t, w, adv, old, ref, m, params, need_gra
     """Token level over active tokens (flat): loss, metric sums and, when asked, every gradient."""
     N, H = h.shape
     grad_h = torch.zeros(N, H, dtype=h.dtype, device=h.device) if need_grad else None
-    grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=h.device) if need_grad else None
+    grad_w = None  # started by the first chunk with a gradient
     grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=h.device) if need_grad and bias is not None else None
     sums = torch.zeros(5, dtype=torch.float32, device=h.device)  # loss, kl, low, high, region
     step = twin_chunk_rows(weight.shape[0])
@@ -66,7 +66,9 @@ def _one_pass(h, weight, bias, tgt, inv_t, w, adv, old, ref, m, params, need_gra
         # 3. gradients of this chunk: d logits in place of z, then d hidden, d weight, d bias
         if need_grad and bool(g.any()):
             dz = twin_grad_from_probs(p, tgt[sl], g, inv_t)
-            grad_h[sl] = twin_accumulate(dz, h[sl], weight, grad_w, grad_b)
+            grad_h[sl], grad_w = twin_accumulate(dz, h[sl], weight, grad_w, grad_b)
+    if need_grad and grad_w is None:
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=h.device)
     return sums, grad_h, grad_w, grad_b
 
 
@@ -121,8 +123,8 @@ def fused_linear_grpo_loss(hidden, weight, targets, mask, advantages, *, bias=No
 
     Same semantics and options as `grpo_loss` (TRL 1.16 GRPOTrainer), with the policy log-probs taken as
     `log_softmax((hidden @ weight.T + bias) / temperature)[targets]`. Memory: Triton holds one (64 x 128)
-    fp32 logits tile per program; the twin one (C x V) fp32 tile, C = max(1, 2**24 // V) tokens, plus one
-    temporary of that size.
+    fp32 logits tile per program; the twin one fp32 tile of about 2**24 elements (C x V, C = 128 tokens at
+    V=151,936; see `twin_chunk_rows`), at most one temporary of that size, and the fp32 weight gradient.
 
     Args:
         hidden: (B, T, H) float tensor, the LM head's input at the positions predicting `targets`.
