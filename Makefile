@@ -23,7 +23,9 @@ demo: setup
 	$(VPY) -m grpo_fast.train --output-dir runs/demo
 
 bench: setup
-	$(VPY) -m bench.run_all
+	$(VPY) -m bench.bench_logprobs
+	$(VPY) -m bench.bench_loss
+	$(VPY) -m bench.bench_prefix
 
 lint: setup
 	$(VPY) -m ruff check kernels grpo_fast tests bench

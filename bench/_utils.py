@@ -218,6 +218,35 @@ def plot_sweep(rows: list[dict], path: Path, title: str) -> None:
     plt.close(fig)
 
 
+def sweep_main(argv, *, module: str, doc: str, providers: list[str], title: str) -> None:
+    """The command line of a kernel sweep: providers x N x (fwd, fwd_bwd), table, JSON and plot."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=doc)
+    ap.add_argument("--quick", action="store_true", help="small shapes (a smoke run)")
+    ap.add_argument("--providers", default=",".join(providers))
+    ap.add_argument("--ns", default=None, help="comma-separated token counts")
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args(argv)
+    H, V = (64, 4096) if args.quick else (1024, 151936)
+    ns = [int(x) for x in args.ns.split(",")] if args.ns else ([256, 512] if args.quick else [512, 1024, 2048])
+    base = dict(H=H, V=V, dtype="float32", repeats=args.repeats)
+    print(f"{module}: H={H} V={V} fp32, N in {ns}", flush=True)
+    rows = sweep(module, args.providers.split(","), ns, ["fwd", "fwd_bwd"], base)
+    for r in rows:
+        if "error" not in r:
+            r["peak_above_grads_mb"] = r["peak_mem_mb"] - r["grad_mb"]
+    info = machine_info()
+    cols = SWEEP_COLUMNS[:5] + [("peak_above_grads_mb", "peak MiB above inputs+grads")] + SWEEP_COLUMNS[5:]
+    md = (f"# {title} (H={H}, V={V}, fp32)\n\nMachine: {info['cpu']} ({info['cores']} cores), torch "
+          f"{info['versions']['torch']}, commit {info['git_commit']}.\n\n" + markdown_table(rows, cols) + "\n")
+    name = module + ("_quick" if args.quick else "")
+    out = write_results(name, {"machine": info, "config": base, "rows": rows}, md)
+    plot_sweep(rows, out / f"{name}.png", f"{title}, H={H}, V={V}, fp32")
+    print(md)
+    print(f"wrote {out}/{name}.{{json,md,png}}")
+
+
 SWEEP_COLUMNS = [("N", "N"), ("mode", "mode"), ("provider", "provider"), ("median_ms", "median ms"),
                  ("peak_mem_mb", "peak MiB above inputs"), ("time_vs_naive", "time / naive"),
                  ("mem_vs_naive", "memory / naive"), ("error", "error")]

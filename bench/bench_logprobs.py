@@ -7,21 +7,11 @@ TRL 1.16's tiled LM-head path (ChunkedLogProbFunction), Cut Cross-Entropy's torc
 (-CE per token) and ours (fused_linear_logprobs, the twin on CPU). Each is measured in its own process.
 """
 
-import argparse
 import sys
 
 import torch
 
-from bench._utils import (
-    SWEEP_COLUMNS,
-    machine_info,
-    markdown_table,
-    measure,
-    plot_sweep,
-    sweep,
-    worker_main,
-    write_results,
-)
+from bench._utils import measure, sweep_main, worker_main
 
 PROVIDERS = ["naive", "trl_selective", "trl_chunked", "cce_torch_compile", "grpo_fast"]
 
@@ -70,30 +60,7 @@ def measure_one(a):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--quick", action="store_true", help="small shapes (a smoke run)")
-    ap.add_argument("--providers", default=",".join(PROVIDERS))
-    ap.add_argument("--ns", default=None, help="comma-separated token counts")
-    ap.add_argument("--repeats", type=int, default=3)
-    args = ap.parse_args(argv)
-    H, V = (64, 4096) if args.quick else (1024, 151936)
-    ns = [int(x) for x in args.ns.split(",")] if args.ns else ([256, 512] if args.quick else [512, 1024, 2048])
-    base = dict(H=H, V=V, dtype="float32", repeats=args.repeats)
-    print(f"bench_logprobs: H={H} V={V} fp32, N in {ns}", flush=True)
-    rows = sweep("bench_logprobs", args.providers.split(","), ns, ["fwd", "fwd_bwd"], base)
-    for r in rows:
-        if "error" not in r:
-            r["peak_above_grads_mb"] = r["peak_mem_mb"] - r["grad_mb"]
-    info = machine_info()
-    cols = SWEEP_COLUMNS[:5] + [("peak_above_grads_mb", "peak MiB above inputs+grads")] + SWEEP_COLUMNS[5:]
-    md = (f"# Token log-probs from hidden states (H={H}, V={V}, fp32)\n\n"
-          f"Machine: {info['cpu']} ({info['cores']} cores), torch {info['versions']['torch']}, "
-          f"commit {info['git_commit']}.\n\n" + markdown_table(rows, cols) + "\n")
-    name = "bench_logprobs_quick" if args.quick else "bench_logprobs"
-    out = write_results(name, {"machine": info, "config": base, "rows": rows}, md)
-    plot_sweep(rows, out / f"{name}.png", f"Token log-probs from hidden states, H={H}, V={V}, fp32")
-    print(md)
-    print(f"wrote {out}/{name}.{{json,md,png}}")
+    sweep_main(argv, module="bench_logprobs", doc=__doc__, providers=PROVIDERS, title="Token log-probs from hidden states")
 
 
 if __name__ == "__main__":

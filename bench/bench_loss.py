@@ -6,21 +6,11 @@ Every provider computes the same TRL-semantics loss (dapo, beta 0.04 with refere
 two-sided clip) from hidden (N, H) and an LM head (V, H), each measured in its own process.
 """
 
-import argparse
 import sys
 
 import torch
 
-from bench._utils import (
-    SWEEP_COLUMNS,
-    machine_info,
-    markdown_table,
-    measure,
-    plot_sweep,
-    sweep,
-    worker_main,
-    write_results,
-)
+from bench._utils import measure, sweep_main, worker_main
 
 PROVIDERS = ["naive", "trl_selective", "trl_chunked", "liger", "grpo_fast"]
 T_LEN = 256  # completion length: N tokens are N / 256 sequences
@@ -94,30 +84,7 @@ def measure_one(a):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--quick", action="store_true", help="small shapes (a smoke run)")
-    ap.add_argument("--providers", default=",".join(PROVIDERS))
-    ap.add_argument("--ns", default=None, help="comma-separated token counts")
-    ap.add_argument("--repeats", type=int, default=3)
-    args = ap.parse_args(argv)
-    H, V = (64, 4096) if args.quick else (1024, 151936)
-    ns = [int(x) for x in args.ns.split(",")] if args.ns else ([256, 512] if args.quick else [512, 1024, 2048])
-    base = dict(H=H, V=V, dtype="float32", repeats=args.repeats)
-    print(f"bench_loss: H={H} V={V} fp32, N in {ns}", flush=True)
-    rows = sweep("bench_loss", args.providers.split(","), ns, ["fwd", "fwd_bwd"], base)
-    for r in rows:
-        if "error" not in r:
-            r["peak_above_grads_mb"] = r["peak_mem_mb"] - r["grad_mb"]
-    info = machine_info()
-    cols = SWEEP_COLUMNS[:5] + [("peak_above_grads_mb", "peak MiB above inputs+grads")] + SWEEP_COLUMNS[5:]
-    md = (f"# GRPO loss from hidden states (H={H}, V={V}, fp32, dapo, beta={BETA})\n\n"
-          f"Machine: {info['cpu']} ({info['cores']} cores), torch {info['versions']['torch']}, "
-          f"commit {info['git_commit']}.\n\n" + markdown_table(rows, cols) + "\n")
-    name = "bench_loss_quick" if args.quick else "bench_loss"
-    out = write_results(name, {"machine": info, "config": base, "rows": rows}, md)
-    plot_sweep(rows, out / f"{name}.png", f"GRPO loss from hidden states, H={H}, V={V}, fp32")
-    print(md)
-    print(f"wrote {out}/{name}.{{json,md,png}}")
+    sweep_main(argv, module="bench_loss", doc=__doc__, providers=PROVIDERS, title="GRPO loss from hidden states (dapo, beta 0.04)")
 
 
 if __name__ == "__main__":

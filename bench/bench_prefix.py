@@ -8,12 +8,22 @@ and prompt KV-cache bytes, prefilled once per prompt vs per sample. Each measure
 """
 
 import argparse
+import json
 import sys
 import time
 
 import torch
 
-from bench._utils import machine_info, markdown_table, measure, run_worker, worker_main, write_results
+from bench._utils import (
+    RESULTS,
+    machine_info,
+    machine_name,
+    markdown_table,
+    measure,
+    run_worker,
+    worker_main,
+    write_results,
+)
 
 # (P, C, G): the default CPU subset of the issue's grid P {128, 512, 2048} x C {64, 256} x G {4, 8, 16}
 CPU_GRID = [(128, 64, 4), (512, 64, 4), (512, 64, 8), (512, 64, 16), (512, 256, 8), (2048, 64, 8)]
@@ -111,12 +121,17 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="a tiny model and grid (smoke run)")
     ap.add_argument("--full", action="store_true", help="the whole P x C x G grid (slow on a CPU)")
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--kinds", default="train,generate",
+                    help="what to measure; rows of the other kind are kept from the last results file")
     args = ap.parse_args(argv)
+    kinds = args.kinds.split(",")
     grid = [(32, 8, 4), (64, 16, 8)] if args.quick else FULL_GRID if args.full else CPU_GRID
     gen_point = (32, 8, 4) if args.quick else (512, 64, 8)
-    jobs = [dict(kind="train", P=p, C=c, G=g) for p, c, g in grid]
-    jobs += [dict(kind="generate", P=gen_point[0], C=gen_point[1], G=gen_point[2])]
-    rows = []
+    jobs = [dict(kind="train", P=p, C=c, G=g) for p, c, g in grid] if "train" in kinds else []
+    jobs += [dict(kind="generate", P=gen_point[0], C=gen_point[1], G=gen_point[2])] if "generate" in kinds else []
+    name = "bench_prefix_quick" if args.quick else "bench_prefix"
+    previous = RESULTS / machine_name() / f"{name}.json"
+    rows = [r for r in json.loads(previous.read_text())["rows"] if r["kind"] not in kinds] if previous.is_file() else []
     for job in jobs:
         for shared in (False, True):
             args_ = dict(job, shared=shared, quick=args.quick, repeats=args.repeats)
@@ -141,7 +156,6 @@ def main(argv=None):
     md = (f"# Shared prefix vs unshared ({'tiny' if args.quick else '~50M'} Qwen2-shaped model, fp32, "
           f"{N_PROMPTS} prompt per group)\n\nMachine: {info['cpu']} ({info['cores']} cores), torch "
           f"{info['versions']['torch']}, commit {info['git_commit']}.\n\n" + markdown_table(rows, cols) + "\n")
-    name = "bench_prefix_quick" if args.quick else "bench_prefix"
     out = write_results(name, {"machine": info, "rows": rows}, md)
     plot(rows, out / f"{name}.png")
     print(md)

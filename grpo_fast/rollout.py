@@ -31,10 +31,37 @@ def sample_next(logits, temperature, top_p, top_k, generator):
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
+def decode(step, logits, max_new_tokens, *, temperature, top_p, top_k, eos_token_id, generator):
+    """Sample up to `max_new_tokens` per row from `logits` (rows, V); `step(tokens)` feeds the sampled tokens
+    to the model and returns the next logits. Rows stop at EOS (kept, mask 1); later tokens are padding."""
+    device, rows = logits.device, logits.shape[0]
+    eos = torch.tensor([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []), device=device)
+    pad = int(eos[0]) if eos.numel() else 0
+    out = torch.full((rows, max_new_tokens), pad, dtype=torch.long, device=device)
+    done = torch.zeros(rows, dtype=torch.bool, device=device)
+    lengths = torch.zeros(rows, dtype=torch.long, device=device)
+    for t in range(max_new_tokens):
+        tok = torch.where(done, pad, sample_next(logits, temperature, top_p, top_k, generator))
+        out[:, t] = tok
+        lengths += (~done).long()
+        if eos.numel():
+            done |= torch.isin(tok, eos)
+        if bool(done.all()) or t == max_new_tokens - 1:
+            break
+        logits = step(tok)
+    width = int(lengths.max()) if rows else 0
+    return out[:, :width], (torch.arange(width, device=device)[None, :] < lengths[:, None]).long()
+
+
+def cache_of(model_output):
+    """The KV cache of a transformers output (`cache` from 5.x on, `past_key_values` before)."""
+    return model_output.cache if hasattr(model_output, "cache") else model_output.past_key_values
+
+
 @torch.no_grad()
 def generate_groups(model, prompt_ids, prompt_mask, num_generations, max_new_tokens, *, temperature=1.0,
                     top_p=1.0, top_k=0, eos_token_id=None, generator=None):
-    """Sample `num_generations` completions for every prompt.
+    """Sample `num_generations` completions for every prompt, each prompt repeated G times (no sharing).
 
     Args:
         model: a Hugging Face causal LM.
@@ -50,31 +77,18 @@ def generate_groups(model, prompt_ids, prompt_mask, num_generations, max_new_tok
     """
     if num_generations < 1 or max_new_tokens < 1:
         raise ValueError(f"num_generations and max_new_tokens must be >= 1, got {num_generations}, {max_new_tokens}")
-    device = prompt_ids.device
-    eos = torch.tensor([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []), device=device)
     ids = prompt_ids.repeat_interleave(num_generations, 0)
     mask = prompt_mask.repeat_interleave(num_generations, 0).long()
-    pad = 0 if not eos.numel() else int(eos[0])
-    rows = ids.shape[0]
-    out = torch.full((rows, max_new_tokens), pad, dtype=torch.long, device=device)
-    done = torch.zeros(rows, dtype=torch.bool, device=device)
-    lengths = torch.zeros(rows, dtype=torch.long, device=device)
     pos = position_ids_from_mask(mask)
     res = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1)
-    cache, next_pos = res.cache if hasattr(res, "cache") else res.past_key_values, pos[:, -1:] + 1
-    logits = res.logits[:, -1]
-    for t in range(max_new_tokens):
-        tok = sample_next(logits, temperature, top_p, top_k, generator)
-        tok = torch.where(done, torch.full_like(tok, pad), tok)
-        out[:, t] = tok
-        lengths += (~done).long()
-        if eos.numel():
-            done |= torch.isin(tok, eos)
-        if bool(done.all()) or t == max_new_tokens - 1:
-            break
-        mask = torch.cat([mask, torch.ones(rows, 1, dtype=mask.dtype, device=device)], dim=1)
-        res = model(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos, cache=cache, use_cache=True)
-        cache, next_pos, logits = res.cache if hasattr(res, "cache") else res.past_key_values, next_pos + 1, res.logits[:, -1]
-    width = int(lengths.max()) if rows else 0
-    completion_mask = (torch.arange(width, device=device)[None, :] < lengths[:, None]).long()
-    return out[:, :width], completion_mask
+    state = {"cache": cache_of(res), "mask": mask, "pos": pos[:, -1:] + 1}
+
+    def step(tok):
+        state["mask"] = torch.cat([state["mask"], torch.ones_like(state["mask"][:, :1])], dim=1)
+        out = model(input_ids=tok[:, None], attention_mask=state["mask"], position_ids=state["pos"],
+                    cache=state["cache"], use_cache=True)
+        state["cache"], state["pos"] = cache_of(out), state["pos"] + 1
+        return out.logits[:, -1]
+
+    return decode(step, res.logits[:, -1], max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                  eos_token_id=eos_token_id, generator=generator)

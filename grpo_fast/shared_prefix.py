@@ -18,7 +18,8 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from .rollout import position_ids_from_mask, sample_next
+from .rollout import cache_of, decode, position_ids_from_mask
+from .rollout import generate_groups as plain_generate_groups
 
 ATTN_NAME = "grpo_fast_shared_prefix"
 _state = threading.local()  # the prefix KV of the generation in progress (one per thread)
@@ -32,9 +33,8 @@ def _partial(q, k, v, scaling, mask=None):
     s = torch.matmul(q, k.transpose(-1, -2)).float() * scaling
     if mask is not None:
         s = s.masked_fill(~mask, float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)
-    p = torch.exp(s - lse.unsqueeze(-1).clamp(min=-1e30)).nan_to_num(0.0)
-    return torch.matmul(p.to(v.dtype), v), lse
+    lse = torch.logsumexp(s, dim=-1, keepdim=True)
+    return torch.matmul(torch.exp(s - lse).to(v.dtype), v), lse
 
 
 def shared_prefix_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -47,23 +47,22 @@ def shared_prefix_attention(module, query, key, value, attention_mask, scaling=N
     h, q_len, k_len = query.shape[1], query.shape[2], key.shape[2]
     rep = h // kvh
     scaling = scaling if scaling is not None else d**-0.5
-    # 1. over the shared prefix: queries grouped by prompt, KV broadcast across the G samples and GQA heads
-    q5 = query.view(n, G, kvh, rep, q_len, d)
-    prefix_mask = st["prefix_mask"].view(n, 1, 1, 1, 1, P)
-    o_pre, lse_pre = _partial(q5, pk.view(n, 1, kvh, 1, P, d), pv.view(n, 1, kvh, 1, P, d), scaling, prefix_mask)
+    # 1. over the shared prefix: the group's G samples (and GQA's query heads) become rows of one product
+    #    with the prompt's keys, so the prompt KV is read once per group and never copied per sample
+    q_grp = query.reshape(n, G, kvh, rep, q_len, d).permute(0, 2, 1, 3, 4, 5).reshape(n, kvh, G * rep * q_len, d)
+    o_pre, lse_pre = _partial(q_grp, pk, pv, scaling, st["prefix_mask"])
+    o_pre = o_pre.view(n, kvh, G, rep, q_len, d).permute(0, 2, 1, 3, 4, 5).reshape(n * G, kvh, rep * q_len, d)
+    lse_pre = lse_pre.view(n, kvh, G, rep, q_len, 1).permute(0, 2, 1, 3, 4, 5).reshape(n * G, kvh, rep * q_len, 1)
     # 2. over its own completion, causally (the q new tokens are the last q of the k keys)
-    own_k = key.view(n * G, kvh, 1, k_len, d)
-    own_v = value.view(n * G, kvh, 1, k_len, d)
-    causal = torch.ones(q_len, k_len, dtype=torch.bool, device=query.device).tril(k_len - q_len)
-    o_own, lse_own = _partial(query.view(n * G, kvh, rep, q_len, d), own_k, own_v, scaling, causal)
+    q_own = query.reshape(n * G, kvh, rep * q_len, d)
+    causal = None
+    if q_len > 1:
+        causal = torch.ones(q_len, k_len, dtype=torch.bool, device=query.device).tril(k_len - q_len).repeat(rep, 1)
+    o_own, lse_own = _partial(q_own, key, value, scaling, causal)
     # 3. merge the two partial softmaxes through their log-sum-exps
-    lse_pre = lse_pre.view(n * G, kvh, rep, q_len)
-    o_pre = o_pre.view(n * G, kvh, rep, q_len, d)
     lse = torch.logaddexp(lse_pre, lse_own)
-    w_pre = torch.exp(lse_pre - lse).unsqueeze(-1)
-    w_own = torch.exp(lse_own - lse).unsqueeze(-1)
-    out = (o_pre.float() * w_pre + o_own.float() * w_own).to(query.dtype)
-    return out.view(n * G, h, q_len, d).transpose(1, 2).contiguous(), None
+    out = o_pre.float() * torch.exp(lse_pre - lse) + o_own.float() * torch.exp(lse_own - lse)
+    return out.to(query.dtype).reshape(n * G, h, q_len, d).transpose(1, 2).contiguous(), None
 
 
 def _no_mask(*args, **kwargs):
@@ -78,7 +77,9 @@ AttentionMaskInterface.register(ATTN_NAME, _no_mask)
 def _shared_prefix_attention(model, keys, values, prefix_mask, G):
     configs = {id(m.config): m.config for m in model.modules() if hasattr(m, "config")}.values()
     saved = [(c, c._attn_implementation) for c in configs]
-    _state.ctx = {"keys": keys, "values": values, "prefix_mask": prefix_mask.bool(), "G": G}
+    # (n, 1, 1, P) key mask of the prompts' left padding; None when no prompt is padded
+    mask = None if bool(prefix_mask.bool().all()) else prefix_mask.bool()[:, None, None, :]
+    _state.ctx = {"keys": keys, "values": values, "prefix_mask": mask, "G": G}
     for c, _ in saved:
         c._attn_implementation = ATTN_NAME
     try:
@@ -87,10 +88,6 @@ def _shared_prefix_attention(model, keys, values, prefix_mask, G):
         for c, impl in saved:
             c._attn_implementation = impl
         _state.ctx = None
-
-
-def _cache_of(out):
-    return out.cache if hasattr(out, "cache") else out.past_key_values
 
 
 @torch.no_grad()
@@ -110,47 +107,28 @@ def generate_groups(model, prompt_ids, prompt_mask, num_generations, max_new_tok
     Returns:
         (completion_ids, completion_mask), (n_prompts * G, C') with C' <= C the longest completion.
     """
+    kw = dict(temperature=temperature, top_p=top_p, top_k=top_k, eos_token_id=eos_token_id, generator=generator)
     if not share_prefix:
-        from .rollout import generate_groups as plain
-
-        return plain(model, prompt_ids, prompt_mask, num_generations, max_new_tokens, temperature=temperature,
-                     top_p=top_p, top_k=top_k, eos_token_id=eos_token_id, generator=generator)
+        return plain_generate_groups(model, prompt_ids, prompt_mask, num_generations, max_new_tokens, **kw)
     if num_generations < 1 or max_new_tokens < 1:
         raise ValueError(f"num_generations and max_new_tokens must be >= 1, got {num_generations}, {max_new_tokens}")
-    device = prompt_ids.device
     G = num_generations
-    eos = torch.tensor([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []), device=device)
-    pad = int(eos[0]) if eos.numel() else 0
-    # 1. prefill each prompt once
+    # 1. prefill each prompt once; its KV stays (n, kvh, P, d), shared by the group
     pos = position_ids_from_mask(prompt_mask)
     res = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=pos, use_cache=True, logits_to_keep=1)
-    cache = _cache_of(res)
-    keys = [layer.keys for layer in cache.layers]
-    values = [layer.values for layer in cache.layers]
-    logits = res.logits[:, -1].repeat_interleave(G, 0)
-    next_pos = (pos[:, -1:] + 1).repeat_interleave(G, 0)
-    rows = prompt_ids.shape[0] * G
-    out = torch.full((rows, max_new_tokens), pad, dtype=torch.long, device=device)
-    done = torch.zeros(rows, dtype=torch.bool, device=device)
-    lengths = torch.zeros(rows, dtype=torch.long, device=device)
-    own_cache = None
+    cache = cache_of(res)
+    keys, values = [layer.keys for layer in cache.layers], [layer.values for layer in cache.layers]
+    state = {"cache": None, "pos": (pos[:, -1:] + 1).repeat_interleave(G, 0)}
+
     # 2. decode: every sample reads the shared prompt KV and its own completion KV
+    def step(tok):
+        extra = {"cache": state["cache"]} if state["cache"] is not None else {}
+        out = model(input_ids=tok[:, None], position_ids=state["pos"], use_cache=True, **extra)
+        state["cache"], state["pos"] = cache_of(out), state["pos"] + 1
+        return out.logits[:, -1]
+
     with _shared_prefix_attention(model, keys, values, prompt_mask, G):
-        for t in range(max_new_tokens):
-            tok = sample_next(logits, temperature, top_p, top_k, generator)
-            tok = torch.where(done, torch.full_like(tok, pad), tok)
-            out[:, t] = tok
-            lengths += (~done).long()
-            if eos.numel():
-                done |= torch.isin(tok, eos)
-            if bool(done.all()) or t == max_new_tokens - 1:
-                break
-            kw = {"cache": own_cache} if own_cache is not None else {}
-            res = model(input_ids=tok[:, None], position_ids=next_pos, use_cache=True, **kw)
-            own_cache, next_pos, logits = _cache_of(res), next_pos + 1, res.logits[:, -1]
-    width = int(lengths.max()) if rows else 0
-    completion_mask = (torch.arange(width, device=device)[None, :] < lengths[:, None]).long()
-    return out[:, :width], completion_mask
+        return decode(step, res.logits[:, -1].repeat_interleave(G, 0), max_new_tokens, **kw)
 
 
 # --------------------------------------------------------------------------------------------------------
