@@ -1,6 +1,7 @@
 """The trainer end to end on the embedded tiny base model (seconds per test)."""
 
 import json
+import math
 import shutil
 
 import pytest
@@ -279,3 +280,13 @@ def test_config_file_with_flags_winning(tmp_path):
     with pytest.raises(ValueError, match=r"unknown fields \['learning_rat'\]"):
         parse_config(["--config", str(bad)])
     shutil.rmtree(tmp_path / "run", ignore_errors=True)
+
+
+def test_gradient_checkpointing_bf16_and_no_shared_prefix(tmp_path):
+    train(_cfg(tmp_path, "--gradient-checkpointing", "--dtype", "bf16", "--no-share-prefix", "--max-steps", "2",
+               "--num-iterations", "2", "--gradient-accumulation-steps", "2", "--learning-rate", "1e-3"))
+    steps = [r for r in _records(tmp_path) if "loss" in r]
+    assert [r["step"] for r in steps] == [2, 4]  # one generation batch, two optimizer updates each
+    assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in steps)
+    cfg = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert cfg["resolved"]["dtype"] == "bf16" and cfg["gradient_checkpointing"] is True
