@@ -17,6 +17,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 test: setup
+	$(VPY) -m ruff check kernels grpo_fast tests bench scripts
 	$(VPY) -m pytest tests
 
 demo: setup

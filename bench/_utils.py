@@ -34,8 +34,13 @@ def machine_info() -> dict:
                 break
     except OSError:
         pass
-    info = {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "python": platform.python_version(), "platform": platform.platform()}
+    info = {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+    }
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
     versions = {}
@@ -45,13 +50,15 @@ def machine_info() -> dict:
         except Exception:  # noqa: BLE001 - absent or broken packages are reported, not fatal
             try:
                 from importlib.metadata import version
+
                 versions[pkg] = version(pkg.replace("_", "-"))
             except Exception:  # noqa: BLE001
                 versions[pkg] = None
     info["versions"] = versions
     try:
-        info["git_commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                            text=True, check=True).stdout.strip()
+        info["git_commit"] = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout.strip()
     except Exception:  # noqa: BLE001
         info["git_commit"] = None
     return info
@@ -80,7 +87,9 @@ def _release_memory():
         torch.cuda.empty_cache()
     else:
         try:
-            ctypes.CDLL("libc.so.6").malloc_trim(0)  # hand freed heap pages back: the baseline is what is live
+            ctypes.CDLL("libc.so.6").malloc_trim(
+                0
+            )  # hand freed heap pages back: the baseline is what is live
         except OSError:
             pass
 
@@ -112,7 +121,12 @@ def time_ms(fn, device, repeats: int) -> dict:
             torch.cuda.synchronize()
         times.append((time.perf_counter() - t0) * 1e3)
     times.sort()
-    return {"median_ms": statistics.median(times), "min_ms": times[0], "max_ms": times[-1], "repeats": repeats}
+    return {
+        "median_ms": statistics.median(times),
+        "min_ms": times[0],
+        "max_ms": times[-1],
+        "repeats": repeats,
+    }
 
 
 def measure(fn, device, repeats: int) -> dict:
@@ -181,8 +195,17 @@ def sweep(module: str, providers: list[str], ns: list[int], modes: list[str], ba
                 shown = res.get("error") or f"{res['median_ms']:.1f} ms, peak {res['peak_mem_mb']:.0f} MiB"
                 print(f"  N={n:<6} {mode:<8} {p:<22} {shown}   ({time.time() - t0:.0f}s)", flush=True)
     for r in rows:  # ratios against the naive provider of the same (N, mode), same run
-        naive = next((x for x in rows if x["N"] == r["N"] and x["mode"] == r["mode"] and x["provider"] == "naive"
-                      and "error" not in x), None)
+        naive = next(
+            (
+                x
+                for x in rows
+                if x["N"] == r["N"]
+                and x["mode"] == r["mode"]
+                and x["provider"] == "naive"
+                and "error" not in x
+            ),
+            None,
+        )
         if naive and "error" not in r:
             r["time_vs_naive"] = r["median_ms"] / naive["median_ms"]
             r["mem_vs_naive"] = r["peak_mem_mb"] / max(naive["peak_mem_mb"], 1e-9)
@@ -199,16 +222,26 @@ def plot_sweep(rows: list[dict], path: Path, title: str) -> None:
     fig, axes = plt.subplots(len(modes), 2, figsize=(11, 4 * len(modes)), squeeze=False)
     for i, mode in enumerate(modes):
         for p in dict.fromkeys(r["provider"] for r in rows):
-            pts = sorted((r["N"], r["median_ms"], r["peak_mem_mb"]) for r in rows
-                         if r["mode"] == mode and r["provider"] == p and "error" not in r)
+            pts = sorted(
+                (r["N"], r["median_ms"], r["peak_mem_mb"])
+                for r in rows
+                if r["mode"] == mode and r["provider"] == p and "error" not in r
+            )
             if not pts:
                 continue
             ns, ts, ms = zip(*pts)
             axes[i][0].plot(ns, ts, marker="o", label=p)
             axes[i][1].plot(ns, ms, marker="o", label=p)
-        axes[i][0].set(title=f"{mode}: median time", xlabel="tokens N", ylabel="ms", xscale="log", yscale="log")
-        axes[i][1].set(title=f"{mode}: peak memory above inputs", xlabel="tokens N", ylabel="MiB", xscale="log",
-                       yscale="log")
+        axes[i][0].set(
+            title=f"{mode}: median time", xlabel="tokens N", ylabel="ms", xscale="log", yscale="log"
+        )
+        axes[i][1].set(
+            title=f"{mode}: peak memory above inputs",
+            xlabel="tokens N",
+            ylabel="MiB",
+            xscale="log",
+            yscale="log",
+        )
         for ax in axes[i]:
             ax.grid(True, which="both", alpha=0.3)
             ax.legend(fontsize=8)
@@ -229,7 +262,9 @@ def sweep_main(argv, *, module: str, doc: str, providers: list[str], title: str)
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args(argv)
     H, V = (64, 4096) if args.quick else (1024, 151936)
-    ns = [int(x) for x in args.ns.split(",")] if args.ns else ([256, 512] if args.quick else [512, 1024, 2048])
+    ns = (
+        [int(x) for x in args.ns.split(",")] if args.ns else ([256, 512] if args.quick else [512, 1024, 2048])
+    )
     base = dict(H=H, V=V, dtype="float32", repeats=args.repeats)
     print(f"{module}: H={H} V={V} fp32, N in {ns}", flush=True)
     rows = sweep(module, args.providers.split(","), ns, ["fwd", "fwd_bwd"], base)
@@ -238,8 +273,10 @@ def sweep_main(argv, *, module: str, doc: str, providers: list[str], title: str)
             r["peak_above_grads_mb"] = r["peak_mem_mb"] - r["grad_mb"]
     info = machine_info()
     cols = SWEEP_COLUMNS[:5] + [("peak_above_grads_mb", "peak MiB above inputs+grads")] + SWEEP_COLUMNS[5:]
-    md = (f"# {title} (H={H}, V={V}, fp32)\n\nMachine: {info['cpu']} ({info['cores']} cores), torch "
-          f"{info['versions']['torch']}, commit {info['git_commit']}.\n\n" + markdown_table(rows, cols) + "\n")
+    md = (
+        f"# {title} (H={H}, V={V}, fp32)\n\nMachine: {info['cpu']} ({info['cores']} cores), torch "
+        f"{info['versions']['torch']}, commit {info['git_commit']}.\n\n" + markdown_table(rows, cols) + "\n"
+    )
     name = module + ("_quick" if args.quick else "")
     out = write_results(name, {"machine": info, "config": base, "rows": rows}, md)
     plot_sweep(rows, out / f"{name}.png", f"{title}, H={H}, V={V}, fp32")
@@ -247,6 +284,13 @@ def sweep_main(argv, *, module: str, doc: str, providers: list[str], title: str)
     print(f"wrote {out}/{name}.{{json,md,png}}")
 
 
-SWEEP_COLUMNS = [("N", "N"), ("mode", "mode"), ("provider", "provider"), ("median_ms", "median ms"),
-                 ("peak_mem_mb", "peak MiB above inputs"), ("time_vs_naive", "time / naive"),
-                 ("mem_vs_naive", "memory / naive"), ("error", "error")]
+SWEEP_COLUMNS = [
+    ("N", "N"),
+    ("mode", "mode"),
+    ("provider", "provider"),
+    ("median_ms", "median ms"),
+    ("peak_mem_mb", "peak MiB above inputs"),
+    ("time_vs_naive", "time / naive"),
+    ("mem_vs_naive", "memory / naive"),
+    ("error", "error"),
+]

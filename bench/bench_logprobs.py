@@ -21,15 +21,19 @@ def make_provider(name, h, w, tgt):
         return lambda: torch.log_softmax((h @ w.T).float(), -1).gather(-1, tgt[:, None]).squeeze(-1)
     if name == "trl_selective":
         from trl.trainer.utils import selective_log_softmax
+
         return lambda: selective_log_softmax(h @ w.T, tgt)
     if name == "trl_chunked":
         from trl.kernels.chunked_logprob import ChunkedLogProbFunction
+
         return lambda: ChunkedLogProbFunction.apply(h, w, None, tgt, 1.0, 32768, None, 1.0, ())[0]
     if name == "cce_torch_compile":
         from cut_cross_entropy import linear_cross_entropy
+
         return lambda: -linear_cross_entropy(h, w, tgt, reduction="none", impl="torch_compile")
     if name == "grpo_fast":
         from grpo_fast.kernels import fused_linear_logprobs
+
         return lambda: fused_linear_logprobs(h, w, tgt)
     raise ValueError(f"unknown provider {name!r}")
 
@@ -47,20 +51,29 @@ def measure_one(a):
     fn = make_provider(a["provider"], h, w, tgt)
 
     if grad:
+
         def step():
             fn().float().backward(up)
             h.grad = w.grad = None  # freed after the step: the next baseline holds inputs only
     else:
+
         def step():
             with torch.no_grad():
                 fn()
+
     res = measure(step, device, a["repeats"])
     res["grad_mb"] = (h.numel() + w.numel()) * h.element_size() / 2**20 if grad else 0.0
     return res
 
 
 def main(argv=None):
-    sweep_main(argv, module="bench_logprobs", doc=__doc__, providers=PROVIDERS, title="Token log-probs from hidden states")
+    sweep_main(
+        argv,
+        module="bench_logprobs",
+        doc=__doc__,
+        providers=PROVIDERS,
+        title="Token log-probs from hidden states",
+    )
 
 
 if __name__ == "__main__":

@@ -29,28 +29,46 @@ def trl_loss(logps, old, ref, adv, mask):
 def make_provider(name, h, w, tgt, mask, adv, old, ref):
     B, T, H = h.shape
     if name == "naive":
-        return lambda: trl_loss(torch.log_softmax((h @ w.T).float(), -1).gather(-1, tgt[..., None]).squeeze(-1),
-                                old, ref, adv, mask)
+        return lambda: trl_loss(
+            torch.log_softmax((h @ w.T).float(), -1).gather(-1, tgt[..., None]).squeeze(-1),
+            old,
+            ref,
+            adv,
+            mask,
+        )
     if name == "trl_selective":
         from trl.trainer.utils import selective_log_softmax
+
         return lambda: trl_loss(selective_log_softmax(h @ w.T, tgt), old, ref, adv, mask)
     if name == "trl_chunked":
         from trl.kernels.chunked_logprob import ChunkedLogProbFunction
 
         def f():
-            lp = ChunkedLogProbFunction.apply(h.reshape(-1, H), w, None, tgt.reshape(-1), 1.0, 32768, None, 1.0, ())
+            lp = ChunkedLogProbFunction.apply(
+                h.reshape(-1, H), w, None, tgt.reshape(-1), 1.0, 32768, None, 1.0, ()
+            )
             return trl_loss(lp[0].view(B, T), old, ref, adv, mask)
+
         return f
     if name == "liger":
         from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+
         # compiled=False on CPU: torch.compile of Liger's chunk function takes minutes on 2 cores
-        lg = LigerFusedLinearGRPOLoss(beta=BETA, compiled=h.is_cuda, use_ref_model=True, epsilon_low=EPS,
-                                      epsilon_high=EPS, loss_type="dapo")
+        lg = LigerFusedLinearGRPOLoss(
+            beta=BETA,
+            compiled=h.is_cuda,
+            use_ref_model=True,
+            epsilon_low=EPS,
+            epsilon_high=EPS,
+            loss_type="dapo",
+        )
         return lambda: lg(h, w, tgt, mask, adv, ref_per_token_logps=ref, old_per_token_logps=old)[0]
     if name == "grpo_fast":
         from grpo_fast.kernels import fused_linear_grpo_loss
-        return lambda: fused_linear_grpo_loss(h, w, tgt, mask, adv, old_logps=old, ref_logps=ref, beta=BETA,
-                                              epsilon_low=EPS, loss_type="dapo")[0]
+
+        return lambda: fused_linear_grpo_loss(
+            h, w, tgt, mask, adv, old_logps=old, ref_logps=ref, beta=BETA, epsilon_low=EPS, loss_type="dapo"
+        )[0]
     raise ValueError(f"unknown provider {name!r}")
 
 
@@ -71,20 +89,29 @@ def measure_one(a):
     loss_fn = make_provider(a["provider"], h, w, tgt, mask, adv, old, ref)
 
     if a["mode"] == "fwd":
+
         def step():
             with torch.no_grad():
                 loss_fn()
     else:
+
         def step():
             loss_fn().backward()
             h.grad = w.grad = None  # freed after the step: the next baseline holds inputs only
+
     res = measure(step, device, a["repeats"])
     res["grad_mb"] = (h.numel() + w.numel()) * h.element_size() / 2**20 if a["mode"] == "fwd_bwd" else 0.0
     return res
 
 
 def main(argv=None):
-    sweep_main(argv, module="bench_loss", doc=__doc__, providers=PROVIDERS, title="GRPO loss from hidden states (dapo, beta 0.04)")
+    sweep_main(
+        argv,
+        module="bench_loss",
+        doc=__doc__,
+        providers=PROVIDERS,
+        title="GRPO loss from hidden states (dapo, beta 0.04)",
+    )
 
 
 if __name__ == "__main__":

@@ -36,12 +36,26 @@ def make_model(quick: bool):
 
     torch.manual_seed(0)
     if quick:
-        cfg = Qwen2Config(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
+        cfg = Qwen2Config(
+            vocab_size=1024,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=4096,
+        )
     else:  # ~50M parameters, Qwen2-shaped (GQA, tied embeddings)
-        cfg = Qwen2Config(vocab_size=32768, hidden_size=512, intermediate_size=1408, num_hidden_layers=10,
-                          num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=4096,
-                          tie_word_embeddings=True)
+        cfg = Qwen2Config(
+            vocab_size=32768,
+            hidden_size=512,
+            intermediate_size=1408,
+            num_hidden_layers=10,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            max_position_embeddings=4096,
+            tie_word_embeddings=True,
+        )
     cfg._attn_implementation = "sdpa"
     return Qwen2ForCausalLM(cfg)
 
@@ -71,6 +85,7 @@ def measure_one(a):
             h = completion_hidden_states(model, *batch, share_prefix=shared)
             h.float().square().mean().backward()
             model.zero_grad(set_to_none=True)  # freed after the step: the next baseline holds inputs only
+
         res = measure(step, device, a["repeats"])
         res["tokens"] = N_PROMPTS * G * (P + C)
         res["tokens_per_s"] = res["tokens"] / (res["median_ms"] / 1e3)
@@ -81,10 +96,15 @@ def measure_one(a):
     gen = torch.Generator().manual_seed(0)
 
     def step():
-        generate_groups(model, prompt_ids, prompt_mask, G, C, temperature=1.0, share_prefix=shared, generator=gen)
+        generate_groups(
+            model, prompt_ids, prompt_mask, G, C, temperature=1.0, share_prefix=shared, generator=gen
+        )
+
     res = measure(step, device, a["repeats"])
     cfg = model.config
-    kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 4
+    kv_per_token = (
+        2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 4
+    )
     res["prompt_kv_bytes"] = kv_per_token * P * (N_PROMPTS if shared else N_PROMPTS * G)
     res["completion_kv_bytes"] = kv_per_token * C * N_PROMPTS * G
     res["tokens_per_s"] = N_PROMPTS * G * C / (res["median_ms"] / 1e3)
@@ -101,11 +121,17 @@ def plot(rows, path):
     labels = sorted({(r["P"], r["C"], r["G"]) for r in train})
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     xs = range(len(labels))
-    for k, (key, title) in enumerate([("median_ms", "training fwd+bwd time (ms)"),
-                                      ("peak_mem_mb", "training peak memory above inputs (MiB)")]):
+    for k, (key, title) in enumerate(
+        [
+            ("median_ms", "training fwd+bwd time (ms)"),
+            ("peak_mem_mb", "training peak memory above inputs (MiB)"),
+        ]
+    ):
         for off, shared, name in ((-0.2, False, "unshared"), (0.2, True, "shared prefix")):
-            vals = [next((r[key] for r in train if (r["P"], r["C"], r["G"]) == lab and r["shared"] == shared), 0)
-                    for lab in labels]
+            vals = [
+                next((r[key] for r in train if (r["P"], r["C"], r["G"]) == lab and r["shared"] == shared), 0)
+                for lab in labels
+            ]
             axes[k].bar([x + off for x in xs], vals, width=0.4, label=name)
         axes[k].set_xticks(list(xs), [f"P{p}\nC{c} G{g}" for p, c, g in labels], fontsize=8)
         axes[k].set(title=title)
@@ -121,17 +147,26 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="a tiny model and grid (smoke run)")
     ap.add_argument("--full", action="store_true", help="the whole P x C x G grid (slow on a CPU)")
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--kinds", default="train,generate",
-                    help="what to measure; rows of the other kind are kept from the last results file")
+    ap.add_argument(
+        "--kinds",
+        default="train,generate",
+        help="what to measure; rows of the other kind are kept from the last results file",
+    )
     args = ap.parse_args(argv)
     kinds = args.kinds.split(",")
     grid = [(32, 8, 4), (64, 16, 8)] if args.quick else FULL_GRID if args.full else CPU_GRID
     gen_point = (32, 8, 4) if args.quick else (512, 64, 8)
     jobs = [dict(kind="train", P=p, C=c, G=g) for p, c, g in grid] if "train" in kinds else []
-    jobs += [dict(kind="generate", P=gen_point[0], C=gen_point[1], G=gen_point[2])] if "generate" in kinds else []
+    jobs += (
+        [dict(kind="generate", P=gen_point[0], C=gen_point[1], G=gen_point[2])] if "generate" in kinds else []
+    )
     name = "bench_prefix_quick" if args.quick else "bench_prefix"
     previous = RESULTS / machine_name() / f"{name}.json"
-    rows = [r for r in json.loads(previous.read_text())["rows"] if r["kind"] not in kinds] if previous.is_file() else []
+    rows = (
+        [r for r in json.loads(previous.read_text())["rows"] if r["kind"] not in kinds]
+        if previous.is_file()
+        else []
+    )
     for job in jobs:
         for shared in (False, True):
             args_ = dict(job, shared=shared, quick=args.quick, repeats=args.repeats)
@@ -139,23 +174,50 @@ def main(argv=None):
             res = run_worker("bench_prefix", args_)
             rows.append(dict(args_, **res))
             shown = res.get("error") or f"{res['median_ms']:.0f} ms, peak {res['peak_mem_mb']:.0f} MiB"
-            print(f"  {job['kind']:<8} P={job['P']:<5} C={job['C']:<4} G={job['G']:<3} shared={shared!s:<5} "
-                  f"{shown}  ({time.time() - t0:.0f}s)", flush=True)
+            print(
+                f"  {job['kind']:<8} P={job['P']:<5} C={job['C']:<4} G={job['G']:<3} shared={shared!s:<5} "
+                f"{shown}  ({time.time() - t0:.0f}s)",
+                flush=True,
+            )
     for r in rows:  # speedups against the unshared run of the same point
-        base = next((x for x in rows if x["kind"] == r["kind"] and (x["P"], x["C"], x["G"]) == (r["P"], r["C"], r["G"])
-                     and not x["shared"] and "error" not in x), None)
+        base = next(
+            (
+                x
+                for x in rows
+                if x["kind"] == r["kind"]
+                and (x["P"], x["C"], x["G"]) == (r["P"], r["C"], r["G"])
+                and not x["shared"]
+                and "error" not in x
+            ),
+            None,
+        )
         if base and "error" not in r:
             r["speedup"] = base["median_ms"] / r["median_ms"]
             r["mem_ratio"] = r["peak_mem_mb"] / max(base["peak_mem_mb"], 1e-9)
-            r["theory"] = r["G"] * (r["P"] + r["C"]) / (r["P"] + r["G"] * r["C"]) if r["kind"] == "train" else None
+            r["theory"] = (
+                r["G"] * (r["P"] + r["C"]) / (r["P"] + r["G"] * r["C"]) if r["kind"] == "train" else None
+            )
     info = machine_info()
-    cols = [("kind", "kind"), ("P", "P"), ("C", "C"), ("G", "G"), ("shared", "shared"), ("median_ms", "median ms"),
-            ("peak_mem_mb", "peak MiB"), ("tokens_per_s", "tokens/s"), ("speedup", "speedup"),
-            ("theory", "token ratio G(P+C)/(P+GC)"), ("mem_ratio", "memory / unshared"),
-            ("prompt_kv_bytes", "prompt KV bytes"), ("error", "error")]
-    md = (f"# Shared prefix vs unshared ({'tiny' if args.quick else '~50M'} Qwen2-shaped model, fp32, "
-          f"{N_PROMPTS} prompt per group)\n\nMachine: {info['cpu']} ({info['cores']} cores), torch "
-          f"{info['versions']['torch']}, commit {info['git_commit']}.\n\n" + markdown_table(rows, cols) + "\n")
+    cols = [
+        ("kind", "kind"),
+        ("P", "P"),
+        ("C", "C"),
+        ("G", "G"),
+        ("shared", "shared"),
+        ("median_ms", "median ms"),
+        ("peak_mem_mb", "peak MiB"),
+        ("tokens_per_s", "tokens/s"),
+        ("speedup", "speedup"),
+        ("theory", "token ratio G(P+C)/(P+GC)"),
+        ("mem_ratio", "memory / unshared"),
+        ("prompt_kv_bytes", "prompt KV bytes"),
+        ("error", "error"),
+    ]
+    md = (
+        f"# Shared prefix vs unshared ({'tiny' if args.quick else '~50M'} Qwen2-shaped model, fp32, "
+        f"{N_PROMPTS} prompt per group)\n\nMachine: {info['cpu']} ({info['cores']} cores), torch "
+        f"{info['versions']['torch']}, commit {info['git_commit']}.\n\n" + markdown_table(rows, cols) + "\n"
+    )
     out = write_results(name, {"machine": info, "rows": rows}, md)
     plot(rows, out / f"{name}.png")
     print(md)

@@ -66,8 +66,10 @@ def correctness(shape, dtype, device, impl):
         grads[which] = (lp.detach(), h.grad, w.grad)
     for name, a, b in zip(("logp", "d hidden", "d weight"), grads[impl], grads["torch"]):
         out[f"logprobs {name} max abs diff"] = (a.float() - b.float()).abs().max().item()
-    losses = {which: fused_linear_grpo_loss(hidden, weight, targets, mask, adv, impl=which)[0].item()
-              for which in (impl, "torch")}
+    losses = {
+        which: fused_linear_grpo_loss(hidden, weight, targets, mask, adv, impl=which)[0].item()
+        for which in (impl, "torch")
+    }
     out["loss triton"], out["loss twin"] = losses[impl], losses["torch"]
     return out
 
@@ -100,6 +102,7 @@ def speed(shape, dtype, device, dry):
         def liger():
             lg(h, w, targets, mask, adv)[0].backward()
             h.grad = w.grad = None
+
         providers["liger"] = liger
     except Exception as exc:  # noqa: BLE001 - absent on the GPU machine unless wheels were carried
         print(f"liger-kernel not available, skipped ({type(exc).__name__}: {exc})", flush=True)
@@ -124,28 +127,47 @@ def e2e_prefix(device, dry):
     from grpo_fast.modeling import completion_hidden_states
 
     if dry:
-        cfg = Qwen2Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2)
+        cfg = Qwen2Config(
+            vocab_size=512,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        )
         P, C, G, n = 32, 8, 4, 1
     else:  # Qwen2.5-0.5B's shape
-        cfg = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                          num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True)
+        cfg = Qwen2Config(
+            vocab_size=151936,
+            hidden_size=896,
+            intermediate_size=4864,
+            num_hidden_layers=24,
+            num_attention_heads=14,
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+        )
         P, C, G, n = 512, 128, 8, 2
     cfg._attn_implementation = "sdpa"
     dtype = torch.float32 if dry else torch.bfloat16
     model = Qwen2ForCausalLM(cfg).to(device=device, dtype=dtype)
     g = torch.Generator(device=device).manual_seed(0)
-    batch = (torch.randint(2, cfg.vocab_size, (n, P), device=device, generator=g),
-             torch.ones(n, P, dtype=torch.long, device=device),
-             torch.randint(2, cfg.vocab_size, (n * G, C), device=device, generator=g),
-             torch.ones(n * G, C, dtype=torch.long, device=device))
+    batch = (
+        torch.randint(2, cfg.vocab_size, (n, P), device=device, generator=g),
+        torch.ones(n, P, dtype=torch.long, device=device),
+        torch.randint(2, cfg.vocab_size, (n * G, C), device=device, generator=g),
+        torch.ones(n * G, C, dtype=torch.long, device=device),
+    )
     rows = []
     for shared in (False, True):
+
         def step():
             completion_hidden_states(model, *batch, share_prefix=shared).float().square().mean().backward()
             model.zero_grad(set_to_none=True)
+
         ms, peak = _bench(step, dry)
-        rows.append({"shared_prefix": shared, "ms": ms, "peak_mib": peak, "P": P, "C": C, "G": G, "prompts": n})
+        rows.append(
+            {"shared_prefix": shared, "ms": ms, "peak_mib": peak, "P": P, "C": C, "G": G, "prompts": n}
+        )
     return rows
 
 
@@ -163,9 +185,11 @@ def main(argv=None):
     from bench._utils import machine_info
 
     result = {"machine": machine_info(), "dry_run": dry, "shape_NHV": shape, "dtype": str(dtype)}
-    sections = [("correctness", lambda: correctness(shape, dtype, device, "triton")),
-                ("speed", lambda: speed(shape, dtype, device, dry)),
-                ("e2e_prefix", lambda: e2e_prefix(device, dry))]
+    sections = [
+        ("correctness", lambda: correctness(shape, dtype, device, "triton")),
+        ("speed", lambda: speed(shape, dtype, device, dry)),
+        ("e2e_prefix", lambda: e2e_prefix(device, dry)),
+    ]
     for name, fn in sections:
         t0 = time.time()
         try:
@@ -174,20 +198,47 @@ def main(argv=None):
             result[name] = {"error": traceback.format_exc()[-2000:]}
         print(f"{name}: {time.time() - t0:.0f}s", flush=True)
         (out / "gpu_suite.json").write_text(json.dumps(result, indent=2, default=str))
-    lines = [f"# GPU suite{' (dry run, CPU)' if dry else ''}", "", f"Machine: {json.dumps(result['machine'])}", "",
-             f"Shape N, H, V = {shape}, {dtype}.", "", "## Correctness (Triton vs twin)", "",
-             "```", json.dumps(result["correctness"], indent=2), "```", "", "## Speed (fwd+bwd of the GRPO loss)", ""]
+    lines = [
+        f"# GPU suite{' (dry run, CPU)' if dry else ''}",
+        "",
+        f"Machine: {json.dumps(result['machine'])}",
+        "",
+        f"Shape N, H, V = {shape}, {dtype}.",
+        "",
+        "## Correctness (Triton vs twin)",
+        "",
+        "```",
+        json.dumps(result["correctness"], indent=2),
+        "```",
+        "",
+        "## Speed (fwd+bwd of the GRPO loss)",
+        "",
+    ]
     if isinstance(result["speed"], tuple | list) and len(result["speed"]) == 2:
         rows, peak = result["speed"]
-        lines += [f"bf16 matmul peak measured: {peak:.0f} TFLOP/s", "", "| provider | ms | peak MiB | TFLOP/s |",
-                  "|---|---|---|---|"]
-        lines += [f"| {r['provider']} | {r.get('ms', float('nan')):.2f} | {r.get('peak_mib', float('nan')):.0f} | "
-                  f"{r.get('tflops', float('nan')):.1f} |" if "error" not in r else f"| {r['provider']} | {r['error']} |"
-                  for r in rows]
+        lines += [
+            f"bf16 matmul peak measured: {peak:.0f} TFLOP/s",
+            "",
+            "| provider | ms | peak MiB | TFLOP/s |",
+            "|---|---|---|---|",
+        ]
+        lines += [
+            f"| {r['provider']} | {r.get('ms', float('nan')):.2f} | {r.get('peak_mib', float('nan')):.0f} | "
+            f"{r.get('tflops', float('nan')):.1f} |"
+            if "error" not in r
+            else f"| {r['provider']} | {r['error']} |"
+            for r in rows
+        ]
     else:
         lines += ["```", str(result["speed"]), "```"]
-    lines += ["", "## Training step, shared prefix vs unshared", "", "```", json.dumps(result["e2e_prefix"], indent=2),
-              "```"]
+    lines += [
+        "",
+        "## Training step, shared prefix vs unshared",
+        "",
+        "```",
+        json.dumps(result["e2e_prefix"], indent=2),
+        "```",
+    ]
     (out / "report.md").write_text("\n".join(lines) + "\n")
     print(f"wrote {out}/gpu_suite.json and {out}/report.md")
 

@@ -27,8 +27,18 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def save_checkpoint(out_dir: Path, step: int, model, tokenizer, optimizer, scheduler, sampler_state: dict,
-                    generator: torch.Generator, extra: dict, keep: int) -> Path:
+def save_checkpoint(
+    out_dir: Path,
+    step: int,
+    model,
+    tokenizer,
+    optimizer,
+    scheduler,
+    sampler_state: dict,
+    generator: torch.Generator,
+    extra: dict,
+    keep: int,
+) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     final = out_dir / f"checkpoint-{step}"
     tmp = Path(tempfile.mkdtemp(prefix=f".checkpoint-{step}-", dir=out_dir))
@@ -36,12 +46,23 @@ def save_checkpoint(out_dir: Path, step: int, model, tokenizer, optimizer, sched
         model.save_pretrained(tmp, safe_serialization=True)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-        torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, tmp / "optimizer.pt")
-        torch.save({"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-                    "generator": generator.get_state(),
-                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}, tmp / "rng.pt")
+        torch.save(
+            {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, tmp / "optimizer.pt"
+        )
+        torch.save(
+            {
+                "python": random.getstate(),
+                "numpy": np.random.get_state(),
+                "torch": torch.get_rng_state(),
+                "generator": generator.get_state(),
+                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+            },
+            tmp / "rng.pt",
+        )
         state = {"step": step, "sampler": sampler_state, **extra}
-        (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2))  # last: marks the checkpoint whole
+        (tmp / "trainer_state.json").write_text(
+            json.dumps(state, indent=2)
+        )  # last: marks the checkpoint whole
         for f in tmp.iterdir():
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())

@@ -29,14 +29,21 @@ class GRPOConfig:
     lora_target_modules: str = _f("all-linear", "LoRA target modules (comma-separated names or all-linear)")
     dataset: str = _f("", "local JSONL/JSON/CSV/Parquet file or Hub dataset name; empty = the embedded task")
     dataset_split: str = _f("train", "split of a Hub dataset")
-    eval_dataset: str = _f("", "held-out prompts (file or Hub name); empty = none (embedded task: its eval split)")
+    eval_dataset: str = _f(
+        "", "held-out prompts (file or Hub name); empty = none (embedded task: its eval split)"
+    )
     eval_split: str = _f("test", "split of a Hub eval dataset")
     max_prompt_length: int = _f(512, "prompts are cut to their last N tokens")
     # --- rewards ---
-    reward: list = _f(None, "reward function: built-in name or path/file.py:func (repeatable)", action="append")
+    reward: list = _f(
+        None, "reward function: built-in name or path/file.py:func (repeatable)", action="append"
+    )
     reward_weights: list = _f(None, "one weight per reward function (default 1 each)", nargs="+", type=float)
-    on_reward_error: str = _f("raise", "a failing reward function stops training, or its samples are dropped",
-                              choices=("raise", "skip"))
+    on_reward_error: str = _f(
+        "raise",
+        "a failing reward function stops training, or its samples are dropped",
+        choices=("raise", "skip"),
+    )
     # --- generation ---
     num_generations: int = _f(8, "completions per prompt (the group size G)")
     prompts_per_step: int = _f(8, "prompts per optimizer step (each yields num_generations completions)")
@@ -44,15 +51,18 @@ class GRPOConfig:
     temperature: float = _f(1.0, "sampling temperature (also divides the logits in the loss)")
     top_p: float = _f(1.0, "nucleus sampling threshold")
     top_k: int = _f(0, "top-k sampling (0 = off)")
-    share_prefix: bool = _f(True, "prefill and train each prompt once per group (exact; see shared_prefix.py)")
+    share_prefix: bool = _f(
+        True, "prefill and train each prompt once per group (exact; see shared_prefix.py)"
+    )
     # --- GRPO ---
     beta: float = _f(0.0, "KL coefficient (k3 estimator against the reference model)")
     epsilon: float = _f(0.2, "lower clip epsilon")
     epsilon_high: float = _f(None, "upper clip epsilon (default: epsilon)", type=float)
     loss_type: str = _f("dapo", "loss normalization", choices=("grpo", "bnpo", "dr_grpo", "dapo"))
     scale_rewards: str = _f("group", "advantage scaling", choices=("group", "batch", "none"))
-    importance_sampling_level: str = _f("token", "importance ratio per token or per sequence (GSPO)",
-                                        choices=("token", "sequence"))
+    importance_sampling_level: str = _f(
+        "token", "importance ratio per token or per sequence (GSPO)", choices=("token", "sequence")
+    )
     num_iterations: int = _f(1, "optimizer passes over each generated batch (mu)")
     mask_truncated_completions: bool = _f(False, "exclude completions that hit max_completion_length")
     # --- optimization ---
@@ -63,7 +73,9 @@ class GRPOConfig:
     max_grad_norm: float = _f(1.0, "gradient clipping norm")
     warmup_ratio: float = _f(0.0, "fraction of max_steps with linear warmup")
     lr_scheduler_type: str = _f("linear", "decay after warmup", choices=("linear", "cosine", "constant"))
-    gradient_accumulation_steps: int = _f(1, "micro-batches per optimizer step (prompts_per_step splits evenly)")
+    gradient_accumulation_steps: int = _f(
+        1, "micro-batches per optimizer step (prompts_per_step splits evenly)"
+    )
     max_steps: int = _f(100, "optimizer steps")
     seed: int = _f(42, "random seed")
     # --- output ---
@@ -80,9 +92,19 @@ class GRPOConfig:
 
 # The embedded default task: a tiny base model learns in minutes on a CPU with these.
 DEFAULT_TASK_PRESET = dict(
-    reward=["shop_answer"], num_generations=8, prompts_per_step=16, max_completion_length=20, max_prompt_length=32,
-    learning_rate=1e-4, warmup_ratio=0.02, lr_scheduler_type="constant", max_steps=400, eval_steps=25,
-    eval_max_samples=128, save_steps=100, time_budget_s=280.0,
+    reward=["shop_answer"],
+    num_generations=8,
+    prompts_per_step=16,
+    max_completion_length=20,
+    max_prompt_length=32,
+    learning_rate=1e-4,
+    warmup_ratio=0.02,
+    lr_scheduler_type="constant",
+    max_steps=400,
+    eval_steps=25,
+    eval_max_samples=128,
+    save_steps=100,
+    time_budget_s=280.0,
 )
 
 
@@ -94,8 +116,11 @@ def _field_type(f):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="grpo-fast train", description="GRPO training on fused kernels.",
-                                argument_default=argparse.SUPPRESS)
+    p = argparse.ArgumentParser(
+        prog="grpo-fast train",
+        description="GRPO training on fused kernels.",
+        argument_default=argparse.SUPPRESS,
+    )
     p.add_argument("--config", help="YAML or JSON file of config fields (flags override it)")
     for f in dataclasses.fields(GRPOConfig):
         meta = dict(f.metadata)
@@ -135,14 +160,24 @@ def validate(cfg: GRPOConfig) -> GRPOConfig:
         choices = f.metadata.get("choices")
         if choices and getattr(cfg, f.name) not in choices:
             raise ValueError(f"{f.name} must be one of {choices}, got {getattr(cfg, f.name)!r}")
-    positive = ("num_generations", "prompts_per_step", "max_completion_length", "max_prompt_length", "max_steps",
-                "num_iterations", "gradient_accumulation_steps", "logging_steps")
+    positive = (
+        "num_generations",
+        "prompts_per_step",
+        "max_completion_length",
+        "max_prompt_length",
+        "max_steps",
+        "num_iterations",
+        "gradient_accumulation_steps",
+        "logging_steps",
+    )
     for name in positive:
         if getattr(cfg, name) < 1:
             raise ValueError(f"{name} must be >= 1, got {getattr(cfg, name)}")
     if cfg.prompts_per_step % cfg.gradient_accumulation_steps:
-        raise ValueError(f"prompts_per_step ({cfg.prompts_per_step}) must be divisible by "
-                         f"gradient_accumulation_steps ({cfg.gradient_accumulation_steps})")
+        raise ValueError(
+            f"prompts_per_step ({cfg.prompts_per_step}) must be divisible by "
+            f"gradient_accumulation_steps ({cfg.gradient_accumulation_steps})"
+        )
     if cfg.temperature <= 0:
         raise ValueError(f"temperature must be > 0 for sampling, got {cfg.temperature}")
     if not 0 < cfg.top_p <= 1:
@@ -150,8 +185,10 @@ def validate(cfg: GRPOConfig) -> GRPOConfig:
     if cfg.learning_rate <= 0:
         raise ValueError(f"learning_rate must be > 0, got {cfg.learning_rate}")
     if cfg.reward_weights is not None and len(cfg.reward_weights) != len(cfg.reward or []):
-        raise ValueError(f"reward_weights has {len(cfg.reward_weights)} values for {len(cfg.reward or [])} "
-                         "reward functions")
+        raise ValueError(
+            f"reward_weights has {len(cfg.reward_weights)} values for {len(cfg.reward or [])} "
+            "reward functions"
+        )
     if not cfg.reward:
         raise ValueError("no reward function: pass --reward NAME or --reward path/file.py:func")
     return cfg

@@ -35,7 +35,9 @@ def load_rows(spec: str, split: str, what: str = "--dataset") -> list[dict]:
         try:
             ds = datasets.load_dataset(spec, split=split)
         except Exception as exc:  # noqa: BLE001 - offline, missing, private: say which and why
-            raise ValueError(f"{what} {spec!r}: could not load it as a Hub dataset ({type(exc).__name__}: {exc})")
+            raise ValueError(
+                f"{what} {spec!r}: could not load it as a Hub dataset ({type(exc).__name__}: {exc})"
+            )
     if "prompt" not in ds.column_names:
         raise ValueError(f"{what} {spec!r}: no 'prompt' column (columns: {ds.column_names})")
     if len(ds) == 0:
@@ -55,11 +57,14 @@ def render_prompt(prompt, tokenizer) -> str:
     """Text the model sees: the chat template (with the generation prompt) when there is one."""
     if isinstance(prompt, list):
         if not getattr(tokenizer, "chat_template", None):
-            raise ValueError("a conversational prompt (list of messages) needs a tokenizer with a chat template")
+            raise ValueError(
+                "a conversational prompt (list of messages) needs a tokenizer with a chat template"
+            )
         return tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
     if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template([{"role": "user", "content": str(prompt)}], add_generation_prompt=True,
-                                             tokenize=False)
+        return tokenizer.apply_chat_template(
+            [{"role": "user", "content": str(prompt)}], add_generation_prompt=True, tokenize=False
+        )
     return str(prompt)
 
 

@@ -1,14 +1,16 @@
 """The embedded default task: "A shop has 6 boxes of 8 items and sells 6 . How many items are left ?" -> 42.
 
-Problems are (a, b, c) with a, b in 2..9 and 1 <= c <= min(9, a*b - 1); the answer is a*b - c. A fixed split
-puts every problem in exactly one of: pretraining (the base model's corpus), GRPO training prompts, and held-out
-evaluation. Held-out problems are chosen so that their two facts (a * b and P - c) occur in the other splits,
-so a model can get them right by composing what it saw, never by recalling the problem.
+Problems are (a, b, c) with a, b in 2..9 and 1 <= c <= min(9, a*b - 1); the answer is a*b - c. A fixed
+split holds 64 problems out: neither the base model's pretraining corpus nor GRPO ever sees them. Each
+held-out problem's two facts (a * b and P - c) are taught by training problems, so a model can get it right
+by composing what it saw, never by recalling it. The training problems are both the pretraining corpus's
+subject and GRPO's prompts, as a real base model has seen text of the kind its RL prompts are made of.
 
-The base model (built by `scripts/build_base_model.py`, shipped in `grpo_fast/assets/shop-base`) learned from a
-deliberately noisy teacher: the right chain of thought 25% of the time, a systematic slip (answering one too
-many) 55%, and other mistakes 20%. It therefore knows the format and the procedure but its greedy answer is
-usually the slip; sampling finds the right answer about a quarter of the time, which is what GRPO can amplify.
+The base model (built by `scripts/build_base_model.py`, shipped in `grpo_fast/assets/shop-base`) learned
+from a deliberately noisy teacher: the right chain of thought 25% of the time, a systematic slip (answering
+one too many) 55%, and other mistakes 20%. It therefore knows the format and the procedure but its greedy
+answer is usually the slip; sampling finds the right answer about a quarter of the time, which is what GRPO
+can amplify.
 """
 
 import random

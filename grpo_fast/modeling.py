@@ -38,13 +38,25 @@ def load_model_and_tokenizer(cfg, device):
 
         targets = cfg.lora_target_modules
         targets = targets if targets == "all-linear" else [t.strip() for t in targets.split(",")]
-        model = get_peft_model(model, LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha,
-                                                 lora_dropout=cfg.lora_dropout, target_modules=targets,
-                                                 task_type="CAUSAL_LM"))
-    info = {"model": path, "lora": lora, "dtype": cfg.dtype, "device": str(device),
-            "attn_implementation": getattr(model.config, "_attn_implementation", None),
-            "n_params": sum(p.numel() for p in model.parameters()),
-            "n_trainable": sum(p.numel() for p in model.parameters() if p.requires_grad)}
+        model = get_peft_model(
+            model,
+            LoraConfig(
+                r=cfg.lora_r,
+                lora_alpha=cfg.lora_alpha,
+                lora_dropout=cfg.lora_dropout,
+                target_modules=targets,
+                task_type="CAUSAL_LM",
+            ),
+        )
+    info = {
+        "model": path,
+        "lora": lora,
+        "dtype": cfg.dtype,
+        "device": str(device),
+        "attn_implementation": getattr(model.config, "_attn_implementation", None),
+        "n_params": sum(p.numel() for p in model.parameters()),
+        "n_trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
+    }
     return model, tokenizer, info
 
 
@@ -62,7 +74,9 @@ def decoder_of(model):
     return lm.get_decoder() if hasattr(lm, "get_decoder") else getattr(lm, lm.base_model_prefix)
 
 
-def completion_hidden_states(model, prompt_ids, prompt_mask, completion_ids, completion_mask, share_prefix=True):
+def completion_hidden_states(
+    model, prompt_ids, prompt_mask, completion_ids, completion_mask, share_prefix=True
+):
     """(n * G, C, H) last hidden states; [s, j] is the state that predicts completion token j of sample s.
 
     Prompts are (n, P), completions (n * G, C) with sample s answering prompt s // G. With share_prefix each
@@ -74,10 +88,11 @@ def completion_hidden_states(model, prompt_ids, prompt_mask, completion_ids, com
     G = completion_ids.shape[0] // prompt_ids.shape[0]
     ids = torch.cat([prompt_ids.repeat_interleave(G, 0), completion_ids], dim=1)
     mask = torch.cat([prompt_mask.repeat_interleave(G, 0), completion_mask], dim=1)
-    out = decoder_of(model)(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask),
-                            use_cache=False)
+    out = decoder_of(model)(
+        input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask), use_cache=False
+    )
     P = prompt_ids.shape[1]
-    return out.last_hidden_state[:, P - 1:-1]
+    return out.last_hidden_state[:, P - 1 : -1]
 
 
 def load_weights_from_checkpoint(model, ckpt: Path, lora: bool) -> None:

@@ -119,7 +119,9 @@ def partial_credit_reward(prompts, completions, answer, **_):
 def soft_overlong_punishment(max_completion_length: int, soft_punish_cache: int):
     """DAPO's soft overlong penalty: 0 up to L_max - L_cache tokens, then linearly down to -1 at L_max."""
     if not 0 <= soft_punish_cache <= max_completion_length:
-        raise ValueError(f"soft_punish_cache must be in [0, {max_completion_length}], got {soft_punish_cache}")
+        raise ValueError(
+            f"soft_punish_cache must be in [0, {max_completion_length}], got {soft_punish_cache}"
+        )
 
     def overlong_reward(prompts, completions, completion_ids, **_):
         start = max_completion_length - soft_punish_cache
@@ -182,8 +184,10 @@ def load_reward(spec: str, max_completion_length: int = 256):
         cache = int(spec.split(":", 1)[1]) if ":" in spec else max(1, max_completion_length // 4)
         return soft_overlong_punishment(max_completion_length, cache)
     if ":" not in spec:
-        raise ValueError(f"--reward {spec!r}: expected a built-in ({', '.join(BUILTINS)}, overlong[:N]) "
-                         "or path/to/file.py:function")
+        raise ValueError(
+            f"--reward {spec!r}: expected a built-in ({', '.join(BUILTINS)}, overlong[:N]) "
+            "or path/to/file.py:function"
+        )
     path, name = spec.rsplit(":", 1)
     if not Path(path).is_file():
         raise ValueError(f"--reward {spec!r}: no such file {path!r}")
@@ -217,9 +221,9 @@ def _call_checked(func, prompts, completions, columns, n):
     except Exception as exc:  # noqa: BLE001 - we re-raise with the function and sample named
         # find the first sample it fails on, so the error can point at it
         for i in range(n):
-            one = {k: v[i:i + 1] for k, v in columns.items()}
+            one = {k: v[i : i + 1] for k, v in columns.items()}
             try:
-                func(prompts=prompts[i:i + 1], completions=completions[i:i + 1], **one)
+                func(prompts=prompts[i : i + 1], completions=completions[i : i + 1], **one)
             except Exception:  # noqa: BLE001
                 raise RewardError(name, f"raised {type(exc).__name__}: {exc}", sample=i) from exc
         raise RewardError(name, f"raised {type(exc).__name__}: {exc}") from exc
@@ -254,9 +258,11 @@ def score(funcs, weights, prompts, completions, columns, on_error: str = "raise"
                 raise
             if err.sample is not None:  # score the others one by one; drop the ones that fail
                 for i in range(n):
-                    one = {k: v[i:i + 1] for k, v in columns.items()}
+                    one = {k: v[i : i + 1] for k, v in columns.items()}
                     try:
-                        per_func[i, j] = _call_checked(func, prompts[i:i + 1], completions[i:i + 1], one, 1)[0]
+                        per_func[i, j] = _call_checked(
+                            func, prompts[i : i + 1], completions[i : i + 1], one, 1
+                        )[0]
                     except RewardError:
                         failed[i] = True
             else:

@@ -35,7 +35,9 @@ def decode(step, logits, max_new_tokens, *, temperature, top_p, top_k, eos_token
     """Sample up to `max_new_tokens` per row from `logits` (rows, V); `step(tokens)` feeds the sampled tokens
     to the model and returns the next logits. Rows stop at EOS (kept, mask 1); later tokens are padding."""
     device, rows = logits.device, logits.shape[0]
-    eos = torch.tensor([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []), device=device)
+    eos = torch.tensor(
+        [eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []), device=device
+    )
     pad = int(eos[0]) if eos.numel() else 0
     out = torch.full((rows, max_new_tokens), pad, dtype=torch.long, device=device)
     done = torch.zeros(rows, dtype=torch.bool, device=device)
@@ -59,8 +61,19 @@ def cache_of(model_output):
 
 
 @torch.no_grad()
-def generate_groups(model, prompt_ids, prompt_mask, num_generations, max_new_tokens, *, temperature=1.0,
-                    top_p=1.0, top_k=0, eos_token_id=None, generator=None):
+def generate_groups(
+    model,
+    prompt_ids,
+    prompt_mask,
+    num_generations,
+    max_new_tokens,
+    *,
+    temperature=1.0,
+    top_p=1.0,
+    top_k=0,
+    eos_token_id=None,
+    generator=None,
+):
     """Sample `num_generations` completions for every prompt, each prompt repeated G times (no sharing).
 
     Args:
@@ -68,7 +81,7 @@ def generate_groups(model, prompt_ids, prompt_mask, num_generations, max_new_tok
         prompt_ids, prompt_mask: (n_prompts, P) left-padded prompt tokens and their attention mask.
         num_generations: G, completions per prompt.
         max_new_tokens: C, the longest completion.
-        temperature, top_p, top_k: sampling; temperature 0 is greedy, top_k 0 and top_p 1 disable those filters.
+        temperature, top_p, top_k: sampling; temperature 0 is greedy, top_k 0 and top_p 1 turn those off.
         eos_token_id: int or list of ints that end a completion (kept in it, mask 1).
         generator: optional torch.Generator for reproducible sampling.
 
@@ -76,7 +89,9 @@ def generate_groups(model, prompt_ids, prompt_mask, num_generations, max_new_tok
         (completion_ids, completion_mask), each (n_prompts * G, C'), C' <= C the longest completion.
     """
     if num_generations < 1 or max_new_tokens < 1:
-        raise ValueError(f"num_generations and max_new_tokens must be >= 1, got {num_generations}, {max_new_tokens}")
+        raise ValueError(
+            f"num_generations and max_new_tokens must be >= 1, got {num_generations}, {max_new_tokens}"
+        )
     ids = prompt_ids.repeat_interleave(num_generations, 0)
     mask = prompt_mask.repeat_interleave(num_generations, 0).long()
     pos = position_ids_from_mask(mask)
@@ -85,10 +100,23 @@ def generate_groups(model, prompt_ids, prompt_mask, num_generations, max_new_tok
 
     def step(tok):
         state["mask"] = torch.cat([state["mask"], torch.ones_like(state["mask"][:, :1])], dim=1)
-        out = model(input_ids=tok[:, None], attention_mask=state["mask"], position_ids=state["pos"],
-                    cache=state["cache"], use_cache=True)
+        out = model(
+            input_ids=tok[:, None],
+            attention_mask=state["mask"],
+            position_ids=state["pos"],
+            cache=state["cache"],
+            use_cache=True,
+        )
         state["cache"], state["pos"] = cache_of(out), state["pos"] + 1
         return out.logits[:, -1]
 
-    return decode(step, res.logits[:, -1], max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                  eos_token_id=eos_token_id, generator=generator)
+    return decode(
+        step,
+        res.logits[:, -1],
+        max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        eos_token_id=eos_token_id,
+        generator=generator,
+    )

@@ -34,7 +34,7 @@ class SandboxLimits:
     file_mb: int = 16
 
 
-_RUNNER = r'''
+_RUNNER = r"""
 import sys, os, json
 _root = os.path.realpath(os.getcwd())
 _BLOCKED = ("socket.", "subprocess.Popen", "os.system", "os.fork", "os.forkpty", "os.posix_spawn", "os.spawn",
@@ -58,7 +58,8 @@ def _hook(event, args):
         path, mode, flags = args
         if isinstance(path, (str, bytes)) and os.fsdecode(path).endswith("/environ"):
             raise PermissionError("sandbox: reading process environments is not allowed")
-        writing = (mode and any(c in mode for c in "wax+")) or (flags or 0) & (os.O_WRONLY | os.O_RDWR | os.O_CREAT)
+        write_flags = os.O_WRONLY | os.O_RDWR | os.O_CREAT
+        writing = (mode and any(c in mode for c in "wax+")) or (flags or 0) & write_flags
         if writing and not _inside(path):
             raise PermissionError("sandbox: writing outside the working directory is not allowed")
     if event in ("os.remove", "os.rename", "os.rmdir", "os.mkdir", "os.chmod", "os.symlink", "os.link",
@@ -89,7 +90,7 @@ def _main():
     os._exit(0)
 
 _main()
-'''
+"""
 
 
 def _limit(limits: SandboxLimits):
@@ -104,6 +105,7 @@ def _limit(limits: SandboxLimits):
         libc = ctypes.CDLL(None, use_errno=True)
         if libc.unshare(_CLONE_NEWNET) != 0:  # no network interfaces at all, loopback down
             libc.unshare(_CLONE_NEWUSER | _CLONE_NEWNET)
+
     return preexec
 
 
@@ -114,12 +116,20 @@ def run_tests(code: str, tests: list[str], limits: SandboxLimits = SandboxLimits
         return 0.0
     nonce = secrets.token_hex(16)
     with tempfile.TemporaryDirectory(prefix="grpo-sandbox-") as work:
-        proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", _RUNNER], cwd=work, env={},
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                preexec_fn=_limit(limits))
+        proc = subprocess.Popen(
+            [sys.executable, "-I", "-S", "-c", _RUNNER],
+            cwd=work,
+            env={},
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            preexec_fn=_limit(limits),
+        )
         try:
-            out, _ = proc.communicate(json.dumps({"code": code, "tests": tests, "nonce": nonce}).encode(),
-                                      timeout=limits.wall_seconds)
+            out, _ = proc.communicate(
+                json.dumps({"code": code, "tests": tests, "nonce": nonce}).encode(),
+                timeout=limits.wall_seconds,
+            )
         except subprocess.TimeoutExpired:
             try:
                 os.killpg(proc.pid, signal.SIGKILL)

@@ -12,7 +12,7 @@ prompt is run, and differentiated, once per group (Prefix Grouper's construction
 """
 
 import threading
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 from transformers import AttentionInterface
@@ -49,15 +49,21 @@ def shared_prefix_attention(module, query, key, value, attention_mask, scaling=N
     scaling = scaling if scaling is not None else d**-0.5
     # 1. over the shared prefix: the group's G samples (and GQA's query heads) become rows of one product
     #    with the prompt's keys, so the prompt KV is read once per group and never copied per sample
-    q_grp = query.reshape(n, G, kvh, rep, q_len, d).permute(0, 2, 1, 3, 4, 5).reshape(n, kvh, G * rep * q_len, d)
+    q_grp = (
+        query.reshape(n, G, kvh, rep, q_len, d).permute(0, 2, 1, 3, 4, 5).reshape(n, kvh, G * rep * q_len, d)
+    )
     o_pre, lse_pre = _partial(q_grp, pk, pv, scaling, st["prefix_mask"])
     o_pre = o_pre.view(n, kvh, G, rep, q_len, d).permute(0, 2, 1, 3, 4, 5).reshape(n * G, kvh, rep * q_len, d)
-    lse_pre = lse_pre.view(n, kvh, G, rep, q_len, 1).permute(0, 2, 1, 3, 4, 5).reshape(n * G, kvh, rep * q_len, 1)
+    lse_pre = (
+        lse_pre.view(n, kvh, G, rep, q_len, 1).permute(0, 2, 1, 3, 4, 5).reshape(n * G, kvh, rep * q_len, 1)
+    )
     # 2. over its own completion, causally (the q new tokens are the last q of the k keys)
     q_own = query.reshape(n * G, kvh, rep * q_len, d)
     causal = None
     if q_len > 1:
-        causal = torch.ones(q_len, k_len, dtype=torch.bool, device=query.device).tril(k_len - q_len).repeat(rep, 1)
+        causal = (
+            torch.ones(q_len, k_len, dtype=torch.bool, device=query.device).tril(k_len - q_len).repeat(rep, 1)
+        )
     o_own, lse_own = _partial(q_own, key, value, scaling, causal)
     # 3. merge the two partial softmaxes through their log-sum-exps
     lse = torch.logaddexp(lse_pre, lse_own)
@@ -74,25 +80,46 @@ AttentionMaskInterface.register(ATTN_NAME, _no_mask)
 
 
 @contextmanager
-def _shared_prefix_attention(model, keys, values, prefix_mask, G):
+def _attention_implementation(model, name):
+    """Temporarily route every attention module of `model` through the implementation `name`."""
     configs = {id(m.config): m.config for m in model.modules() if hasattr(m, "config")}.values()
     saved = [(c, c._attn_implementation) for c in configs]
-    # (n, 1, 1, P) key mask of the prompts' left padding; None when no prompt is padded
-    mask = None if bool(prefix_mask.bool().all()) else prefix_mask.bool()[:, None, None, :]
-    _state.ctx = {"keys": keys, "values": values, "prefix_mask": mask, "G": G}
     for c, _ in saved:
-        c._attn_implementation = ATTN_NAME
+        c._attn_implementation = name
     try:
         yield
     finally:
         for c, impl in saved:
             c._attn_implementation = impl
+
+
+@contextmanager
+def _shared_prefix_attention(model, keys, values, prefix_mask, G):
+    # (n, 1, 1, P) key mask of the prompts' left padding; None when no prompt is padded
+    mask = None if bool(prefix_mask.bool().all()) else prefix_mask.bool()[:, None, None, :]
+    _state.ctx = {"keys": keys, "values": values, "prefix_mask": mask, "G": G}
+    try:
+        with _attention_implementation(model, ATTN_NAME):
+            yield
+    finally:
         _state.ctx = None
 
 
 @torch.no_grad()
-def generate_groups(model, prompt_ids, prompt_mask, num_generations, max_new_tokens, *, temperature=1.0, top_p=1.0,
-                    top_k=0, eos_token_id=None, share_prefix=True, generator=None):
+def generate_groups(
+    model,
+    prompt_ids,
+    prompt_mask,
+    num_generations,
+    max_new_tokens,
+    *,
+    temperature=1.0,
+    top_p=1.0,
+    top_k=0,
+    eos_token_id=None,
+    share_prefix=True,
+    generator=None,
+):
     """G sampled completions per prompt; sample s belongs to prompt s // G.
 
     Args:
@@ -107,15 +134,21 @@ def generate_groups(model, prompt_ids, prompt_mask, num_generations, max_new_tok
     Returns:
         (completion_ids, completion_mask), (n_prompts * G, C') with C' <= C the longest completion.
     """
-    kw = dict(temperature=temperature, top_p=top_p, top_k=top_k, eos_token_id=eos_token_id, generator=generator)
+    kw = dict(
+        temperature=temperature, top_p=top_p, top_k=top_k, eos_token_id=eos_token_id, generator=generator
+    )
     if not share_prefix:
         return plain_generate_groups(model, prompt_ids, prompt_mask, num_generations, max_new_tokens, **kw)
     if num_generations < 1 or max_new_tokens < 1:
-        raise ValueError(f"num_generations and max_new_tokens must be >= 1, got {num_generations}, {max_new_tokens}")
+        raise ValueError(
+            f"num_generations and max_new_tokens must be >= 1, got {num_generations}, {max_new_tokens}"
+        )
     G = num_generations
     # 1. prefill each prompt once; its KV stays (n, kvh, P, d), shared by the group
     pos = position_ids_from_mask(prompt_mask)
-    res = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=pos, use_cache=True, logits_to_keep=1)
+    res = model(
+        input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=pos, use_cache=True, logits_to_keep=1
+    )
     cache = cache_of(res)
     keys, values = [layer.keys for layer in cache.layers], [layer.values for layer in cache.layers]
     state = {"cache": None, "pos": (pos[:, -1:] + 1).repeat_interleave(G, 0)}
@@ -140,9 +173,13 @@ def group_layout(prompt_mask, completion_mask, G):
     C = completion_mask.shape[1]
     device = prompt_mask.device
     plen = prompt_mask.long().sum(1)
-    pos = torch.cat([position_ids_from_mask(prompt_mask),
-                     (plen[:, None] + torch.arange(C, device=device)).repeat(1, G)], dim=1)
-    seg = torch.cat([torch.full((P,), -1, device=device), torch.arange(G, device=device).repeat_interleave(C)])
+    pos = torch.cat(
+        [position_ids_from_mask(prompt_mask), (plen[:, None] + torch.arange(C, device=device)).repeat(1, G)],
+        dim=1,
+    )
+    seg = torch.cat(
+        [torch.full((P,), -1, device=device), torch.arange(G, device=device).repeat_interleave(C)]
+    )
     valid = torch.cat([prompt_mask.bool(), completion_mask.view(n, G * C).bool()], dim=1)
     idx = torch.arange(P + G * C, device=device)
     causal = idx[None, :] <= idx[:, None]  # (L_q, L_k)
@@ -167,7 +204,12 @@ def shared_prefix_forward(model, prompt_ids, prompt_mask, completion_ids, comple
     pos, mask = group_layout(prompt_mask, completion_mask, G)
     from .modeling import decoder_of
 
-    hidden = decoder_of(model)(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).last_hidden_state
+    impl = getattr(model.config, "_attn_implementation", "sdpa")
+    # the grouped layout needs a 4D mask: flash-attention kernels take none, so those models run it with SDPA
+    ctx = _attention_implementation(model, "sdpa") if impl not in ("sdpa", "eager") else nullcontext()
+    with ctx:
+        hidden = decoder_of(model)(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False)
+    hidden = hidden.last_hidden_state
     # the state before completion token j: the prompt's last token for j = 0, else completion token j - 1
     j = torch.arange(C, device=ids.device)
     g = torch.arange(G, device=ids.device)

@@ -31,7 +31,12 @@ from . import checkpoint as ckpt_mod
 from .config import GRPOConfig, parse_config, to_dict
 from .data import PromptSampler, render_prompt, train_and_eval_rows
 from .kernels import fused_linear_grpo_loss, fused_linear_logprobs, group_advantages
-from .modeling import completion_hidden_states, lm_head_of, load_model_and_tokenizer, load_weights_from_checkpoint
+from .modeling import (
+    completion_hidden_states,
+    lm_head_of,
+    load_model_and_tokenizer,
+    load_weights_from_checkpoint,
+)
 from .rewards import load_reward, reward_name, score
 from .shared_prefix import generate_groups
 
@@ -43,8 +48,14 @@ from .shared_prefix import generate_groups
 def encode_prompts(rows, tokenizer, max_prompt_length, device):
     texts = [render_prompt(r["prompt"], tokenizer) for r in rows]
     tokenizer.padding_side, tokenizer.truncation_side = "left", "left"
-    enc = tokenizer(texts, return_tensors="pt", padding=True, truncation=True, max_length=max_prompt_length,
-                    add_special_tokens=False)
+    enc = tokenizer(
+        texts,
+        return_tensors="pt",
+        padding=True,
+        truncation=True,
+        max_length=max_prompt_length,
+        add_special_tokens=False,
+    )
     return texts, enc.input_ids.to(device), enc.attention_mask.to(device)
 
 
@@ -79,10 +90,23 @@ def policy_loss(model, batch, loss_mask, advantages, old_logps, ref_logps, cfg: 
     hidden = completion_hidden_states(model, *batch, share_prefix=cfg.share_prefix)
     head = lm_head_of(model)
     return fused_linear_grpo_loss(
-        hidden, head.weight, batch[2], loss_mask, advantages, bias=head.bias, temperature=cfg.temperature,
-        old_logps=old_logps, ref_logps=ref_logps, beta=cfg.beta, epsilon_low=cfg.epsilon,
-        epsilon_high=cfg.epsilon_high, loss_type=cfg.loss_type, importance_sampling_level=cfg.importance_sampling_level,
-        max_completion_length=cfg.max_completion_length, num_items_in_batch=n_items)
+        hidden,
+        head.weight,
+        batch[2],
+        loss_mask,
+        advantages,
+        bias=head.bias,
+        temperature=cfg.temperature,
+        old_logps=old_logps,
+        ref_logps=ref_logps,
+        beta=cfg.beta,
+        epsilon_low=cfg.epsilon,
+        epsilon_high=cfg.epsilon_high,
+        loss_type=cfg.loss_type,
+        importance_sampling_level=cfg.importance_sampling_level,
+        max_completion_length=cfg.max_completion_length,
+        num_items_in_batch=n_items,
+    )
 
 
 @torch.no_grad()
@@ -91,10 +115,18 @@ def evaluate(model, tokenizer, rows, reward_funcs, cfg, device) -> dict:
     model.eval()
     hits, total = [], 0.0
     for i in range(0, len(rows), 64):
-        chunk = rows[i:i + 64]
+        chunk = rows[i : i + 64]
         texts, ids, mask = encode_prompts(chunk, tokenizer, cfg.max_prompt_length, device)
-        comp, cmask = generate_groups(model, ids, mask, 1, cfg.max_completion_length, temperature=0.0,
-                                      eos_token_id=tokenizer.eos_token_id, share_prefix=False)
+        comp, cmask = generate_groups(
+            model,
+            ids,
+            mask,
+            1,
+            cfg.max_completion_length,
+            temperature=0.0,
+            eos_token_id=tokenizer.eos_token_id,
+            share_prefix=False,
+        )
         completions = tokenizer.batch_decode(comp * cmask, skip_special_tokens=True)
         cols = reward_columns(chunk, 1, comp, cmask)
         values = score(reward_funcs[:1], [1.0], texts, completions, cols, on_error="skip").per_func[:, 0]
@@ -112,7 +144,12 @@ def lr_lambda(cfg: GRPOConfig):
         if cfg.lr_scheduler_type == "constant":
             return 1.0
         progress = (step - warm) / max(1, cfg.max_steps - warm)
-        return max(0.0, 1 - progress) if cfg.lr_scheduler_type == "linear" else 0.5 * (1 + math.cos(math.pi * progress))
+        return (
+            max(0.0, 1 - progress)
+            if cfg.lr_scheduler_type == "linear"
+            else 0.5 * (1 + math.cos(math.pi * progress))
+        )
+
     return f
 
 
@@ -131,9 +168,11 @@ class MetricsLog:
         self.tb = self.wb = None
         if report_to == "tensorboard":
             from torch.utils.tensorboard import SummaryWriter
+
             self.tb = SummaryWriter(str(out_dir / "tensorboard"))
         elif report_to == "wandb":
             import wandb
+
             self.wb = wandb.init(project="grpo-fast", config=cfg, dir=str(out_dir))
 
     def write(self, record: dict) -> None:
@@ -164,9 +203,19 @@ def plot_curves(metrics_path: Path, png: Path) -> None:
     evals = [r for r in recs if "eval_accuracy" in r]
     fig, ax = plt.subplots(figsize=(8, 4.5))
     if train:
-        ax.plot([r["step"] for r in train], [r["reward_mean"] for r in train], label="train reward (mean)", alpha=0.7)
+        ax.plot(
+            [r["step"] for r in train],
+            [r["reward_mean"] for r in train],
+            label="train reward (mean)",
+            alpha=0.7,
+        )
     if evals:
-        ax.plot([r["step"] for r in evals], [r["eval_accuracy"] for r in evals], "o-", label="held-out accuracy (greedy)")
+        ax.plot(
+            [r["step"] for r in evals],
+            [r["eval_accuracy"] for r in evals],
+            "o-",
+            label="held-out accuracy (greedy)",
+        )
     ax.set(xlabel="optimizer step", ylabel="reward / accuracy", title="GRPO training", ylim=(-0.02, 1.02))
     ax.grid(alpha=0.3)
     ax.legend()
@@ -215,8 +264,9 @@ def train(cfg: GRPOConfig) -> dict:
     G = cfg.num_generations
 
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                                  weight_decay=cfg.weight_decay)
+    optimizer = torch.optim.AdamW(
+        params, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.weight_decay
+    )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     sampler = PromptSampler(train_rows, cfg.prompts_per_step, cfg.seed)
     generator = torch.Generator(device=device).manual_seed(cfg.seed)
@@ -231,14 +281,27 @@ def train(cfg: GRPOConfig) -> dict:
     resolved = {**to_dict(cfg), "resolved": info}
     (out / "config.json").write_text(json.dumps(resolved, indent=2))
     log = MetricsLog(out, cfg.report_to, resolved, append=resume_from is not None)
-    print(f"grpo-fast: {info['model']} ({info['n_params'] / 1e6:.2f}M params, {info['n_trainable'] / 1e6:.2f}M "
-          f"trainable) on {device}; {len(train_rows)} train / {len(eval_rows)} eval prompts; output {out}\n"
-          f"config: {json.dumps(to_dict(cfg))}", flush=True)
+    print(
+        f"grpo-fast: {info['model']} ({info['n_params'] / 1e6:.2f}M params, {info['n_trainable'] / 1e6:.2f}M "
+        f"trainable) on {device}; {len(train_rows)} train / {len(eval_rows)} eval prompts; output {out}\n"
+        f"config: {json.dumps(to_dict(cfg))}",
+        flush=True,
+    )
 
     def save(at_step):
         extra = {"elapsed_train_s": elapsed_train, "config": to_dict(cfg)}
-        return ckpt_mod.save_checkpoint(out, at_step, model, tokenizer, optimizer, scheduler, sampler.state_dict(),
-                                        generator, extra, cfg.save_total_limit)
+        return ckpt_mod.save_checkpoint(
+            out,
+            at_step,
+            model,
+            tokenizer,
+            optimizer,
+            scheduler,
+            sampler.state_dict(),
+            generator,
+            extra,
+            cfg.save_total_limit,
+        )
 
     last_eval = {}
     if eval_rows and step == 0:
@@ -257,16 +320,31 @@ def train(cfg: GRPOConfig) -> dict:
             rows = sampler.next()
             texts, p_ids, p_mask = encode_prompts(rows, tokenizer, cfg.max_prompt_length, device)
             model.eval()
-            c_ids, c_mask = generate_groups(model, p_ids, p_mask, G, cfg.max_completion_length,
-                                            temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                                            eos_token_id=tokenizer.eos_token_id, share_prefix=cfg.share_prefix,
-                                            generator=generator)
+            c_ids, c_mask = generate_groups(
+                model,
+                p_ids,
+                p_mask,
+                G,
+                cfg.max_completion_length,
+                temperature=cfg.temperature,
+                top_p=cfg.top_p,
+                top_k=cfg.top_k,
+                eos_token_id=tokenizer.eos_token_id,
+                share_prefix=cfg.share_prefix,
+                generator=generator,
+            )
             t1 = time.perf_counter()
             # 2. rewards, then group advantages
             completions = tokenizer.batch_decode(c_ids * c_mask, skip_special_tokens=True)
             prompts_g = [t for t in texts for _ in range(G)]
-            scores = score(reward_funcs, weights, prompts_g, completions, reward_columns(rows, G, c_ids, c_mask),
-                           on_error=cfg.on_reward_error)
+            scores = score(
+                reward_funcs,
+                weights,
+                prompts_g,
+                completions,
+                reward_columns(rows, G, c_ids, c_mask),
+                on_error=cfg.on_reward_error,
+            )
             advantages = advantages_of(scores.rewards, G, cfg.scale_rewards).to(device)
             loss_mask = c_mask.clone()
             loss_mask[scores.failed.to(device)] = 0
@@ -290,12 +368,21 @@ def train(cfg: GRPOConfig) -> dict:
             for _ in range(cfg.num_iterations):
                 metrics_acc = {}
                 for k, (i, b) in enumerate(zip(micro, batches)):
-                    loss, m = policy_loss(model, b, loss_mask[i], advantages[i], old[k] if old else None,
-                                          ref[k] if ref else None, cfg, n_items)
+                    loss, m = policy_loss(
+                        model,
+                        b,
+                        loss_mask[i],
+                        advantages[i],
+                        old[k] if old else None,
+                        ref[k] if ref else None,
+                        cfg,
+                        n_items,
+                    )
                     # dapo is already normalized over the whole step; the others average the micro-batches
                     (loss if cfg.loss_type == "dapo" else loss / len(micro)).backward()
                     metrics_acc["loss"] = metrics_acc.get("loss", 0.0) + loss.item() * (
-                        1 if cfg.loss_type == "dapo" else 1 / len(micro))
+                        1 if cfg.loss_type == "dapo" else 1 / len(micro)
+                    )
                     for key, v in m.items():
                         metrics_acc[key] = metrics_acc.get(key, 0.0) + v.item() / len(micro)
                 grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm).item()
@@ -309,24 +396,37 @@ def train(cfg: GRPOConfig) -> dict:
             # 4. log
             n_tokens = int(p_mask.sum() * G + c_mask.sum())  # as if unshared: comparable across modes
             record = {
-                "step": step, "reward_mean": float(scores.rewards.nanmean()),
-                "reward_std": float(scores.rewards[~scores.rewards.isnan()].std()) if len(completions) > 1 else 0.0,
+                "step": step,
+                "reward_mean": float(scores.rewards.nanmean()),
+                "reward_std": float(scores.rewards[~scores.rewards.isnan()].std())
+                if len(completions) > 1
+                else 0.0,
                 **{f"rewards/{n}_mean": float(scores.per_func[:, j].nanmean()) for j, n in enumerate(names)},
-                "kl": metrics_acc.get("kl", 0.0), "clip_ratio": metrics_acc["clip_ratio"],
-                "loss": metrics_acc["loss"], "grad_norm": grad_norm,
+                "kl": metrics_acc.get("kl", 0.0),
+                "clip_ratio": metrics_acc["clip_ratio"],
+                "loss": metrics_acc["loss"],
+                "grad_norm": grad_norm,
                 "completion_len_mean": float(c_mask.sum(1).float().mean()),
-                "tokens_per_s": n_tokens / (t3 - t0), "peak_mem_mb": peak_mem_mb(device),
-                "lr": scheduler.get_last_lr()[0], "time_generate_s": t1 - t0, "time_reward_s": t2 - t1,
-                "time_train_s": t3 - t2, "elapsed_s": elapsed_train,
+                "tokens_per_s": n_tokens / (t3 - t0),
+                "peak_mem_mb": peak_mem_mb(device),
+                "lr": scheduler.get_last_lr()[0],
+                "time_generate_s": t1 - t0,
+                "time_reward_s": t2 - t1,
+                "time_train_s": t3 - t2,
+                "elapsed_s": elapsed_train,
             }
             if step % cfg.logging_steps == 0 or step >= cfg.max_steps:
                 log.write(record)
             if eval_rows and cfg.eval_steps and step % cfg.eval_steps == 0:
                 last_eval = evaluate(model, tokenizer, eval_rows, reward_funcs, cfg, device)
                 log.write({"step": step, **last_eval})
-            bar.set_postfix(reward=f"{record['reward_mean']:.3f}", acc=f"{last_eval.get('eval_accuracy', 0):.2f}",
-                            kl=f"{record['kl']:.3g}", len=f"{record['completion_len_mean']:.1f}",
-                            tok_s=f"{record['tokens_per_s']:.0f}")
+            bar.set_postfix(
+                reward=f"{record['reward_mean']:.3f}",
+                acc=f"{last_eval.get('eval_accuracy', 0):.2f}",
+                kl=f"{record['kl']:.3g}",
+                len=f"{record['completion_len_mean']:.1f}",
+                tok_s=f"{record['tokens_per_s']:.0f}",
+            )
             if cfg.save_steps and step % cfg.save_steps == 0:
                 save(step)
     bar.close()
@@ -341,8 +441,14 @@ def train(cfg: GRPOConfig) -> dict:
     final = save(step)
     log.close()
     plot_curves(out / "metrics.jsonl", out / "curves.png")
-    summary = {"step": step, "elapsed_train_s": elapsed_train, **last_eval, "checkpoint": str(final),
-               "metrics": str(out / "metrics.jsonl"), "plot": str(out / "curves.png")}
+    summary = {
+        "step": step,
+        "elapsed_train_s": elapsed_train,
+        **last_eval,
+        "checkpoint": str(final),
+        "metrics": str(out / "metrics.jsonl"),
+        "plot": str(out / "curves.png"),
+    }
     print(f"done: {json.dumps(summary)}", flush=True)
     return summary
 

@@ -1,4 +1,4 @@
-"""grpo_fast.kernels: fused GRPO kernels (Triton on GPU, PyTorch twins on CPU). Imports only torch and triton."""
+"""grpo_fast.kernels: fused GRPO kernels, Triton on GPU and PyTorch twins on CPU (torch and triton only)."""
 
 from .advantages import group_advantages
 from .fused_loss import fused_linear_grpo_loss

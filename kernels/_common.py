@@ -39,7 +39,9 @@ def check_tensor(name: str, t, ndims: tuple[int, ...], floating: bool = True) ->
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dim() not in ndims:
-        raise ValueError(f"{name} must have {' or '.join(map(str, ndims))} dimensions, got shape {tuple(t.shape)}")
+        raise ValueError(
+            f"{name} must have {' or '.join(map(str, ndims))} dimensions, got shape {tuple(t.shape)}"
+        )
     if floating and not t.is_floating_point():
         raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
 

@@ -15,8 +15,7 @@ SCALES = ("group", "batch", "none")
 
 
 @triton.jit
-def _advantages_kernel(r_ptr, out_ptr, batch_std, eps, G,
-                       SCALE: tl.constexpr, BLOCK_G: tl.constexpr):
+def _advantages_kernel(r_ptr, out_ptr, batch_std, eps, G, SCALE: tl.constexpr, BLOCK_G: tl.constexpr):
     # One program per group: SCALE 0 = group std, 1 = the batch std passed in, 2 = no scaling.
     pid = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_G)
@@ -45,7 +44,13 @@ def _advantages_triton(rewards, group_size, scale, eps):
     batch_std = float(rewards.float().std()) if scale == "batch" and rewards.numel() > 1 else 0.0
     block = max(16, triton.next_power_of_2(group_size))
     _advantages_kernel[(rewards.numel() // group_size,)](
-        rewards, out, batch_std, eps, group_size, SCALE=SCALES.index(scale), BLOCK_G=block,
+        rewards,
+        out,
+        batch_std,
+        eps,
+        group_size,
+        SCALE=SCALES.index(scale),
+        BLOCK_G=block,
     )
     return out
 
@@ -83,7 +88,9 @@ def group_advantages(rewards, group_size, *, scale="group", eps=1e-4, impl="auto
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
         raise ValueError(f"group_size must be an int >= 1, got {group_size!r}")
     if rewards.numel() == 0 or rewards.numel() % group_size:
-        raise ValueError(f"rewards (length {rewards.numel()}) must split into whole groups of group_size={group_size}")
+        raise ValueError(
+            f"rewards (length {rewards.numel()}) must split into whole groups of group_size={group_size}"
+        )
     if scale not in SCALES:
         raise ValueError(f"scale must be one of {SCALES}, got {scale!r}")
     check_nonnegative("eps", eps)

@@ -1,6 +1,6 @@
-"""The GRPO loss straight from the last hidden state: LM head, log-softmax, gather and clipped loss in one call.
+"""The GRPO loss straight from the last hidden state: LM head, log-softmax, gather, clipped loss in one call.
 
-    hidden (B, T, H), weight (V, H), targets (B, T) int64, mask (B, T), advantages (B,)  ->  fp32 loss, metrics
+    hidden (B, T, H), weight (V, H), targets (B, T) int64, mask (B, T), advantages (B,) -> fp32 loss, metrics
 Only active (mask != 0) tokens are scored. Triton: the fused log-prob kernels (logits never whole) feed the
 loss kernel, whose gradient flows back through the log-prob backward. PyTorch twin: at token level one pass
 over chunks of tokens computes logits, log-probs, the loss and, since the loss is then known, every gradient
@@ -39,7 +39,11 @@ def _one_pass(h, weight, bias, tgt, inv_t, w, adv, old, ref, m, params, need_gra
     N, H = h.shape
     grad_h = torch.zeros(N, H, dtype=h.dtype, device=h.device) if need_grad else None
     grad_w = None  # started by the first chunk with a gradient
-    grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=h.device) if need_grad and bias is not None else None
+    grad_b = (
+        torch.zeros(weight.shape[0], dtype=torch.float32, device=h.device)
+        if need_grad and bias is not None
+        else None
+    )
     sums = torch.zeros(5, dtype=torch.float32, device=h.device)  # loss, kl, low, high, region
     step = twin_chunk_rows(weight.shape[0])
     buf = torch.empty(min(N, step) * weight.shape[0], dtype=torch.float32, device=h.device)
@@ -56,8 +60,9 @@ def _one_pass(h, weight, bias, tgt, inv_t, w, adv, old, ref, m, params, need_gra
         # 2. the chunk's loss and d loss / d logp (per token: the loss is known here)
         with torch.enable_grad():
             lp = logp.requires_grad_(True)
-            pt, kl, low, high = per_token_terms(lp, None if old is None else old[sl], None if ref is None else ref[sl],
-                                                adv[sl], m[sl], params)
+            pt, kl, low, high = per_token_terms(
+                lp, None if old is None else old[sl], None if ref is None else ref[sl], adv[sl], m[sl], params
+            )
             loss_c = (w[sl] * pt).sum()
             g = torch.autograd.grad(loss_c, lp)[0] if need_grad else None
         low_s, high_s, region_s, _ = clip_metric_sums(low, high, m[sl], False)
@@ -83,10 +88,13 @@ def _two_pass(h, weight, bias, tgt, inv_t, B, T, idx, mask, w, adv, old, ref, pa
     return loss, metrics, grad_h, grad_w, grad_b
 
 
-def _fused_twin(hidden, weight, targets, mask, advantages, bias, inv_t, old_logps, ref_logps, params,
-                num_items_in_batch):
+def _fused_twin(
+    hidden, weight, targets, mask, advantages, bias, inv_t, old_logps, ref_logps, params, num_items_in_batch
+):
     B, T, H = hidden.shape
-    need_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
+    need_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (hidden, weight, bias)
+    )
     # only active tokens are scored: padding costs nothing
     idx = mask.reshape(-1).nonzero().squeeze(1)
     h = hidden.detach().reshape(-1, H).index_select(0, idx)
@@ -97,13 +105,26 @@ def _fused_twin(hidden, weight, targets, mask, advantages, bias, inv_t, old_logp
     old = None if old_logps is None else old_logps.float()
     ref = None if ref_logps is None else ref_logps.float()
     if params.sequence_level or not need_grad:
-        loss, metrics, gh, gw, gb = _two_pass(h, wt, bs, tgt, inv_t, B, T, idx, mask, w, adv, old, ref, params,
-                                              need_grad)
+        loss, metrics, gh, gw, gb = _two_pass(
+            h, wt, bs, tgt, inv_t, B, T, idx, mask, w, adv, old, ref, params, need_grad
+        )
     else:
         flat = lambda x: None if x is None else x.reshape(-1).index_select(0, idx)  # noqa: E731
         adv_tok = flat(adv[:, None].expand(B, T))
-        sums, gh, gw, gb = _one_pass(h, wt, bs, tgt, inv_t, flat(w), adv_tok, flat(old), flat(ref),
-                                     flat(mask.float()), params, need_grad)
+        sums, gh, gw, gb = _one_pass(
+            h,
+            wt,
+            bs,
+            tgt,
+            inv_t,
+            flat(w),
+            adv_tok,
+            flat(old),
+            flat(ref),
+            flat(mask.float()),
+            params,
+            need_grad,
+        )
         loss = sums[0]
         n_tok = mask.float().sum()
         metrics = finish_metrics(sums[2], sums[3], sums[4], n_tok, sums[1], n_tok, ref is not None)
@@ -115,10 +136,27 @@ def _fused_twin(hidden, weight, targets, mask, advantages, bias, inv_t, old_logp
     return attach_grads(loss, (hidden, weight, bias), grads), metrics
 
 
-def fused_linear_grpo_loss(hidden, weight, targets, mask, advantages, *, bias=None, temperature=1.0,
-                           old_logps=None, ref_logps=None, beta=0.0, epsilon_low=0.2, epsilon_high=None,
-                           loss_type="dapo", importance_sampling_level="token", max_completion_length=None,
-                           num_items_in_batch=None, use_bias_correction_kl=False, impl="auto"):
+def fused_linear_grpo_loss(
+    hidden,
+    weight,
+    targets,
+    mask,
+    advantages,
+    *,
+    bias=None,
+    temperature=1.0,
+    old_logps=None,
+    ref_logps=None,
+    beta=0.0,
+    epsilon_low=0.2,
+    epsilon_high=None,
+    loss_type="dapo",
+    importance_sampling_level="token",
+    max_completion_length=None,
+    num_items_in_batch=None,
+    use_bias_correction_kl=False,
+    impl="auto",
+):
     """GRPO loss from the LM head's input, never materializing the (tokens x vocab) logits.
 
     Same semantics and options as `grpo_loss` (TRL 1.16 GRPOTrainer), with the policy log-probs taken as
@@ -143,28 +181,63 @@ def fused_linear_grpo_loss(hidden, weight, targets, mask, advantages, *, bias=No
     """
     check_tensor("hidden", hidden, (3,))
     check_logprob_inputs(hidden, weight, targets, bias, temperature)
-    params = make_loss_params(beta=beta, epsilon_low=epsilon_low, epsilon_high=epsilon_high, loss_type=loss_type,
-                              importance_sampling_level=importance_sampling_level,
-                              max_completion_length=max_completion_length,
-                              use_bias_correction_kl=use_bias_correction_kl)
-    check_loss_tensors(hidden.shape[:2], advantages, mask, old_logps, ref_logps, params.beta, num_items_in_batch)
+    params = make_loss_params(
+        beta=beta,
+        epsilon_low=epsilon_low,
+        epsilon_high=epsilon_high,
+        loss_type=loss_type,
+        importance_sampling_level=importance_sampling_level,
+        max_completion_length=max_completion_length,
+        use_bias_correction_kl=use_bias_correction_kl,
+    )
+    check_loss_tensors(
+        hidden.shape[:2], advantages, mask, old_logps, ref_logps, params.beta, num_items_in_batch
+    )
     if params.beta == 0.0:
         ref_logps = None
     impl = resolve_impl(impl, hidden, weight, targets, mask, advantages, bias, old_logps, ref_logps)
     if impl == "torch":
-        return _fused_twin(hidden, weight, targets, mask, advantages, bias, 1.0 / float(temperature), old_logps,
-                           ref_logps, params, num_items_in_batch)
+        return _fused_twin(
+            hidden,
+            weight,
+            targets,
+            mask,
+            advantages,
+            bias,
+            1.0 / float(temperature),
+            old_logps,
+            ref_logps,
+            params,
+            num_items_in_batch,
+        )
     # Triton: score the active tokens with the fused log-prob kernels, then the loss kernel
     B, T, H = hidden.shape
     active = mask.reshape(-1) != 0
-    logp_act = fused_linear_logprobs(hidden.reshape(-1, H)[active], weight, targets.reshape(-1)[active], bias=bias,
-                                     temperature=temperature, impl="triton")
+    logp_act = fused_linear_logprobs(
+        hidden.reshape(-1, H)[active],
+        weight,
+        targets.reshape(-1)[active],
+        bias=bias,
+        temperature=temperature,
+        impl="triton",
+    )
     logps = logp_act.new_zeros(B * T).masked_scatter(active, logp_act).view(B, T)
-    return grpo_loss(logps, advantages, mask, old_logps=old_logps, ref_logps=ref_logps, beta=beta,
-                     epsilon_low=epsilon_low, epsilon_high=epsilon_high, loss_type=loss_type,
-                     importance_sampling_level=importance_sampling_level,
-                     max_completion_length=max_completion_length, num_items_in_batch=num_items_in_batch,
-                     use_bias_correction_kl=use_bias_correction_kl, impl="triton")
+    return grpo_loss(
+        logps,
+        advantages,
+        mask,
+        old_logps=old_logps,
+        ref_logps=ref_logps,
+        beta=beta,
+        epsilon_low=epsilon_low,
+        epsilon_high=epsilon_high,
+        loss_type=loss_type,
+        importance_sampling_level=importance_sampling_level,
+        max_completion_length=max_completion_length,
+        num_items_in_batch=num_items_in_batch,
+        use_bias_correction_kl=use_bias_correction_kl,
+        impl="triton",
+    )
 
 
 __all__ = ["fused_linear_grpo_loss"]

@@ -31,18 +31,40 @@ BLOCK_N, BLOCK_V, BLOCK_H = 64, 128, 64
 # Triton kernels
 # --------------------------------------------------------------------------------------------------------
 @triton.jit
-def _logits_tile(h_ptr, w_ptr, b_ptr, offs_n, offs_v, n_mask, v_mask, H, stride_h, stride_w, inv_t,
-                 HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr):
+def _logits_tile(
+    h_ptr,
+    w_ptr,
+    b_ptr,
+    offs_n,
+    offs_v,
+    n_mask,
+    v_mask,
+    H,
+    stride_h,
+    stride_w,
+    inv_t,
+    HAS_BIAS: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
     # (BLOCK_N, BLOCK_V) tile of z = (h @ w.T + b) / T, accumulated in fp32 over K steps of BLOCK_H
     acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
     for h0 in range(0, H, BLOCK_H):
         offs_h = h0 + tl.arange(0, BLOCK_H)
         h_mask = offs_h < H
-        a = tl.load(h_ptr + offs_n[:, None] * stride_h + offs_h[None, :],
-                    mask=n_mask[:, None] & h_mask[None, :], other=0.0)
-        b = tl.load(w_ptr + offs_v[:, None] * stride_w + offs_h[None, :],
-                    mask=v_mask[:, None] & h_mask[None, :], other=0.0)
+        a = tl.load(
+            h_ptr + offs_n[:, None] * stride_h + offs_h[None, :],
+            mask=n_mask[:, None] & h_mask[None, :],
+            other=0.0,
+        )
+        b = tl.load(
+            w_ptr + offs_v[:, None] * stride_w + offs_h[None, :],
+            mask=v_mask[:, None] & h_mask[None, :],
+            other=0.0,
+        )
         if UPCAST:  # the interpreter's tl.dot is wrong on bf16/fp16 tiles
             a = a.to(tl.float32)
             b = b.to(tl.float32)
@@ -55,11 +77,28 @@ def _logits_tile(h_ptr, w_ptr, b_ptr, offs_n, offs_v, n_mask, v_mask, H, stride_
 @triton.heuristics({"HAS_BIAS": lambda args: args["b_ptr"] is not None})
 @triton.jit
 def _logprob_fwd_kernel(
-    h_ptr, w_ptr, b_ptr, tgt_ptr,
-    m_ptr, s_ptr, zt_ptr, sz_ptr,  # partial statistics, (SPLIT, N) fp32 each
-    N, V, H, v_per_split, stride_h, stride_w, inv_t,
-    HAS_BIAS: tl.constexpr, WITH_ENTROPY: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+    h_ptr,
+    w_ptr,
+    b_ptr,
+    tgt_ptr,
+    m_ptr,
+    s_ptr,
+    zt_ptr,
+    sz_ptr,  # partial statistics, (SPLIT, N) fp32 each
+    N,
+    V,
+    H,
+    v_per_split,
+    stride_h,
+    stride_w,
+    inv_t,
+    HAS_BIAS: tl.constexpr,
+    WITH_ENTROPY: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_H: tl.constexpr,
 ):
     pid_n = tl.program_id(0).to(tl.int64)  # int64 before pointer math: N * H overflows int32
     pid_s = tl.program_id(1).to(tl.int64)
@@ -77,8 +116,25 @@ def _logprob_fwd_kernel(
     for v0 in range(v_start, v_end, BLOCK_V):
         offs_v = v0 + tl.arange(0, BLOCK_V)
         v_mask = offs_v < v_end
-        z = _logits_tile(h_ptr, w_ptr, b_ptr, offs_n, offs_v, n_mask, v_mask, H, stride_h, stride_w, inv_t,
-                         HAS_BIAS, UPCAST, PRECISION, BLOCK_N, BLOCK_V, BLOCK_H)
+        z = _logits_tile(
+            h_ptr,
+            w_ptr,
+            b_ptr,
+            offs_n,
+            offs_v,
+            n_mask,
+            v_mask,
+            H,
+            stride_h,
+            stride_w,
+            inv_t,
+            HAS_BIAS,
+            UPCAST,
+            PRECISION,
+            BLOCK_N,
+            BLOCK_V,
+            BLOCK_H,
+        )
         z = tl.where(v_mask[None, :], z, float("-inf"))
         m_new = tl.maximum(m, tl.max(z, axis=1))
         alpha = tl.exp(m - m_new)
@@ -101,11 +157,30 @@ def _logprob_fwd_kernel(
 @triton.heuristics({"HAS_BIAS": lambda args: args["b_ptr"] is not None})
 @triton.jit
 def _logprob_bwd_kernel(
-    h_ptr, w_ptr, b_ptr, tgt_ptr, lse_ptr, glp_ptr, gent_ptr, ez_ptr,
-    gh_ptr, gw_ptr, gb_ptr,  # fp32 gradient accumulators
-    N, V, H, stride_h, stride_w, inv_t,
-    HAS_BIAS: tl.constexpr, WITH_ENTROPY: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+    h_ptr,
+    w_ptr,
+    b_ptr,
+    tgt_ptr,
+    lse_ptr,
+    glp_ptr,
+    gent_ptr,
+    ez_ptr,
+    gh_ptr,
+    gw_ptr,
+    gb_ptr,  # fp32 gradient accumulators
+    N,
+    V,
+    H,
+    stride_h,
+    stride_w,
+    inv_t,
+    HAS_BIAS: tl.constexpr,
+    WITH_ENTROPY: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_H: tl.constexpr,
 ):
     pid_n = tl.program_id(0).to(tl.int64)
     pid_v = tl.program_id(1).to(tl.int64)
@@ -115,8 +190,25 @@ def _logprob_bwd_kernel(
     v_mask = offs_v < V
 
     # 1. recompute the logits tile and softmax from the saved LSE
-    z = _logits_tile(h_ptr, w_ptr, b_ptr, offs_n, offs_v, n_mask, v_mask, H, stride_h, stride_w, inv_t,
-                     HAS_BIAS, UPCAST, PRECISION, BLOCK_N, BLOCK_V, BLOCK_H)
+    z = _logits_tile(
+        h_ptr,
+        w_ptr,
+        b_ptr,
+        offs_n,
+        offs_v,
+        n_mask,
+        v_mask,
+        H,
+        stride_h,
+        stride_w,
+        inv_t,
+        HAS_BIAS,
+        UPCAST,
+        PRECISION,
+        BLOCK_N,
+        BLOCK_V,
+        BLOCK_H,
+    )
     lse = tl.load(lse_ptr + offs_n, mask=n_mask, other=0.0)
     p = tl.exp(z - lse[:, None])
 
@@ -139,17 +231,27 @@ def _logprob_bwd_kernel(
     for h0 in range(0, H, BLOCK_H):
         offs_h = h0 + tl.arange(0, BLOCK_H)
         h_mask = offs_h < H
-        w = tl.load(w_ptr + offs_v[:, None] * stride_w + offs_h[None, :],
-                    mask=v_mask[:, None] & h_mask[None, :], other=0.0)
-        x = tl.load(h_ptr + offs_n[:, None] * stride_h + offs_h[None, :],
-                    mask=n_mask[:, None] & h_mask[None, :], other=0.0)
+        w = tl.load(
+            w_ptr + offs_v[:, None] * stride_w + offs_h[None, :],
+            mask=v_mask[:, None] & h_mask[None, :],
+            other=0.0,
+        )
+        x = tl.load(
+            h_ptr + offs_n[:, None] * stride_h + offs_h[None, :],
+            mask=n_mask[:, None] & h_mask[None, :],
+            other=0.0,
+        )
         if UPCAST:
             w = w.to(tl.float32)
             x = x.to(tl.float32)
         gh = tl.dot(dz_mm, w, input_precision=PRECISION)
-        tl.atomic_add(gh_ptr + offs_n[:, None] * H + offs_h[None, :], gh, mask=n_mask[:, None] & h_mask[None, :])
+        tl.atomic_add(
+            gh_ptr + offs_n[:, None] * H + offs_h[None, :], gh, mask=n_mask[:, None] & h_mask[None, :]
+        )
         gw = tl.dot(tl.trans(dz_mm), x, input_precision=PRECISION)
-        tl.atomic_add(gw_ptr + offs_v[:, None] * H + offs_h[None, :], gw, mask=v_mask[:, None] & h_mask[None, :])
+        tl.atomic_add(
+            gw_ptr + offs_v[:, None] * H + offs_h[None, :], gw, mask=v_mask[:, None] & h_mask[None, :]
+        )
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -181,10 +283,28 @@ def _logprob_fwd(hidden, weight, bias, targets, inv_t, with_entropy):
     if N == 0:
         return stats[0, 0], stats[0, 0], stats[0, 0], stats[0, 0]
     _logprob_fwd_kernel[(n_blocks, splits)](
-        hidden, weight, bias, targets, stats[0], stats[1], stats[2], stats[3],
-        N, V, H, v_per_split, hidden.stride(0), weight.stride(0), inv_t,
-        WITH_ENTROPY=with_entropy, UPCAST=INTERPRET, PRECISION=_precision(hidden.dtype),
-        BLOCK_N=BLOCK_N, BLOCK_V=BLOCK_V, BLOCK_H=BLOCK_H, num_warps=8,
+        hidden,
+        weight,
+        bias,
+        targets,
+        stats[0],
+        stats[1],
+        stats[2],
+        stats[3],
+        N,
+        V,
+        H,
+        v_per_split,
+        hidden.stride(0),
+        weight.stride(0),
+        inv_t,
+        WITH_ENTROPY=with_entropy,
+        UPCAST=INTERPRET,
+        PRECISION=_precision(hidden.dtype),
+        BLOCK_N=BLOCK_N,
+        BLOCK_V=BLOCK_V,
+        BLOCK_H=BLOCK_H,
+        num_warps=8,
     )
     # 3. merge the splits' partial logsumexps (a few floats per token)
     m, s, zt, sz = stats
@@ -209,11 +329,30 @@ def _logprob_bwd(hidden, weight, bias, targets, inv_t, lse, g_logp, g_ent, ez):
     if N == 0:
         return gh, gw, gb
     _logprob_bwd_kernel[(triton.cdiv(N, BLOCK_N), triton.cdiv(V, BLOCK_V))](
-        hidden, weight, bias, targets, lse, g_logp.contiguous(),
-        g_ent.contiguous() if with_entropy else None, ez if with_entropy else None,
-        gh, gw, gb, N, V, H, hidden.stride(0), weight.stride(0), inv_t,
-        WITH_ENTROPY=with_entropy, UPCAST=INTERPRET, PRECISION=_precision(hidden.dtype),
-        BLOCK_N=BLOCK_N, BLOCK_V=BLOCK_V, BLOCK_H=BLOCK_H, num_warps=8,
+        hidden,
+        weight,
+        bias,
+        targets,
+        lse,
+        g_logp.contiguous(),
+        g_ent.contiguous() if with_entropy else None,
+        ez if with_entropy else None,
+        gh,
+        gw,
+        gb,
+        N,
+        V,
+        H,
+        hidden.stride(0),
+        weight.stride(0),
+        inv_t,
+        WITH_ENTROPY=with_entropy,
+        UPCAST=INTERPRET,
+        PRECISION=_precision(hidden.dtype),
+        BLOCK_N=BLOCK_N,
+        BLOCK_V=BLOCK_V,
+        BLOCK_H=BLOCK_H,
+        num_warps=8,
     )
     return gh, gw, gb
 
@@ -224,7 +363,7 @@ def _logprob_bwd(hidden, weight, bias, targets, inv_t, lse, g_logp, g_ent, ez):
 def twin_chunk_rows(V: int) -> int:
     """Tokens per twin chunk: TWIN_TILE_ELEMS // V rounded up to a multiple of 64 when that is more than 64.
 
-    CPU BLAS runs a (rows x H) @ (H x V) product ~1.4x faster at 128 rows than at 110 (its register blocks)."""
+    CPU BLAS runs a (rows x H) @ (H x V) product ~1.4x faster at 128 rows than at 110 (register blocking)."""
     rows = max(1, TWIN_TILE_ELEMS // V)
     return rows if rows < 64 else -(-rows // 64) * 64
 
@@ -289,12 +428,14 @@ def _twin_fwd(hidden, weight, bias, targets, inv_t, with_entropy):
     vc = min(V, max(BLOCK_V, TWIN_TILE_ELEMS // rows))
     buf = torch.empty(rows * vc, **f32)
     for i in range(0, N, rows):
-        h, t = hidden[i:i + rows], targets[i:i + rows]
+        h, t = hidden[i : i + rows], targets[i : i + rows]
         n = h.shape[0]
         m = torch.full((n,), float("-inf"), **f32)
         s, zt, sz = torch.zeros(n, **f32), torch.zeros(n, **f32), torch.zeros(n, **f32)
         for v0 in range(0, V, vc):
-            z = twin_logits(h, weight[v0:v0 + vc], None if bias is None else bias[v0:v0 + vc], inv_t, out=buf)
+            z = twin_logits(
+                h, weight[v0 : v0 + vc], None if bias is None else bias[v0 : v0 + vc], inv_t, out=buf
+            )
             # 1. the chosen tokens that fall in this slice
             here = ((t >= v0) & (t < v0 + z.shape[1])).nonzero().squeeze(1)
             zt[here] = z[here, t[here] - v0]
@@ -305,11 +446,11 @@ def _twin_fwd(hidden, weight, bias, targets, inv_t, with_entropy):
                 sz = sz * alpha + (torch.exp(z - m_new[:, None]) * z).sum(1)
             s = s * alpha + z.sub_(m_new[:, None]).exp_().sum(1)
             m = m_new
-        lse[i:i + n] = m + torch.log(s)
-        logp[i:i + n] = zt - lse[i:i + n]
+        lse[i : i + n] = m + torch.log(s)
+        logp[i : i + n] = zt - lse[i : i + n]
         if with_entropy:
-            ez[i:i + n] = sz / s
-            ent[i:i + n] = lse[i:i + n] - ez[i:i + n]
+            ez[i : i + n] = sz / s
+            ent[i : i + n] = lse[i : i + n] - ez[i : i + n]
     return logp, lse, ent, ez
 
 
@@ -317,14 +458,23 @@ def _twin_bwd(hidden, weight, bias, targets, inv_t, lse, g_logp, g_ent, ez):
     N, H = hidden.shape
     grad_h = torch.empty(N, H, dtype=hidden.dtype, device=hidden.device)
     grad_w = None
-    grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if bias is not None else None
+    grad_b = (
+        torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if bias is not None else None
+    )
     step = twin_chunk_rows(weight.shape[0])
     buf = torch.empty(min(N, step) * weight.shape[0], dtype=torch.float32, device=hidden.device)
     for i in range(0, N, step):
         sl = slice(i, i + step)
         z = twin_logits(hidden[sl], weight, bias, inv_t, out=buf)
-        dz = twin_grad_from_logits(z, lse[sl], targets[sl], g_logp[sl], inv_t,
-                                   None if g_ent is None else g_ent[sl], None if ez is None else ez[sl])
+        dz = twin_grad_from_logits(
+            z,
+            lse[sl],
+            targets[sl],
+            g_logp[sl],
+            inv_t,
+            None if g_ent is None else g_ent[sl],
+            None if ez is None else ez[sl],
+        )
         grad_h[sl], grad_w = twin_accumulate(dz, hidden[sl], weight, grad_w, grad_b)
     if grad_w is None:
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
@@ -375,12 +525,16 @@ def check_logprob_inputs(hidden, weight, targets, bias, temperature):
     check_tensor("hidden", hidden, (2, 3))
     check_tensor("weight", weight, (2,))
     if hidden.shape[-1] != weight.shape[1]:
-        raise ValueError(f"hidden's last dimension ({hidden.shape[-1]}) must equal weight.shape[1] ({weight.shape[1]})")
+        raise ValueError(
+            f"hidden's last dimension ({hidden.shape[-1]}) must equal weight.shape[1] ({weight.shape[1]})"
+        )
     if not isinstance(targets, torch.Tensor) or targets.dtype not in (torch.int64, torch.int32):
         got = targets.dtype if isinstance(targets, torch.Tensor) else type(targets).__name__
         raise TypeError(f"targets must be an int64 (or int32) tensor, got {got}")
     if tuple(targets.shape) != tuple(hidden.shape[:-1]):
-        raise ValueError(f"targets must have hidden's leading shape {tuple(hidden.shape[:-1])}, got {tuple(targets.shape)}")
+        raise ValueError(
+            f"targets must have hidden's leading shape {tuple(hidden.shape[:-1])}, got {tuple(targets.shape)}"
+        )
     if bias is not None:
         check_tensor("bias", bias, (1,))
         if bias.shape[0] != weight.shape[0]:
@@ -390,12 +544,15 @@ def check_logprob_inputs(hidden, weight, targets, bias, temperature):
         raise TypeError(f"hidden and weight must share a dtype, got {hidden.dtype} and {weight.dtype}")
     V = weight.shape[0]
     if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= V):
-        raise ValueError(f"targets must lie in [0, {V}), got values in [{int(targets.min())}, {int(targets.max())}]")
+        raise ValueError(
+            f"targets must lie in [0, {V}), got values in [{int(targets.min())}, {int(targets.max())}]"
+        )
     return hidden.reshape(-1, hidden.shape[-1]).contiguous(), targets.reshape(-1).long().contiguous()
 
 
-def fused_linear_logprobs(hidden, weight, targets, *, bias=None, temperature=1.0, return_entropy=False,
-                          impl="auto"):
+def fused_linear_logprobs(
+    hidden, weight, targets, *, bias=None, temperature=1.0, return_entropy=False, impl="auto"
+):
     """Log-probability of each target token under `softmax((hidden @ weight.T + bias) / temperature)`.
 
     The (tokens x vocab) logits are never materialized. Triton holds one (64 x 128) fp32 tile per program;

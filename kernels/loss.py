@@ -1,10 +1,10 @@
 """The clipped GRPO loss on per-token log-probs, with TRL 1.16's `GRPOTrainer._compute_loss` semantics.
 
-    logps, old_logps, ref_logps, mask: (B, T)   advantages: (B,)   ->  fp32 scalar loss, metrics
-    r = exp(logp - old)  (token level)  or  exp(masked mean over the sequence of logp - old)  (GSPO)
-    per_token = -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A) + beta * (exp(ref - logp) - (ref - logp) - 1)
-    loss = sum(w * per_token) with w from the loss type: grpo 1/(B len_b), bnpo 1/sum(mask),
-           dr_grpo 1/(B max_completion_length), dapo 1/num_items_in_batch (all times mask).
+logps, old_logps, ref_logps, mask: (B, T)   advantages: (B,)   ->  fp32 scalar loss, metrics
+r = exp(logp - old)  (token level)  or  exp(masked mean over the sequence of logp - old)  (GSPO)
+per_token = -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A) + beta * (exp(ref - logp) - (ref - logp) - 1)
+loss = sum(w * per_token) with w from the loss type: grpo 1/(B len_b), bnpo 1/sum(mask),
+       dr_grpo 1/(B max_completion_length), dapo 1/num_items_in_batch (all times mask).
 """
 
 from dataclasses import dataclass
@@ -32,21 +32,40 @@ class LossParams:
     use_bias_correction_kl: bool
 
 
-def make_loss_params(*, beta, epsilon_low, epsilon_high, loss_type, importance_sampling_level,
-                     max_completion_length, use_bias_correction_kl) -> LossParams:
+def make_loss_params(
+    *,
+    beta,
+    epsilon_low,
+    epsilon_high,
+    loss_type,
+    importance_sampling_level,
+    max_completion_length,
+    use_bias_correction_kl,
+) -> LossParams:
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
     if importance_sampling_level not in LEVELS:
-        raise ValueError(f"importance_sampling_level must be one of {LEVELS}, got {importance_sampling_level!r}")
+        raise ValueError(
+            f"importance_sampling_level must be one of {LEVELS}, got {importance_sampling_level!r}"
+        )
     check_nonnegative("epsilon_low", epsilon_low)
     epsilon_high = epsilon_low if epsilon_high is None else epsilon_high
     check_nonnegative("epsilon_high", epsilon_high)
     if not isinstance(beta, (int, float)):
         raise TypeError(f"beta must be a number, got {type(beta).__name__}")
     if loss_type == "dr_grpo" and (not isinstance(max_completion_length, int) or max_completion_length < 1):
-        raise ValueError(f"loss_type='dr_grpo' needs max_completion_length as an int >= 1, got {max_completion_length!r}")
-    return LossParams(float(beta), float(epsilon_low), float(epsilon_high), loss_type,
-                      importance_sampling_level == "sequence", max_completion_length, bool(use_bias_correction_kl))
+        raise ValueError(
+            f"loss_type='dr_grpo' needs max_completion_length as an int >= 1, got {max_completion_length!r}"
+        )
+    return LossParams(
+        float(beta),
+        float(epsilon_low),
+        float(epsilon_high),
+        loss_type,
+        importance_sampling_level == "sequence",
+        max_completion_length,
+        bool(use_bias_correction_kl),
+    )
 
 
 def check_loss_tensors(logps_shape, advantages, mask, old_logps, ref_logps, beta, num_items_in_batch):
@@ -55,8 +74,11 @@ def check_loss_tensors(logps_shape, advantages, mask, old_logps, ref_logps, beta
         raise ValueError(f"per-token tensors must be (B, T), got shape {tuple(logps_shape)}")
     B, T = logps_shape
     check_tensor("advantages", advantages, (1, 2))
-    check_shape("advantages", advantages.reshape(-1) if advantages.dim() == 2 and advantages.shape[1] == 1
-                else advantages, (B,))
+    check_shape(
+        "advantages",
+        advantages.reshape(-1) if advantages.dim() == 2 and advantages.shape[1] == 1 else advantages,
+        (B,),
+    )
     check_tensor("mask", mask, (2,), floating=False)
     check_shape("mask", mask, (B, T))
     for name, t in (("old_logps", old_logps), ("ref_logps", ref_logps)):
@@ -124,7 +146,11 @@ def clip_metric_sums(low, high, mask, sequence_level):
 
 def finish_metrics(low_s, high_s, region_s, count, kl_s, token_count, with_kl):
     count = count.clamp(min=1.0)
-    metrics = {"clip_ratio_low": low_s / count, "clip_ratio_high": high_s / count, "clip_ratio": region_s / count}
+    metrics = {
+        "clip_ratio_low": low_s / count,
+        "clip_ratio_high": high_s / count,
+        "clip_ratio": region_s / count,
+    }
     if with_kl:
         metrics["kl"] = kl_s / token_count.clamp(min=1.0)
     return {k: v.detach() for k, v in metrics.items()}
@@ -133,15 +159,30 @@ def finish_metrics(low_s, high_s, region_s, count, kl_s, token_count, with_kl):
 # --------------------------------------------------------------------------------------------------------
 # Triton: one program per sequence computes the loss, the metrics' sums, and d loss / d logp
 # --------------------------------------------------------------------------------------------------------
-@triton.heuristics({
-    "HAS_OLD": lambda args: args["old_ptr"] is not None,
-    "HAS_REF": lambda args: args["ref_ptr"] is not None,
-})
+@triton.heuristics(
+    {
+        "HAS_OLD": lambda args: args["old_ptr"] is not None,
+        "HAS_REF": lambda args: args["ref_ptr"] is not None,
+    }
+)
 @triton.jit
 def _grpo_loss_fwd_kernel(
-    logp_ptr, old_ptr, ref_ptr, adv_ptr, w_ptr, mask_ptr, grad_ptr, row_ptr,
-    T, beta, eps_low, eps_high,
-    HAS_OLD: tl.constexpr, HAS_REF: tl.constexpr, SEQ_LEVEL: tl.constexpr, BIAS_KL: tl.constexpr,
+    logp_ptr,
+    old_ptr,
+    ref_ptr,
+    adv_ptr,
+    w_ptr,
+    mask_ptr,
+    grad_ptr,
+    row_ptr,
+    T,
+    beta,
+    eps_low,
+    eps_high,
+    HAS_OLD: tl.constexpr,
+    HAS_REF: tl.constexpr,
+    SEQ_LEVEL: tl.constexpr,
+    BIAS_KL: tl.constexpr,
     BLOCK_T: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -257,9 +298,20 @@ def _loss_triton(logps, old_logps, ref_logps, advantages, mask, w, params: LossP
     rows = torch.empty(B, 5, dtype=torch.float32, device=logps.device)
     mask_f = mask.float().contiguous()
     _grpo_loss_fwd_kernel[(B,)](
-        logps, old_logps, ref_logps, advantages, w, mask_f, grad, rows,
-        T, params.beta, params.epsilon_low, params.epsilon_high,
-        SEQ_LEVEL=params.sequence_level, BIAS_KL=params.use_bias_correction_kl,
+        logps,
+        old_logps,
+        ref_logps,
+        advantages,
+        w,
+        mask_f,
+        grad,
+        rows,
+        T,
+        params.beta,
+        params.epsilon_low,
+        params.epsilon_high,
+        SEQ_LEVEL=params.sequence_level,
+        BIAS_KL=params.use_bias_correction_kl,
         BLOCK_T=min(1024, max(16, triton.next_power_of_2(T))),
     )
     sums = rows.sum(0)
@@ -271,7 +323,9 @@ def _loss_triton(logps, old_logps, ref_logps, advantages, mask, w, params: LossP
 def _loss_torch(logps, old_logps, ref_logps, advantages, mask, w, params: LossParams):
     with torch.enable_grad():
         lp = logps.detach().requires_grad_(True)
-        per_token, kl, low, high = per_token_terms(lp, old_logps, ref_logps, advantages[:, None], mask, params)
+        per_token, kl, low, high = per_token_terms(
+            lp, old_logps, ref_logps, advantages[:, None], mask, params
+        )
         loss = (w * per_token).sum()
         (grad,) = torch.autograd.grad(loss, lp)
     low_s, high_s, region_s, count = clip_metric_sums(low, high, mask, params.sequence_level)
@@ -294,7 +348,9 @@ class AttachGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         if ctx.grads is None:
-            raise RuntimeError("the fused GRPO loss's backward can run only once (retain_graph is not supported)")
+            raise RuntimeError(
+                "the fused GRPO loss's backward can run only once (retain_graph is not supported)"
+            )
         grads, ctx.grads = ctx.grads, None
         scaled = []
         for t in grads:
@@ -311,9 +367,23 @@ def attach_grads(value, inputs, grads):
     return AttachGrad.apply(value, tuple(grads), *inputs)
 
 
-def grpo_loss(logps, advantages, mask, *, old_logps=None, ref_logps=None, beta=0.0, epsilon_low=0.2,
-              epsilon_high=None, loss_type="dapo", importance_sampling_level="token", max_completion_length=None,
-              num_items_in_batch=None, use_bias_correction_kl=False, impl="auto"):
+def grpo_loss(
+    logps,
+    advantages,
+    mask,
+    *,
+    old_logps=None,
+    ref_logps=None,
+    beta=0.0,
+    epsilon_low=0.2,
+    epsilon_high=None,
+    loss_type="dapo",
+    importance_sampling_level="token",
+    max_completion_length=None,
+    num_items_in_batch=None,
+    use_bias_correction_kl=False,
+    impl="auto",
+):
     """Clipped GRPO loss with TRL 1.16 GRPOTrainer semantics (loss types grpo, bnpo, dr_grpo, dapo).
 
     Args:
@@ -340,10 +410,15 @@ def grpo_loss(logps, advantages, mask, *, old_logps=None, ref_logps=None, beta=0
         (masked token mean, when beta != 0).
     """
     check_tensor("logps", logps, (2,))
-    params = make_loss_params(beta=beta, epsilon_low=epsilon_low, epsilon_high=epsilon_high, loss_type=loss_type,
-                              importance_sampling_level=importance_sampling_level,
-                              max_completion_length=max_completion_length,
-                              use_bias_correction_kl=use_bias_correction_kl)
+    params = make_loss_params(
+        beta=beta,
+        epsilon_low=epsilon_low,
+        epsilon_high=epsilon_high,
+        loss_type=loss_type,
+        importance_sampling_level=importance_sampling_level,
+        max_completion_length=max_completion_length,
+        use_bias_correction_kl=use_bias_correction_kl,
+    )
     check_loss_tensors(logps.shape, advantages, mask, old_logps, ref_logps, params.beta, num_items_in_batch)
     if params.beta == 0.0:
         ref_logps = None
@@ -352,7 +427,9 @@ def grpo_loss(logps, advantages, mask, *, old_logps=None, ref_logps=None, beta=0
     adv = advantages.reshape(-1).float().contiguous()
     w = token_weights(mask, params, num_items_in_batch).contiguous()
     fn = _loss_triton if impl == "triton" else _loss_torch
-    value, grad, metrics = fn(logps.detach().float().contiguous(), f32[0], f32[1], adv, mask.contiguous(), w, params)
+    value, grad, metrics = fn(
+        logps.detach().float().contiguous(), f32[0], f32[1], adv, mask.contiguous(), w, params
+    )
     # the gradient is known as soon as the loss is: both paths produce d loss / d logp in the forward
     return attach_grads(value, (logps,), (grad.to(logps.dtype),)), metrics
 

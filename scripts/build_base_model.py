@@ -26,18 +26,29 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece()  # words joined by single spaces
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>"
+    )
     fast.padding_side = "left"
     return fast
 
 
 def build_model(vocab_size: int, tok: PreTrainedTokenizerFast) -> LlamaForCausalLM:
-    # Llama-shaped: AutoTokenizer honours our tokenizer.json for model_type "llama" (for "qwen2" transformers 5
-    # substitutes its BPE Qwen2Tokenizer)
-    config = LlamaConfig(vocab_size=vocab_size, hidden_size=128, intermediate_size=384, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         tie_word_embeddings=True, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
-                         bos_token_id=None)
+    # Llama-shaped: AutoTokenizer honours our tokenizer.json for model_type "llama"; for "qwen2",
+    # transformers 5 substitutes its BPE Qwen2Tokenizer
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=128,
+        intermediate_size=384,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+        bos_token_id=None,
+    )
     return LlamaForCausalLM(config)
 
 
@@ -45,8 +56,13 @@ def corpus_batch(tok, problems, rng, batch):
     texts = []
     for _ in range(batch):
         p = rng.choice(problems)
-        texts.append(task.prompt_text(p, rng.randrange(len(task.TEMPLATES))) + " " + task.noisy_completion(p, rng)
-                     + " " + tok.eos_token)
+        texts.append(
+            task.prompt_text(p, rng.randrange(len(task.TEMPLATES)))
+            + " "
+            + task.noisy_completion(p, rng)
+            + " "
+            + tok.eos_token
+        )
     enc = tok(texts, return_tensors="pt", padding=True)
     labels = enc.input_ids.masked_fill(enc.attention_mask == 0, -100)
     return enc.input_ids, enc.attention_mask, labels
@@ -83,7 +99,9 @@ def main(argv=None):
     model.generation_config.pad_token_id = tok.pad_token_id
     model.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
-    print(f"saved {sum(p.numel() for p in model.parameters())} parameters to {out} in {time.time() - t0:.0f}s")
+    print(
+        f"saved {sum(p.numel() for p in model.parameters())} parameters to {out} in {time.time() - t0:.0f}s"
+    )
 
 
 if __name__ == "__main__":

@@ -46,9 +46,21 @@ def naive_advantages(rewards, group_size, scale="group", eps=1e-4):
     return out.view(-1)
 
 
-def naive_grpo_loss(logps, advantages, mask, old_logps=None, ref_logps=None, beta=0.0, epsilon_low=0.2,
-                    epsilon_high=None, loss_type="dapo", importance_sampling_level="token",
-                    max_completion_length=None, num_items_in_batch=None, use_bias_correction_kl=False):
+def naive_grpo_loss(
+    logps,
+    advantages,
+    mask,
+    old_logps=None,
+    ref_logps=None,
+    beta=0.0,
+    epsilon_low=0.2,
+    epsilon_high=None,
+    loss_type="dapo",
+    importance_sampling_level="token",
+    max_completion_length=None,
+    num_items_in_batch=None,
+    use_bias_correction_kl=False,
+):
     """TRL 1.16's GRPOTrainer._compute_loss written out plainly (float64 in, float64 out)."""
     eps_hi = epsilon_low if epsilon_high is None else epsilon_high
     mask = mask.double()
@@ -96,7 +108,7 @@ def max_err(a, b):
 
 
 def assert_within(name, out, ref, lowp, dtype):
-    """flash-attention's rule: the kernel's error at most twice plain PyTorch's in the same dtype, plus tol."""
+    """flash-attention's rule: the kernel's error at most twice plain PyTorch's in that dtype, plus tol."""
     err, err_lp = max_err(out, ref), max_err(lowp, ref)
     scale = max(1.0, ref.double().abs().max().item()) if ref.numel() else 1.0
     mean_err = (out.double() - ref.double()).abs().mean().item() if out.numel() else 0.0

@@ -18,6 +18,7 @@ class _Tiny(torch.nn.Module):
 
     def save_pretrained(self, path, safe_serialization=True):
         from safetensors.torch import save_file
+
         save_file(self.state_dict(), str(Path(path) / "model.safetensors"))
 
 
@@ -29,8 +30,10 @@ def _save(out, step, model, fail=False):
         def save_pretrained(self, path):
             if fail:
                 raise OSError("disk full")
-    return ck.save_checkpoint(out, step, model, Tok(), opt, sched, {"epoch": 0, "pos": step}, torch.Generator(),
-                              {}, keep=2)
+
+    return ck.save_checkpoint(
+        out, step, model, Tok(), opt, sched, {"epoch": 0, "pos": step}, torch.Generator(), {}, keep=2
+    )
 
 
 def test_failed_save_keeps_last_good_checkpoint(tmp_path):
@@ -56,9 +59,26 @@ def test_torn_directories_are_ignored_and_old_ones_rotated(tmp_path):
 @pytest.mark.slow
 def test_sigterm_saves_a_checkpoint_then_exits(tmp_path):
     out = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "grpo_fast.train", "--output-dir", str(out), "--max-steps", "10000",
-                             "--eval-max-samples", "0", "--save-steps", "0", "--time-budget-s", "0"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "grpo_fast.train",
+            "--output-dir",
+            str(out),
+            "--max-steps",
+            "10000",
+            "--eval-max-samples",
+            "0",
+            "--save-steps",
+            "0",
+            "--time-budget-s",
+            "0",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     metrics = out / "metrics.jsonl"
     deadline = time.time() + 120
     while time.time() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 2):

@@ -35,14 +35,19 @@ def _naive(targets, mask, adv, temperature, dtype, **kw):
     def f(h, w, b):
         lp = naive_logprobs(h, w, targets, b, temperature, dtype=dtype)
         return naive_grpo_loss(lp, adv, mask, **kw)
+
     return f
 
 
 def _compare(impl, dtype, bias, kw, B=3, T=37, V=1001):
     hidden, weight, b, targets, mask, adv, old, ref = _problem(B=B, T=T, V=V, dtype=dtype, bias=bias)
     kw = dict(kw, old_logps=old, ref_logps=ref)
-    ours = _grads(lambda h, w, bb: fused_linear_grpo_loss(h, w, targets, mask, adv, bias=bb, temperature=0.7,
-                                                          impl=impl, **kw), (hidden, weight, b))
+    ours = _grads(
+        lambda h, w, bb: fused_linear_grpo_loss(
+            h, w, targets, mask, adv, bias=bb, temperature=0.7, impl=impl, **kw
+        ),
+        (hidden, weight, b),
+    )
     f64 = (hidden.double(), weight.double(), None if b is None else b.double())
     exact = _grads(_naive(targets, mask, adv, 0.7, torch.float64, **kw), f64)
     lowp = _grads(_naive(targets, mask, adv, 0.7, dtype, **kw), (hidden, weight, b))
@@ -57,23 +62,47 @@ def _compare(impl, dtype, bias, kw, B=3, T=37, V=1001):
 
 
 @pytest.mark.parametrize("impl", ["torch", "triton"])
-@pytest.mark.parametrize("loss_type,level,beta", list(itertools.product(LOSS_TYPES, ["token", "sequence"], [0.0, 0.04])))
+@pytest.mark.parametrize(
+    "loss_type,level,beta", list(itertools.product(LOSS_TYPES, ["token", "sequence"], [0.0, 0.04]))
+)
 def test_fused_loss_matches_naive(impl, loss_type, level, beta):
-    _compare(impl, torch.float32, bias=False, kw=dict(beta=beta, loss_type=loss_type, importance_sampling_level=level,
-                                                      max_completion_length=40, epsilon_high=0.28))
+    _compare(
+        impl,
+        torch.float32,
+        bias=False,
+        kw=dict(
+            beta=beta,
+            loss_type=loss_type,
+            importance_sampling_level=level,
+            max_completion_length=40,
+            epsilon_high=0.28,
+        ),
+    )
 
 
 @pytest.mark.parametrize("impl", ["torch", "triton"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("level", ["token", "sequence"])
 def test_fused_loss_bias_and_dtypes(impl, dtype, level):
-    _compare(impl, dtype, bias=True, kw=dict(beta=0.04, importance_sampling_level=level, use_bias_correction_kl=True))
+    _compare(
+        impl,
+        dtype,
+        bias=True,
+        kw=dict(beta=0.04, importance_sampling_level=level, use_bias_correction_kl=True),
+    )
 
 
 @pytest.mark.parametrize("level", ["token", "sequence"])
 def test_fused_loss_twin_real_vocabulary(level):
-    _compare("torch", torch.float32, bias=False, B=2, T=60, V=151936,
-             kw=dict(beta=0.04, importance_sampling_level=level))
+    _compare(
+        "torch",
+        torch.float32,
+        bias=False,
+        B=2,
+        T=60,
+        V=151936,
+        kw=dict(beta=0.04, importance_sampling_level=level),
+    )
 
 
 def test_fused_loss_single_token():
@@ -85,25 +114,53 @@ def test_no_grad_forward_matches():
     hidden, weight, _, targets, mask, adv, old, _ = _problem()
     with torch.no_grad():
         a, _ = fused_linear_grpo_loss(hidden, weight, targets, mask, adv, old_logps=old, impl="torch")
-    b, _ = fused_linear_grpo_loss(hidden.requires_grad_(), weight, targets, mask, adv, old_logps=old, impl="torch")
+    b, _ = fused_linear_grpo_loss(
+        hidden.requires_grad_(), weight, targets, mask, adv, old_logps=old, impl="torch"
+    )
     assert abs(a.item() - b.item()) < 1e-6
 
 
 # ---- against Liger-Kernel's LigerFusedLinearGRPOLoss, an independent implementation ----
-@pytest.mark.parametrize("loss_type,level,beta", list(itertools.product(LOSS_TYPES, ["token", "sequence"], [0.0, 0.04])))
+@pytest.mark.parametrize(
+    "loss_type,level,beta", list(itertools.product(LOSS_TYPES, ["token", "sequence"], [0.0, 0.04]))
+)
 def test_fused_loss_matches_liger(loss_type, level, beta):
     liger = pytest.importorskip("liger_kernel.chunked_loss")
     hidden, weight, b, targets, mask, adv, old, ref = _problem(bias=True, seed=3)
-    lg = liger.LigerFusedLinearGRPOLoss(beta=beta, compiled=False, use_ref_model=beta != 0.0, epsilon_low=0.2,
-                                        epsilon_high=0.28, loss_type=loss_type, max_completion_length=40,
-                                        importance_sampling_level=level, temperature=0.7)
-    theirs = _grads(lambda h, w, bb: lg(h, w, targets, mask, adv, bias=bb, ref_per_token_logps=ref,
-                                        old_per_token_logps=old), (hidden, weight, b))
-    kw = dict(beta=beta, epsilon_low=0.2, epsilon_high=0.28, loss_type=loss_type, importance_sampling_level=level,
-              max_completion_length=40, old_logps=old, ref_logps=ref)
+    lg = liger.LigerFusedLinearGRPOLoss(
+        beta=beta,
+        compiled=False,
+        use_ref_model=beta != 0.0,
+        epsilon_low=0.2,
+        epsilon_high=0.28,
+        loss_type=loss_type,
+        max_completion_length=40,
+        importance_sampling_level=level,
+        temperature=0.7,
+    )
+    theirs = _grads(
+        lambda h, w, bb: lg(
+            h, w, targets, mask, adv, bias=bb, ref_per_token_logps=ref, old_per_token_logps=old
+        ),
+        (hidden, weight, b),
+    )
+    kw = dict(
+        beta=beta,
+        epsilon_low=0.2,
+        epsilon_high=0.28,
+        loss_type=loss_type,
+        importance_sampling_level=level,
+        max_completion_length=40,
+        old_logps=old,
+        ref_logps=ref,
+    )
     for impl in ("torch", "triton"):
-        ours = _grads(lambda h, w, bb: fused_linear_grpo_loss(h, w, targets, mask, adv, bias=bb, temperature=0.7,
-                                                              impl=impl, **kw), (hidden, weight, b))
+        ours = _grads(
+            lambda h, w, bb: fused_linear_grpo_loss(
+                h, w, targets, mask, adv, bias=bb, temperature=0.7, impl=impl, **kw
+            ),
+            (hidden, weight, b),
+        )
         assert abs(ours[0].item() - theirs[0].item()) < 1e-5, (impl, ours[0].item(), theirs[0].item())
         for name, g, r in zip(["d hidden", "d weight", "d bias"], ours[2], theirs[2]):
             err = (g - r).abs().max().item()

@@ -1,4 +1,4 @@
-"""bench/gpu_suite.sh stays runnable: its dry run (tiny shapes, CPU, Triton interpreter) in a fresh process."""
+"""bench/gpu_suite.sh stays runnable: its dry run (tiny shapes, CPU, Triton interpreter) in a new process."""
 
 import json
 import os
@@ -14,8 +14,13 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.mark.slow
 def test_gpu_suite_dry_run(tmp_path):
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")  # the venv's python3
-    proc = subprocess.run(["bash", str(ROOT / "bench" / "gpu_suite.sh"), str(tmp_path), "--dry-run"], env=env,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        ["bash", str(ROOT / "bench" / "gpu_suite.sh"), str(tmp_path), "--dry-run"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((tmp_path / "gpu_suite.json").read_text())
     assert result["dry_run"] is True

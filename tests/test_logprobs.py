@@ -29,17 +29,21 @@ def _check(impl, dtype, lead, H, V, bias, temperature, entropy):
     up = [torch.randn(lead, dtype=torch.float64) for _ in range(n_out)]
 
     def ours(h, w, bb):
-        return fused_linear_logprobs(h, w, targets, bias=bb, temperature=temperature, return_entropy=entropy,
-                                     impl=impl)
+        return fused_linear_logprobs(
+            h, w, targets, bias=bb, temperature=temperature, return_entropy=entropy, impl=impl
+        )
 
     def naive(dt):
         def f(h, w, bb):
             lp = naive_logprobs(h, w, targets, bb, temperature, dtype=dt)
             return (lp, naive_entropy(h, w, bb, temperature, dtype=dt)) if entropy else lp
+
         return f
 
     out, grads = _run(ours, (hidden, weight, b), up)
-    ref, ref_grads = _run(naive(torch.float64), (hidden.double(), weight.double(), None if b is None else b.double()), up)
+    ref, ref_grads = _run(
+        naive(torch.float64), (hidden.double(), weight.double(), None if b is None else b.double()), up
+    )
     low, low_grads = _run(naive(dtype), (hidden, weight, b), up)
     for o in out:
         assert o.dtype == torch.float32 and o.shape == lead
@@ -84,6 +88,7 @@ def test_temperature_one_equals_log_softmax_default():
 def test_twin_chunks_bound_the_logits_tile(monkeypatch):
     # shrink the tile: ragged token blocks and vocabulary slices must not change values or gradients
     import grpo_fast.kernels.logprobs as lp_mod
+
     hidden, weight, b, targets = _inputs((50,), 16, 1000, torch.float32, True)
     up = [torch.randn(50), torch.randn(50)]
 
@@ -104,7 +109,9 @@ def test_twin_chunks_bound_the_logits_tile(monkeypatch):
 @pytest.mark.requires_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_triton_on_cuda_matches_naive(dtype):
-    hidden, weight, b, targets = (x.cuda() if x is not None else None for x in _inputs((4, 129), 256, 5003, dtype, True))
+    hidden, weight, b, targets = (
+        x.cuda() if x is not None else None for x in _inputs((4, 129), 256, 5003, dtype, True)
+    )
     out = fused_linear_logprobs(hidden, weight, targets, bias=b, impl="triton")
     ref = naive_logprobs(hidden, weight, targets, b).float()
     low = naive_logprobs(hidden, weight, targets, b, dtype=dtype).float()

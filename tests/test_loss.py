@@ -26,14 +26,24 @@ CASES = list(itertools.product(LOSS_TYPES, ["token", "sequence"], [0.0, 0.04], [
 @pytest.mark.parametrize("loss_type,level,beta,with_old", CASES)
 def test_loss_and_grad_match_trl_formulas(impl, loss_type, level, beta, with_old):
     logps, old, ref, adv, mask = _batch()
-    kw = dict(beta=beta, epsilon_low=0.2, epsilon_high=0.28, loss_type=loss_type, importance_sampling_level=level,
-              max_completion_length=40)
+    kw = dict(
+        beta=beta,
+        epsilon_low=0.2,
+        epsilon_high=0.28,
+        loss_type=loss_type,
+        importance_sampling_level=level,
+        max_completion_length=40,
+    )
     lp = logps.clone().requires_grad_(True)
-    loss, metrics = grpo_loss(lp, adv, mask, old_logps=old if with_old else None, ref_logps=ref, impl=impl, **kw)
+    loss, metrics = grpo_loss(
+        lp, adv, mask, old_logps=old if with_old else None, ref_logps=ref, impl=impl, **kw
+    )
     up = 1.7
     (loss * up).backward()
     lp64 = logps.double().requires_grad_(True)
-    ref_loss, ref_metrics = naive_grpo_loss(lp64, adv, mask, old_logps=old if with_old else None, ref_logps=ref, **kw)
+    ref_loss, ref_metrics = naive_grpo_loss(
+        lp64, adv, mask, old_logps=old if with_old else None, ref_logps=ref, **kw
+    )
     (ref_loss * up).backward()
     assert loss.dtype == torch.float32 and loss.dim() == 0
     assert abs(loss.item() - ref_loss.item()) <= 1e-5 * max(1.0, abs(ref_loss.item()))
@@ -49,8 +59,13 @@ def test_loss_and_grad_match_trl_formulas(impl, loss_type, level, beta, with_old
 @pytest.mark.parametrize("level", ["token", "sequence"])
 def test_bias_corrected_kl_and_num_items(impl, level):
     logps, old, ref, adv, mask = _batch(seed=1)
-    kw = dict(beta=0.1, loss_type="dapo", importance_sampling_level=level, use_bias_correction_kl=True,
-              num_items_in_batch=123)
+    kw = dict(
+        beta=0.1,
+        loss_type="dapo",
+        importance_sampling_level=level,
+        use_bias_correction_kl=True,
+        num_items_in_batch=123,
+    )
     lp = logps.clone().requires_grad_(True)
     loss, metrics = grpo_loss(lp, adv, mask, old_logps=old, ref_logps=ref, impl=impl, **kw)
     loss.backward()

@@ -5,8 +5,9 @@ from pathlib import Path
 
 import pytest
 
-BLOCKS = re.findall(r"```python\n(.*?)```", (Path(__file__).resolve().parent.parent / "README.md").read_text(),
-                    re.DOTALL)
+BLOCKS = re.findall(
+    r"```python\n(.*?)```", (Path(__file__).resolve().parent.parent / "README.md").read_text(), re.DOTALL
+)
 
 
 @pytest.mark.parametrize("i", range(len(BLOCKS)))

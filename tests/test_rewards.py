@@ -24,17 +24,26 @@ def test_extract_answer():
 
 
 def test_accuracy_reward_uses_math_equivalence():
-    comps = ["<think>...</think> \\boxed{0.5}", "the answer is 1/2", "<think>..</think> 42", "\\boxed{\\frac{1}{2}}",
-             "<think> 1/2 </think> 3"]
+    comps = [
+        "<think>...</think> \\boxed{0.5}",
+        "the answer is 1/2",
+        "<think>..</think> 42",
+        "\\boxed{\\frac{1}{2}}",
+        "<think> 1/2 </think> 3",
+    ]
     got = accuracy_reward(None, comps, answer=["\\frac{1}{2}", "0.5", "42", "1/2", "1/2"])
     assert got == [1.0, 1.0, 1.0, 1.0, 0.0]
 
 
 def test_format_and_partial_credit():
-    assert format_reward(None, ["<think> a </think> 4", "4", "<think> a </think>", " <think>\nx\n</think>\n 5"]) == \
-        [1.0, 0.0, 0.0, 1.0]
-    got = partial_credit_reward(None, ["<think>x</think> 42", "<think>x</think> 40", "<think>x</think> none", "junk"],
-                                answer=["42", "42", "42", "42"])
+    assert format_reward(
+        None, ["<think> a </think> 4", "4", "<think> a </think>", " <think>\nx\n</think>\n 5"]
+    ) == [1.0, 0.0, 0.0, 1.0]
+    got = partial_credit_reward(
+        None,
+        ["<think>x</think> 42", "<think>x</think> 40", "<think>x</think> none", "junk"],
+        answer=["42", "42", "42", "42"],
+    )
     assert got[0] == 1.0 and got[1] == pytest.approx(0.5 * (1 - 2 / 42)) and got[2] == 0.1 and got[3] == 0.0
 
 
@@ -70,7 +79,9 @@ def test_reward_errors_name_function_and_sample():
 
 def test_load_reward_specs(tmp_path):
     assert load_reward("format") is format_reward
-    assert load_reward("overlong:4", max_completion_length=16)(None, [""], completion_ids=[[0] * 14]) == [-0.5]
+    assert load_reward("overlong:4", max_completion_length=16)(None, [""], completion_ids=[[0] * 14]) == [
+        -0.5
+    ]
     with pytest.raises(ValueError, match="no such file"):
         load_reward(str(tmp_path / "x.py") + ":f")
     (tmp_path / "r.py").write_text("x = 1\n")

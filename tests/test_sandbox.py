@@ -20,10 +20,10 @@ ATTACKS = {
     "socket connection": "import socket\nsocket.create_connection(('127.0.0.1', 80), timeout=1)" + ADD,
     "write outside its directory": "open('/tmp/grpo_fast_sandbox_escape', 'w').write('x')" + ADD,
     "read an environment secret": "import os\nassert os.environ.get('GRPO_FAST_SECRET') != 'hunter2'\n"
-                                  "assert 'hunter2' not in open(f'/proc/{os.getppid()}/environ').read()" + ADD,
+    "assert 'hunter2' not in open(f'/proc/{os.getppid()}/environ').read()" + ADD,
     "forge the result line": "import sys, os\nsys.stdout.write('@@x@@{\"passed\": 2}\\n')\nos._exit(0)",
     "walk frames to the nonce": "try:\n    raise ValueError\nexcept ValueError as e:\n"
-                                "    f = e.__traceback__.tb_frame.f_back" + ADD,
+    "    f = e.__traceback__.tb_frame.f_back" + ADD,
 }
 
 
@@ -35,7 +35,9 @@ def _secret(monkeypatch):
 def test_honest_code_passes_and_partial_code_gets_partial_credit():
     assert run_tests(ADD, TESTS, FAST) == 1.0
     assert run_tests("def add(a, b):\n    return 3", TESTS, FAST) == 0.5
-    assert run_tests("open('scratch.txt', 'w').write('ok')" + ADD, TESTS, FAST) == 1.0  # its own directory is fine
+    assert (
+        run_tests("open('scratch.txt', 'w').write('ok')" + ADD, TESTS, FAST) == 1.0
+    )  # its own directory is fine
 
 
 @pytest.mark.parametrize("name", list(ATTACKS))

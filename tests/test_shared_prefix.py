@@ -12,8 +12,17 @@ V = 97
 
 def _model(kind):
     torch.manual_seed(0)
-    common = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=128, pad_token_id=0, eos_token_id=1)
+    common = dict(
+        vocab_size=V,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        pad_token_id=0,
+        eos_token_id=1,
+    )
     if kind == "qwen2":
         return Qwen2ForCausalLM(Qwen2Config(**common)).eval()
     return LlamaForCausalLM(LlamaConfig(**common)).eval()
@@ -40,7 +49,7 @@ def _plain_hidden(model, prompt_ids, prompt_mask, completion_ids, completion_mas
         ids = torch.cat([p, c])[None]
         h = model.model(input_ids=ids).last_hidden_state[0]
         out = torch.zeros(completion_ids.shape[1], h.shape[-1])
-        out[: len(c)] = h[len(p) - 1: len(p) - 1 + len(c)]
+        out[: len(c)] = h[len(p) - 1 : len(p) - 1 + len(c)]
         outs.append(out)
     return torch.stack(outs)
 
@@ -74,13 +83,17 @@ def test_shared_prefix_forward_equals_plain_forward_and_gradients(kind):
 def test_greedy_generation_identical_shared_and_unshared(kind):
     model = _model(kind)
     prompt_ids, prompt_mask, _, _, G = _batch()
-    a = generate_groups(model, prompt_ids, prompt_mask, G, 10, temperature=0.0, eos_token_id=1, share_prefix=True)
+    a = generate_groups(
+        model, prompt_ids, prompt_mask, G, 10, temperature=0.0, eos_token_id=1, share_prefix=True
+    )
     b = plain_generate(model, prompt_ids, prompt_mask, G, 10, temperature=0.0, eos_token_id=1)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
     # greedy groups are G copies of one completion, and equal HF's own greedy decoding of each prompt
     for i in range(prompt_ids.shape[0]):
         ids = prompt_ids[i][prompt_mask[i].bool()][None]
-        ref = model.generate(ids, max_new_tokens=10, do_sample=False, eos_token_id=1, pad_token_id=1)[0, ids.shape[1]:]
+        ref = model.generate(ids, max_new_tokens=10, do_sample=False, eos_token_id=1, pad_token_id=1)[
+            0, ids.shape[1] :
+        ]
         n = int(a[1][i * G].sum())
         assert torch.equal(a[0][i * G, :n], ref[:n])
 
@@ -90,8 +103,29 @@ def test_sampled_generation_matches_with_a_fixed_generator(kind):
     model = _model(kind)
     prompt_ids, prompt_mask, _, _, G = _batch()
     kw = dict(temperature=1.0, top_p=0.9, top_k=20, eos_token_id=1)
-    a = generate_groups(model, prompt_ids, prompt_mask, G, 12, share_prefix=True,
-                        generator=torch.Generator().manual_seed(3), **kw)
-    b = plain_generate(model, prompt_ids, prompt_mask, G, 12, generator=torch.Generator().manual_seed(3), **kw)
+    a = generate_groups(
+        model,
+        prompt_ids,
+        prompt_mask,
+        G,
+        12,
+        share_prefix=True,
+        generator=torch.Generator().manual_seed(3),
+        **kw,
+    )
+    b = plain_generate(
+        model, prompt_ids, prompt_mask, G, 12, generator=torch.Generator().manual_seed(3), **kw
+    )
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
     assert len({tuple(r.tolist()) for r in a[0][:G]}) > 1  # samples of a group differ
+
+
+def test_flash_attention_models_run_the_grouped_layout_with_sdpa():
+    # a 4D mask cannot go to flash-attention kernels: the grouped forward routes those models through SDPA
+    model = _model("qwen2")
+    batch = _batch()
+    expected = shared_prefix_forward(model, *batch[:4])
+    model.config._attn_implementation = "flash_attention_2"  # as loaded with attn_implementation=...
+    got = shared_prefix_forward(model, *batch[:4])
+    assert model.config._attn_implementation == "flash_attention_2"
+    assert torch.allclose(got, expected)

@@ -19,8 +19,22 @@ from grpo_fast.rollout import generate_groups
 from grpo_fast.train import encode_prompts, train
 
 ASSET = default_task.ASSET_DIR
-QUICK = ["--num-generations", "4", "--prompts-per-step", "2", "--max-completion-length", "16",
-         "--eval-max-samples", "0", "--save-steps", "0", "--warmup-ratio", "0", "--lr-scheduler-type", "constant"]
+QUICK = [
+    "--num-generations",
+    "4",
+    "--prompts-per-step",
+    "2",
+    "--max-completion-length",
+    "16",
+    "--eval-max-samples",
+    "0",
+    "--save-steps",
+    "0",
+    "--warmup-ratio",
+    "0",
+    "--lr-scheduler-type",
+    "constant",
+]
 
 
 def _cfg(tmp_path, *extra):
@@ -43,8 +57,23 @@ class _SGD(torch.optim.SGD):
 def test_one_step_equals_naive_grpo(tmp_path, monkeypatch, loss_type, beta):
     lr, seed, T = 1e-2, 7, 0.9
     monkeypatch.setattr(train_mod.torch.optim, "AdamW", _SGD)
-    cfg = _cfg(tmp_path, "--max-steps", "1", "--learning-rate", str(lr), "--max-grad-norm", "1e9", "--seed",
-               str(seed), "--temperature", str(T), "--loss-type", loss_type, "--beta", str(beta))
+    cfg = _cfg(
+        tmp_path,
+        "--max-steps",
+        "1",
+        "--learning-rate",
+        str(lr),
+        "--max-grad-norm",
+        "1e9",
+        "--seed",
+        str(seed),
+        "--temperature",
+        str(T),
+        "--loss-type",
+        loss_type,
+        "--beta",
+        str(beta),
+    )
     train(cfg)
     after = load_file(tmp_path / "run" / "checkpoint-1" / "model.safetensors")
 
@@ -56,10 +85,13 @@ def test_one_step_equals_naive_grpo(tmp_path, monkeypatch, loss_type, beta):
     rows = PromptSampler(train_and_eval_rows(cfg)[0], 2, seed).next()
     texts, ids, mask = encode_prompts(rows, tok, cfg.max_prompt_length, "cpu")
     gen = torch.Generator().manual_seed(seed)
-    c_ids, c_mask = generate_groups(model, ids, mask, 4, 16, temperature=T, eos_token_id=tok.eos_token_id,
-                                    generator=gen)
+    c_ids, c_mask = generate_groups(
+        model, ids, mask, 4, 16, temperature=T, eos_token_id=tok.eos_token_id, generator=gen
+    )
     comps = tok.batch_decode(c_ids * c_mask, skip_special_tokens=True)
-    rewards = torch.tensor(default_task.shop_answer_reward(None, comps, [r["answer"] for r in rows for _ in range(4)]))
+    rewards = torch.tensor(
+        default_task.shop_answer_reward(None, comps, [r["answer"] for r in rows for _ in range(4)])
+    )
     adv = naive_advantages(rewards, 4)
     full = torch.cat([ids.repeat_interleave(4, 0), c_ids], 1)
     fmask = torch.cat([mask.repeat_interleave(4, 0), c_mask], 1)
@@ -67,13 +99,14 @@ def test_one_step_equals_naive_grpo(tmp_path, monkeypatch, loss_type, beta):
     P = ids.shape[1]
 
     def logps(m):
-        logits = m(input_ids=full, attention_mask=fmask, position_ids=pos).logits[:, P - 1:-1].double() / T
+        logits = m(input_ids=full, attention_mask=fmask, position_ids=pos).logits[:, P - 1 : -1].double() / T
         return torch.log_softmax(logits, -1).gather(-1, c_ids[..., None]).squeeze(-1)
 
     with torch.no_grad():
         ref = logps(ref_model)
-    loss, _ = naive_grpo_loss(logps(model), adv, c_mask, ref_logps=ref, beta=beta, loss_type=loss_type,
-                              max_completion_length=16)
+    loss, _ = naive_grpo_loss(
+        logps(model), adv, c_mask, ref_logps=ref, beta=beta, loss_type=loss_type, max_completion_length=16
+    )
     loss.backward()
     before = dict(model.named_parameters())
     checked = 0
@@ -105,14 +138,36 @@ def test_resume_reproduces_uninterrupted_run(tmp_path):
 
 
 def test_demo_defaults_log_metrics_plot_and_checkpoint(tmp_path):
-    summary = train(parse_config(["--output-dir", str(tmp_path / "run"), "--max-steps", "3", "--eval-steps", "3",
-                                  "--eval-max-samples", "16"]))
+    summary = train(
+        parse_config(
+            [
+                "--output-dir",
+                str(tmp_path / "run"),
+                "--max-steps",
+                "3",
+                "--eval-steps",
+                "3",
+                "--eval-max-samples",
+                "16",
+            ]
+        )
+    )
     recs = _records(tmp_path)
     steps = [r for r in recs if "reward_mean" in r]
     evals = [r for r in recs if "eval_accuracy" in r]
     assert len(steps) == 3 and [e["step"] for e in evals] == [0, 3]
-    for k in ("step", "reward_mean", "reward_std", "rewards/shop_answer_reward_mean", "kl", "clip_ratio",
-              "completion_len_mean", "tokens_per_s", "peak_mem_mb", "lr"):
+    for k in (
+        "step",
+        "reward_mean",
+        "reward_std",
+        "rewards/shop_answer_reward_mean",
+        "kl",
+        "clip_ratio",
+        "completion_len_mean",
+        "tokens_per_s",
+        "peak_mem_mb",
+        "lr",
+    ):
         assert k in steps[0], k
     run = tmp_path / "run"
     assert (run / "curves.png").stat().st_size > 1000
@@ -127,13 +182,26 @@ def test_user_reward_file_receives_columns_and_local_model(tmp_path):
     # a saved local model directory (random weights, the embedded tokenizer) and a JSONL dataset
     model_dir = tmp_path / "tiny"
     tok = AutoTokenizer.from_pretrained(ASSET)
-    LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                 num_attention_heads=2, num_key_value_heads=1, pad_token_id=0,
-                                 eos_token_id=1)).save_pretrained(model_dir)
+    LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=len(tok),
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            pad_token_id=0,
+            eos_token_id=1,
+        )
+    ).save_pretrained(model_dir)
     tok.save_pretrained(model_dir)
     data = tmp_path / "data.jsonl"
-    data.write_text("\n".join(json.dumps({"prompt": f"A shop has {i} boxes", "answer": str(i), "level": i % 3})
-                              for i in range(2, 8)))
+    data.write_text(
+        "\n".join(
+            json.dumps({"prompt": f"A shop has {i} boxes", "answer": str(i), "level": i % 3})
+            for i in range(2, 8)
+        )
+    )
     log = tmp_path / "calls.jsonl"
     reward = tmp_path / "my_reward.py"
     reward.write_text(f"""
@@ -144,8 +212,21 @@ def my_reward(prompts, completions, answer, level, completion_ids, **kw):
                             "ids": [len(x) for x in completion_ids]}}) + "\\n")
     return [float(len(c) % 2) for c in completions]
 """)
-    train(_cfg(tmp_path, "--model", str(model_dir), "--dataset", str(data), "--reward", f"{reward}:my_reward",
-               "--max-steps", "2", "--learning-rate", "1e-3"))
+    train(
+        _cfg(
+            tmp_path,
+            "--model",
+            str(model_dir),
+            "--dataset",
+            str(data),
+            "--reward",
+            f"{reward}:my_reward",
+            "--max-steps",
+            "2",
+            "--learning-rate",
+            "1e-3",
+        )
+    )
     calls = [json.loads(x) for x in log.read_text().splitlines()]
     assert len(calls) == 2 and all(c["n"] == 8 for c in calls)
     assert all(isinstance(v, int) for c in calls for v in c["level"])
@@ -169,12 +250,15 @@ def _write(tmp_path, name, text):
     return p
 
 
-@pytest.mark.parametrize("make,words", [
-    (lambda t: _write(t, "d.jsonl", '{"question": "x", "answer": "1"}\n'), "no 'prompt' column"),
-    (lambda t: _write(t, "d.jsonl", ""), "the dataset is empty"),
-    (lambda t: _write(t, "d.csv", "prompt,answer\n"), "the dataset is empty"),
-    (lambda t: t / "missing.jsonl", "no such file"),
-])
+@pytest.mark.parametrize(
+    "make,words",
+    [
+        (lambda t: _write(t, "d.jsonl", '{"question": "x", "answer": "1"}\n'), "no 'prompt' column"),
+        (lambda t: _write(t, "d.jsonl", ""), "the dataset is empty"),
+        (lambda t: _write(t, "d.csv", "prompt,answer\n"), "the dataset is empty"),
+        (lambda t: t / "missing.jsonl", "no such file"),
+    ],
+)
 def test_bad_dataset(tmp_path, make, words):
     cfg = _cfg(tmp_path, "--dataset", str(make(tmp_path)), "--reward", "format")
     with pytest.raises(ValueError, match=words):
@@ -188,12 +272,15 @@ def test_unreadable_model_path(tmp_path):
             train(_cfg(tmp_path, "--model", path, "--dataset", "x.jsonl", "--reward", "format"))
 
 
-@pytest.mark.parametrize("argv,words", [
-    (["--loss-type", "ppo"], "argument --loss-type: invalid choice: 'ppo'"),
-    (["--num-generations", "two"], "argument --num-generations: invalid int value"),
-    (["--scale-rewards", "global"], "argument --scale-rewards: invalid choice"),
-    (["--no-such-flag", "1"], "unrecognized arguments: --no-such-flag"),
-])
+@pytest.mark.parametrize(
+    "argv,words",
+    [
+        (["--loss-type", "ppo"], "argument --loss-type: invalid choice: 'ppo'"),
+        (["--num-generations", "two"], "argument --num-generations: invalid int value"),
+        (["--scale-rewards", "global"], "argument --scale-rewards: invalid choice"),
+        (["--no-such-flag", "1"], "unrecognized arguments: --no-such-flag"),
+    ],
+)
 def test_unknown_flag_values(argv, words, capsys):
     with pytest.raises(SystemExit) as e:
         parse_config(argv)
@@ -201,25 +288,34 @@ def test_unknown_flag_values(argv, words, capsys):
     assert words in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("argv,words", [
-    (["--temperature", "0"], "temperature must be > 0"),
-    (["--prompts-per-step", "3", "--gradient-accumulation-steps", "2"], "must be divisible by"),
-    (["--reward", "format", "--reward-weights", "1", "2"], "reward_weights has 2 values for 1"),
-    (["--reward", "nonsense"], "--reward 'nonsense': expected a built-in"),
-])
+@pytest.mark.parametrize(
+    "argv,words",
+    [
+        (["--temperature", "0"], "temperature must be > 0"),
+        (["--prompts-per-step", "3", "--gradient-accumulation-steps", "2"], "must be divisible by"),
+        (["--reward", "format", "--reward-weights", "1", "2"], "reward_weights has 2 values for 1"),
+        (["--reward", "nonsense"], "--reward 'nonsense': expected a built-in"),
+    ],
+)
 def test_bad_config_values(tmp_path, argv, words):
     with pytest.raises(ValueError, match=words):
         train(parse_config(["--output-dir", str(tmp_path), *argv]))
 
 
 BAD_REWARDS = {
-    "count": ("def f(prompts, completions, **kw):\n    return [0.0]\n",
-              r"reward function 'f': returned 1 values, expected 8"),
-    "nan": ("def f(prompts, completions, **kw):\n"
-            "    return [float('nan') if i == 3 else 1.0 for i in range(len(completions))]\n",
-            r"reward function 'f' on sample 3: returned nan"),
-    "type": ("def f(prompts, completions, **kw):\n    return ['high'] * len(completions)\n",
-             r"reward function 'f' on sample 0: returned 'high', expected a float or None"),
+    "count": (
+        "def f(prompts, completions, **kw):\n    return [0.0]\n",
+        r"reward function 'f': returned 1 values, expected 8",
+    ),
+    "nan": (
+        "def f(prompts, completions, **kw):\n"
+        "    return [float('nan') if i == 3 else 1.0 for i in range(len(completions))]\n",
+        r"reward function 'f' on sample 3: returned nan",
+    ),
+    "type": (
+        "def f(prompts, completions, **kw):\n    return ['high'] * len(completions)\n",
+        r"reward function 'f' on sample 0: returned 'high', expected a float or None",
+    ),
 }
 
 
@@ -235,11 +331,16 @@ def test_bad_reward_function_stops_before_any_update(tmp_path, kind):
 
 
 def _poisoned_dataset(tmp_path):
-    rows = [{"prompt": default_task.prompt_text((6, 8, 6)), "answer": "42", "bad": 0},
-            {"prompt": default_task.prompt_text((3, 7, 2)), "answer": "19", "bad": 1}]
+    rows = [
+        {"prompt": default_task.prompt_text((6, 8, 6)), "answer": "42", "bad": 0},
+        {"prompt": default_task.prompt_text((3, 7, 2)), "answer": "19", "bad": 1},
+    ]
     data = _write(tmp_path, "d.jsonl", "\n".join(json.dumps(r) for r in rows))
-    reward = _write(tmp_path, "r.py", "def f(prompts, completions, bad, **kw):\n"
-                                      "    return [1 / 0 if b else 1.0 for b in bad]\n")
+    reward = _write(
+        tmp_path,
+        "r.py",
+        "def f(prompts, completions, bad, **kw):\n    return [1 / 0 if b else 1.0 for b in bad]\n",
+    )
     return rows, data, reward
 
 
@@ -254,8 +355,21 @@ def test_raising_reward_names_the_sample(tmp_path):
 
 def test_on_reward_error_skip_drops_samples(tmp_path):
     _, data, reward = _poisoned_dataset(tmp_path)
-    train(_cfg(tmp_path, "--model", str(ASSET), "--dataset", str(data), "--reward", f"{reward}:f",
-               "--on-reward-error", "skip", "--max-steps", "2"))
+    train(
+        _cfg(
+            tmp_path,
+            "--model",
+            str(ASSET),
+            "--dataset",
+            str(data),
+            "--reward",
+            f"{reward}:f",
+            "--on-reward-error",
+            "skip",
+            "--max-steps",
+            "2",
+        )
+    )
     steps = [r for r in _records(tmp_path) if "loss" in r]
     assert len(steps) == 2
     assert all(r["rewards/f_mean"] == 1.0 for r in steps)  # the poisoned prompt's samples were dropped
@@ -264,11 +378,27 @@ def test_on_reward_error_skip_drops_samples(tmp_path):
 def test_cli_entry_points(tmp_path):
     import subprocess
     import sys
-    out = subprocess.run([sys.executable, "-m", "grpo_fast.train", "--loss-type", "nope"], capture_output=True,
-                         text=True)
+
+    out = subprocess.run(
+        [sys.executable, "-m", "grpo_fast.train", "--loss-type", "nope"], capture_output=True, text=True
+    )
     assert out.returncode == 2 and "invalid choice: 'nope'" in out.stderr
-    out = subprocess.run([sys.executable, "-m", "grpo_fast.cli", "train", "--model", str(tmp_path / "x"), "--reward",
-                          "format", "--dataset", "d.jsonl"], capture_output=True, text=True)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "grpo_fast.cli",
+            "train",
+            "--model",
+            str(tmp_path / "x"),
+            "--reward",
+            "format",
+            "--dataset",
+            "d.jsonl",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert out.returncode == 2 and "not a model directory" in out.stderr
 
 
@@ -283,8 +413,23 @@ def test_config_file_with_flags_winning(tmp_path):
 
 
 def test_gradient_checkpointing_bf16_and_no_shared_prefix(tmp_path):
-    train(_cfg(tmp_path, "--gradient-checkpointing", "--dtype", "bf16", "--no-share-prefix", "--max-steps", "2",
-               "--num-iterations", "2", "--gradient-accumulation-steps", "2", "--learning-rate", "1e-3"))
+    train(
+        _cfg(
+            tmp_path,
+            "--gradient-checkpointing",
+            "--dtype",
+            "bf16",
+            "--no-share-prefix",
+            "--max-steps",
+            "4",
+            "--num-iterations",
+            "2",
+            "--gradient-accumulation-steps",
+            "2",
+            "--learning-rate",
+            "1e-3",
+        )
+    )
     steps = [r for r in _records(tmp_path) if "loss" in r]
     assert [r["step"] for r in steps] == [2, 4]  # one generation batch, two optimizer updates each
     assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in steps)
