@@ -23,7 +23,8 @@ TWIN_TILE_ELEMS = 1 << 24
 TWIN_MAX_ROWS = 2048  # forward-only blocks: tokens per block, the vocabulary sliced to fit the tile
 
 # Triton tiles. 64 x 128 logits per program with 64-wide K steps is the usual sweet spot for a bf16
-# tl.dot on Hopper/Ampere (register budget of 8 warps); not autotuned, see GRPO_FAST_AUTOTUNE in README.
+# tl.dot on Hopper/Ampere (register budget of 8 warps); one configuration, not yet measured on a GPU
+# (bench/gpu_suite.sh measures it), and no autotuning: the interpreter cannot run several configurations.
 BLOCK_N, BLOCK_V, BLOCK_H = 64, 128, 64
 
 
