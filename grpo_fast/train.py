@@ -450,8 +450,11 @@ def train(cfg: GRPOConfig) -> dict:
         "plot": str(out / "curves.png"),
     }
     print(f"done: {json.dumps(summary)}", flush=True)
-    print(f"outputs in {out}/: metrics.jsonl (per-step metrics, eval records), curves.png, config.json, "
-          f"{final.name}/", flush=True)
+    print(
+        f"outputs in {out}/: metrics.jsonl (per-step metrics, eval records), curves.png, config.json, "
+        f"{final.name}/",
+        flush=True,
+    )
     return summary
 
 
