@@ -15,6 +15,7 @@ import threading
 from contextlib import contextmanager, nullcontext
 
 import torch
+import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
@@ -189,26 +190,114 @@ def group_layout(prompt_mask, completion_mask, G):
     return pos, mask[:, None]
 
 
-def shared_prefix_forward(model, prompt_ids, prompt_mask, completion_ids, completion_mask):
+def _varlen_attention_reference(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=None, causal=True):
+    """flash_attn_varlen_func's contract in PyTorch: packed q (total_q, h, d), k/v (total_k, kvh, d), causal
+    aligned bottom-right (query i of a sequence sees keys up to len_k - len_q + i). The CPU path and the
+    test double."""
+    outs = []
+    rep = q.shape[1] // k.shape[1]
+    for i in range(len(cu_q) - 1):
+        qi = q[cu_q[i] : cu_q[i + 1]].transpose(0, 1)
+        ki = k[cu_k[i] : cu_k[i + 1]].transpose(0, 1).repeat_interleave(rep, 0)
+        vi = v[cu_k[i] : cu_k[i + 1]].transpose(0, 1).repeat_interleave(rep, 0)
+        lq, lk = qi.shape[1], ki.shape[1]
+        mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq) if causal else None
+        outs.append(
+            F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=softmax_scale).transpose(0, 1)
+        )
+    return torch.cat(outs)
+
+
+def _varlen_kernel(query):
+    """flash-attn's varlen kernel for half-precision CUDA tensors when it is installed, else the reference."""
+    if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16):
+        try:
+            from flash_attn import flash_attn_varlen_func
+
+            return flash_attn_varlen_func
+        except ImportError:
+            pass
+    return _varlen_attention_reference
+
+
+def _grouped_packing(prompt_mask, G, C):
+    """Varlen packing of the grouped layout: per group, the prompt (causal) then each completion over
+    [prompt; itself] (bottom-right causal). Indices into the flattened (n * L) positions."""
+    n, P = prompt_mask.shape
+    L = P + G * C
+    device = prompt_mask.device
+    q_idx, k_idx, len_q, len_k = [], [], [], []
+    for i in range(n):
+        prompt = i * L + torch.nonzero(prompt_mask[i]).squeeze(1)
+        q_idx.append(prompt)
+        k_idx.append(prompt)
+        len_q.append(len(prompt))
+        len_k.append(len(prompt))
+        for g in range(G):
+            comp = i * L + P + g * C + torch.arange(C, device=device)
+            q_idx.append(comp)
+            k_idx += [prompt, comp]
+            len_q.append(C)
+            len_k.append(len(prompt) + C)
+    cu = lambda lens: torch.tensor([0, *lens], device=device).cumsum(0).to(torch.int32)  # noqa: E731
+    return torch.cat(q_idx), torch.cat(k_idx), cu(len_q), cu(len_k), max(len_q), max(len_k)
+
+
+def grouped_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """AttentionInterface function for the grouped training layout without a 4D mask: the prompt and each
+    completion are packed as variable-length sequences (the prompt's keys repeated per completion, as Prefix
+    Grouper does) and run through flash-attn's varlen kernel when available."""
+    q_idx, k_idx, cu_q, cu_k, max_q, max_k = _state.grouped
+    n, h, L, d = query.shape
+    kvh = key.shape[1]
+    q = query.transpose(1, 2).reshape(n * L, h, d).index_select(0, q_idx)
+    k = key.transpose(1, 2).reshape(n * L, kvh, d).index_select(0, k_idx)
+    v = value.transpose(1, 2).reshape(n * L, kvh, d).index_select(0, k_idx)
+    out = _varlen_kernel(query)(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=scaling, causal=True)
+    full = out.new_zeros(n * L, h, d).index_copy(0, q_idx, out)  # prompt padding: never a query, never a key
+    return full.view(n, L, h, d), None
+
+
+GROUPED_ATTN_NAME = "grpo_fast_grouped"
+AttentionInterface.register(GROUPED_ATTN_NAME, grouped_attention)
+AttentionMaskInterface.register(GROUPED_ATTN_NAME, _no_mask)
+
+
+def shared_prefix_forward(model, prompt_ids, prompt_mask, completion_ids, completion_mask, attention="auto"):
     """Final hidden states (n_prompts * G, C, H) of the completions, each prompt run once per group.
 
     `[s, j]` is the state that predicts completion token j of sample s: equal to a plain forward of that
     sample's unpadded prompt followed by its completion, at position len(prompt) - 1 + j.
+
+    attention: "mask" runs the grouped layout with a 4D mask through SDPA (or eager); "varlen" packs it as
+    variable-length sequences (flash-attn's varlen kernel on half-precision CUDA tensors when installed, a
+    PyTorch equivalent otherwise); "auto" takes "varlen" for models loaded with a flash-attention
+    implementation and "mask" otherwise.
     """
     n, P = prompt_ids.shape
     rows, C = completion_ids.shape
     if rows % n:
         raise ValueError(f"completion_ids has {rows} rows for {n} prompts: expected a multiple")
+    if attention not in ("auto", "mask", "varlen"):
+        raise ValueError(f"attention must be 'auto', 'mask' or 'varlen', got {attention!r}")
     G = rows // n
     ids = torch.cat([prompt_ids, completion_ids.reshape(n, G * C)], dim=1)
     pos, mask = group_layout(prompt_mask, completion_mask, G)
     from .modeling import decoder_of
 
     impl = getattr(model.config, "_attn_implementation", "sdpa")
-    # the grouped layout needs a 4D mask: flash-attention kernels take none, so those models run it with SDPA
-    ctx = _attention_implementation(model, "sdpa") if impl not in ("sdpa", "eager") else nullcontext()
-    with ctx:
-        hidden = decoder_of(model)(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False)
+    if attention == "auto":
+        attention = "varlen" if str(impl).startswith("flash_attention") else "mask"
+    if attention == "varlen":
+        _state.grouped = _grouped_packing(prompt_mask, G, C)
+        ctx, mask = _attention_implementation(model, GROUPED_ATTN_NAME), None
+    else:  # a 4D mask: eager and SDPA take one
+        ctx = _attention_implementation(model, "sdpa") if impl not in ("sdpa", "eager") else nullcontext()
+    try:
+        with ctx:
+            hidden = decoder_of(model)(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False)
+    finally:
+        _state.grouped = None
     hidden = hidden.last_hidden_state
     # the state before completion token j: the prompt's last token for j = 0, else completion token j - 1
     j = torch.arange(C, device=ids.device)

@@ -54,14 +54,16 @@ def _plain_hidden(model, prompt_ids, prompt_mask, completion_ids, completion_mas
     return torch.stack(outs)
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "llama"])
-def test_shared_prefix_forward_equals_plain_forward_and_gradients(kind):
+@pytest.mark.parametrize(
+    "kind,attention", [("qwen2", "mask"), ("llama", "mask"), ("qwen2", "varlen"), ("llama", "varlen")]
+)
+def test_shared_prefix_forward_equals_plain_forward_and_gradients(kind, attention):
     model = _model(kind).train()
     batch = _batch()
     valid = batch[3].bool()
     weights = torch.randn(*batch[2].shape, 32)
 
-    shared = shared_prefix_forward(model, *batch[:4])
+    shared = shared_prefix_forward(model, *batch[:4], attention=attention)
     (shared * weights * valid[..., None]).sum().backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad()
@@ -120,12 +122,16 @@ def test_sampled_generation_matches_with_a_fixed_generator(kind):
     assert len({tuple(r.tolist()) for r in a[0][:G]}) > 1  # samples of a group differ
 
 
-def test_flash_attention_models_run_the_grouped_layout_with_sdpa():
-    # a 4D mask cannot go to flash-attention kernels: the grouped forward routes those models through SDPA
+def test_flash_attention_models_take_the_varlen_path():
+    # a 4D mask cannot go to flash-attention kernels: those models run the grouped layout packed as varlen
+    # sequences (flash-attn's kernel on CUDA; here, without it, its PyTorch equivalent)
     model = _model("qwen2")
     batch = _batch()
-    expected = shared_prefix_forward(model, *batch[:4])
+    expected = shared_prefix_forward(model, *batch[:4], attention="mask")
     model.config._attn_implementation = "flash_attention_2"  # as loaded with attn_implementation=...
     got = shared_prefix_forward(model, *batch[:4])
     assert model.config._attn_implementation == "flash_attention_2"
-    assert torch.allclose(got, expected)
+    valid = batch[3].bool()
+    assert torch.allclose(got[valid], expected[valid], atol=1e-5)
+    with pytest.raises(ValueError, match="attention must be"):
+        shared_prefix_forward(model, *batch[:4], attention="flash")
