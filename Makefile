@@ -21,7 +21,7 @@ test: setup
 	$(VPY) -m pytest tests
 
 demo: setup
-	$(VPY) -m grpo_fast.train --output-dir runs/demo
+	$(VPY) -m grpo_fast.train --output-dir runs/demo --overwrite-output-dir
 
 bench: setup
 	$(VPY) -m bench.bench_logprobs

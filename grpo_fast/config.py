@@ -86,6 +86,9 @@ class GRPOConfig:
     save_steps: int = _f(0, "checkpoint every N steps (0 = only at the end)")
     save_total_limit: int = _f(2, "checkpoints kept")
     resume: bool = _f(False, "continue from the latest checkpoint in output_dir")
+    overwrite_output_dir: bool = _f(
+        False, "start afresh in an output_dir that holds checkpoints (deletes them)"
+    )
     report_to: str = _f("none", "also log to tensorboard or wandb", choices=("none", "tensorboard", "wandb"))
     time_budget_s: float = _f(0.0, "stop after this many seconds of training (0 = no limit)")
 

@@ -17,6 +17,7 @@ import json
 import math
 import random
 import resource
+import shutil
 import signal
 import sys
 import time
@@ -273,6 +274,14 @@ def train(cfg: GRPOConfig) -> dict:
 
     step, elapsed_train = 0, 0.0
     resume_from = ckpt_mod.latest_checkpoint(out) if cfg.resume else None
+    stale = [] if cfg.resume else ckpt_mod.list_checkpoints(out)
+    if stale and not cfg.overwrite_output_dir:  # never mix two runs' checkpoints, never delete unasked
+        raise ValueError(
+            f"--output-dir {out} already holds checkpoints ({stale[-1].name}, ...): pass --resume to "
+            "continue that run, --overwrite-output-dir to start afresh, or another --output-dir"
+        )
+    for old_ckpt in stale:
+        shutil.rmtree(old_ckpt)
     if resume_from is not None:
         load_weights_from_checkpoint(model, resume_from, info["lora"])
         state = ckpt_mod.load_training_state(resume_from, optimizer, scheduler, generator)

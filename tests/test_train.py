@@ -178,6 +178,14 @@ def test_demo_defaults_log_metrics_plot_and_checkpoint(tmp_path):
     assert summary["checkpoint"] == str(ckpt)
 
 
+def test_output_dir_with_checkpoints_needs_resume_or_overwrite(tmp_path):
+    train(_cfg(tmp_path, "--max-steps", "2"))
+    with pytest.raises(ValueError, match="already holds checkpoints .*--resume.*--overwrite-output-dir"):
+        train(_cfg(tmp_path, "--max-steps", "1"))
+    train(_cfg(tmp_path, "--max-steps", "1", "--overwrite-output-dir"))
+    assert [p.name for p in (tmp_path / "run").glob("checkpoint-*")] == ["checkpoint-1"]
+
+
 def test_user_reward_file_receives_columns_and_local_model(tmp_path):
     # a saved local model directory (random weights, the embedded tokenizer) and a JSONL dataset
     model_dir = tmp_path / "tiny"
