@@ -129,6 +129,27 @@ def time_ms(fn, device, repeats: int) -> dict:
     }
 
 
+def measure_mode(fn, mode: str, leaves, device, repeats: int, upstream=None) -> dict:
+    """Measure `fn()` forward only (no grad) or forward+backward ("fwd_bwd"); the gradients of `leaves`
+    are freed after each step, so each baseline holds the inputs only. Reports their size as grad_mb."""
+    if mode == "fwd":
+
+        def step():
+            with torch.no_grad():
+                fn()
+    else:
+
+        def step():
+            out = fn().float()
+            out.backward(upstream)
+            for x in leaves:
+                x.grad = None
+
+    res = measure(step, device, repeats)
+    res["grad_mb"] = sum(x.numel() * x.element_size() for x in leaves) / 2**20 if mode == "fwd_bwd" else 0.0
+    return res
+
+
 def measure(fn, device, repeats: int) -> dict:
     fn()  # warm-up: lazy initialization, compilation
     mem = peak_memory_mb(fn, device)

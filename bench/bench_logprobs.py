@@ -11,7 +11,7 @@ import sys
 
 import torch
 
-from bench._utils import measure, sweep_main, worker_main
+from bench._utils import measure_mode, sweep_main, worker_main
 
 PROVIDERS = ["naive", "trl_selective", "trl_chunked", "cce_torch_compile", "grpo_fast"]
 
@@ -49,21 +49,7 @@ def measure_one(a):
     tgt = torch.randint(0, V, (N,), device=device)
     up = torch.randn(N, device=device)
     fn = make_provider(a["provider"], h, w, tgt)
-
-    if grad:
-
-        def step():
-            fn().float().backward(up)
-            h.grad = w.grad = None  # freed after the step: the next baseline holds inputs only
-    else:
-
-        def step():
-            with torch.no_grad():
-                fn()
-
-    res = measure(step, device, a["repeats"])
-    res["grad_mb"] = (h.numel() + w.numel()) * h.element_size() / 2**20 if grad else 0.0
-    return res
+    return measure_mode(fn, a["mode"], (h, w), device, a["repeats"], upstream=up)
 
 
 def main(argv=None):

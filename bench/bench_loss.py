@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from bench._utils import measure, sweep_main, worker_main
+from bench._utils import measure_mode, sweep_main, worker_main
 
 PROVIDERS = ["naive", "trl_selective", "trl_chunked", "liger", "grpo_fast"]
 T_LEN = 256  # completion length: N tokens are N / 256 sequences
@@ -87,21 +87,7 @@ def measure_one(a):
     base = -torch.rand(B, T, device=device) * 2 - 10  # log-probs near log(1/V): ratios around 1
     old, ref = base + 0.1 * torch.randn_like(base), base + 0.1 * torch.randn_like(base)
     loss_fn = make_provider(a["provider"], h, w, tgt, mask, adv, old, ref)
-
-    if a["mode"] == "fwd":
-
-        def step():
-            with torch.no_grad():
-                loss_fn()
-    else:
-
-        def step():
-            loss_fn().backward()
-            h.grad = w.grad = None  # freed after the step: the next baseline holds inputs only
-
-    res = measure(step, device, a["repeats"])
-    res["grad_mb"] = (h.numel() + w.numel()) * h.element_size() / 2**20 if a["mode"] == "fwd_bwd" else 0.0
-    return res
+    return measure_mode(loss_fn, a["mode"], (h, w), device, a["repeats"])
 
 
 def main(argv=None):

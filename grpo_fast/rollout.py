@@ -74,20 +74,8 @@ def generate_groups(
     eos_token_id=None,
     generator=None,
 ):
-    """Sample `num_generations` completions for every prompt, each prompt repeated G times (no sharing).
-
-    Args:
-        model: a Hugging Face causal LM.
-        prompt_ids, prompt_mask: (n_prompts, P) left-padded prompt tokens and their attention mask.
-        num_generations: G, completions per prompt.
-        max_new_tokens: C, the longest completion.
-        temperature, top_p, top_k: sampling; temperature 0 is greedy, top_k 0 and top_p 1 turn those off.
-        eos_token_id: int or list of ints that end a completion (kept in it, mask 1).
-        generator: optional torch.Generator for reproducible sampling.
-
-    Returns:
-        (completion_ids, completion_mask), each (n_prompts * G, C'), C' <= C the longest completion.
-    """
+    """`grpo_fast.generate_groups` with share_prefix=False (its docstring has the arguments): every prompt is
+    repeated G times and prefilled once per sample, the plain way and the reference for the shared one."""
     if num_generations < 1 or max_new_tokens < 1:
         raise ValueError(
             f"num_generations and max_new_tokens must be >= 1, got {num_generations}, {max_new_tokens}"

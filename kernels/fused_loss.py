@@ -15,7 +15,7 @@ from .logprobs import (
     _twin_bwd,
     _twin_fwd,
     check_logprob_inputs,
-    fused_linear_logprobs,
+    linear_logprobs,
     twin_accumulate,
     twin_chunk_rows,
     twin_grad_from_probs,
@@ -24,11 +24,10 @@ from .logprobs import (
 from .loss import (
     _loss_torch,
     attach_grads,
-    check_loss_tensors,
     clip_metric_sums,
     finish_metrics,
-    grpo_loss,
-    make_loss_params,
+    grpo_loss_from_params,
+    loss_options,
     per_token_terms,
     token_weights,
 )
@@ -180,8 +179,14 @@ def fused_linear_grpo_loss(
         (loss, metrics) as `grpo_loss`; the loss is differentiable w.r.t. hidden, weight and bias.
     """
     check_tensor("hidden", hidden, (3,))
-    check_logprob_inputs(hidden, weight, targets, bias, temperature)
-    params = make_loss_params(
+    flat_h, flat_t = check_logprob_inputs(hidden, weight, targets, bias, temperature)
+    params, ref_logps = loss_options(
+        hidden.shape[:2],
+        advantages,
+        mask,
+        old_logps,
+        ref_logps,
+        num_items_in_batch,
         beta=beta,
         epsilon_low=epsilon_low,
         epsilon_high=epsilon_high,
@@ -190,11 +195,6 @@ def fused_linear_grpo_loss(
         max_completion_length=max_completion_length,
         use_bias_correction_kl=use_bias_correction_kl,
     )
-    check_loss_tensors(
-        hidden.shape[:2], advantages, mask, old_logps, ref_logps, params.beta, num_items_in_batch
-    )
-    if params.beta == 0.0:
-        ref_logps = None
     impl = resolve_impl(impl, hidden, weight, targets, mask, advantages, bias, old_logps, ref_logps)
     if impl == "torch":
         return _fused_twin(
@@ -211,32 +211,14 @@ def fused_linear_grpo_loss(
             num_items_in_batch,
         )
     # Triton: score the active tokens with the fused log-prob kernels, then the loss kernel
-    B, T, H = hidden.shape
+    B, T = mask.shape
     active = mask.reshape(-1) != 0
-    logp_act = fused_linear_logprobs(
-        hidden.reshape(-1, H)[active],
-        weight,
-        targets.reshape(-1)[active],
-        bias=bias,
-        temperature=temperature,
-        impl="triton",
+    logp_act, _ = linear_logprobs(
+        flat_h[active], weight, bias, flat_t[active], float(temperature), False, "triton"
     )
     logps = logp_act.new_zeros(B * T).masked_scatter(active, logp_act).view(B, T)
-    return grpo_loss(
-        logps,
-        advantages,
-        mask,
-        old_logps=old_logps,
-        ref_logps=ref_logps,
-        beta=beta,
-        epsilon_low=epsilon_low,
-        epsilon_high=epsilon_high,
-        loss_type=loss_type,
-        importance_sampling_level=importance_sampling_level,
-        max_completion_length=max_completion_length,
-        num_items_in_batch=num_items_in_batch,
-        use_bias_correction_kl=use_bias_correction_kl,
-        impl="triton",
+    return grpo_loss_from_params(
+        logps, advantages, mask, old_logps, ref_logps, params, num_items_in_batch, "triton"
     )
 
 

@@ -551,6 +551,13 @@ def check_logprob_inputs(hidden, weight, targets, bias, temperature):
     return hidden.reshape(-1, hidden.shape[-1]).contiguous(), targets.reshape(-1).long().contiguous()
 
 
+def linear_logprobs(flat_hidden, weight, bias, flat_targets, temperature, with_entropy, impl):
+    """`fused_linear_logprobs` on validated, flattened (N, H) / (N,) inputs with a resolved impl."""
+    params = _Params(inv_t=1.0 / temperature, with_entropy=with_entropy, impl=impl)
+    bias_c = bias.contiguous() if bias is not None else None
+    return _FusedLinearLogprobs.apply(flat_hidden, weight.contiguous(), bias_c, flat_targets, params)
+
+
 def fused_linear_logprobs(
     hidden, weight, targets, *, bias=None, temperature=1.0, return_entropy=False, impl="auto"
 ):
@@ -575,10 +582,7 @@ def fused_linear_logprobs(
     """
     flat_h, flat_t = check_logprob_inputs(hidden, weight, targets, bias, temperature)
     impl = resolve_impl(impl, hidden, weight, targets, bias)
-    params = _Params(inv_t=1.0 / float(temperature), with_entropy=bool(return_entropy), impl=impl)
-    weight_c = weight.contiguous()
-    bias_c = bias.contiguous() if bias is not None else None
-    logp, ent = _FusedLinearLogprobs.apply(flat_h, weight_c, bias_c, flat_t, params)
+    logp, ent = linear_logprobs(flat_h, weight, bias, flat_t, float(temperature), bool(return_entropy), impl)
     lead = hidden.shape[:-1]
     if return_entropy:
         return logp.view(lead), ent.view(lead)

@@ -68,6 +68,13 @@ def make_loss_params(
     )
 
 
+def loss_options(logps_shape, advantages, mask, old_logps, ref_logps, num_items_in_batch, **options):
+    """Validate tensors and options once; returns (LossParams, ref_logps, or None when beta == 0)."""
+    params = make_loss_params(**options)
+    check_loss_tensors(logps_shape, advantages, mask, old_logps, ref_logps, params.beta, num_items_in_batch)
+    return params, (ref_logps if params.beta != 0.0 else None)
+
+
 def check_loss_tensors(logps_shape, advantages, mask, old_logps, ref_logps, beta, num_items_in_batch):
     """Shape checks shared by grpo_loss and fused_linear_grpo_loss; returns (B, T)."""
     if len(logps_shape) != 2:
@@ -410,7 +417,13 @@ def grpo_loss(
         (masked token mean, when beta != 0).
     """
     check_tensor("logps", logps, (2,))
-    params = make_loss_params(
+    params, ref_logps = loss_options(
+        logps.shape,
+        advantages,
+        mask,
+        old_logps,
+        ref_logps,
+        num_items_in_batch,
         beta=beta,
         epsilon_low=epsilon_low,
         epsilon_high=epsilon_high,
@@ -419,10 +432,14 @@ def grpo_loss(
         max_completion_length=max_completion_length,
         use_bias_correction_kl=use_bias_correction_kl,
     )
-    check_loss_tensors(logps.shape, advantages, mask, old_logps, ref_logps, params.beta, num_items_in_batch)
-    if params.beta == 0.0:
-        ref_logps = None
     impl = resolve_impl(impl, logps, advantages, mask, old_logps, ref_logps)
+    return grpo_loss_from_params(
+        logps, advantages, mask, old_logps, ref_logps, params, num_items_in_batch, impl
+    )
+
+
+def grpo_loss_from_params(logps, advantages, mask, old_logps, ref_logps, params, num_items_in_batch, impl):
+    """`grpo_loss` on already validated inputs (see `loss_options`) with a resolved impl."""
     f32 = [None if t is None else t.float().contiguous() for t in (old_logps, ref_logps)]
     adv = advantages.reshape(-1).float().contiguous()
     w = token_weights(mask, params, num_items_in_batch).contiguous()
