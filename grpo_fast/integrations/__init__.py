@@ -1,0 +1,1 @@
+"""Integrations of grpo-fast's kernels into other trainers (TRL)."""

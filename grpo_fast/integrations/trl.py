@@ -1,0 +1,240 @@
+"""TRL's GRPOTrainer on grpo-fast's kernels: change one import, keep every argument and GRPOConfig.
+
+    from grpo_fast.integrations.trl import GRPOTrainer      # instead of: from trl import GRPOTrainer
+
+What changes (TRL 1.16):
+- the policy loss goes through `fused_linear_grpo_loss` on the decoder's last hidden states: the (tokens x
+  vocab) logits never exist, and d hidden / d weight come out of the same pass;
+- the policy forward runs each prompt once per group (`shared_prefix_forward`) when the micro-batch holds
+  whole, equal-sized groups and the model is a RoPE decoder we have tested (llama, qwen2, qwen3); otherwise
+  the plain forward of [prompt; completion], as TRL does. Both give the same numbers (RoPE is relative, so
+  left padding does not move anything);
+- reference and old log-probs come from `fused_linear_logprobs` on the same hidden states.
+
+What does not change: generation, rewards, advantages, logging, checkpoints, accelerate. Anything this path
+does not cover (loss types beyond grpo/bnpo/dr_grpo/dapo, entropy masking or bonus, delta clipping, the
+off-policy mask, vLLM importance-sampling correction, MoE aux losses, multimodal inputs, logit scaling or
+soft-capping, a model wrapped for distributed training) runs TRL's own code, with a one-line warning saying
+why. The `entropy` metric is not logged on the fused path (it would cost one more pass over the vocabulary).
+"""
+
+import warnings
+
+import torch
+import trl
+
+from ..kernels import fused_linear_grpo_loss, fused_linear_logprobs
+from ..modeling import decoder_of, lm_head_of
+from ..shared_prefix import shared_prefix_forward
+
+FUSED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+SHARED_PREFIX_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+_LOGIT_SCALES = ("final_logit_softcapping", "logit_scale", "output_multiplier", "lm_head_multiplier")
+_MULTIMODAL_KEYS = (
+    "pixel_values",
+    "image_grid_thw",
+    "num_images",
+    "pixel_attention_mask",
+    "spatial_shapes",
+    "num_tiles",
+    "image_sizes",
+    "token_type_ids",
+    "mm_token_type_ids",
+    "image_position_ids",
+)
+
+
+def equal_groups(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor):
+    """(order, G) such that rows `order` come in runs of G sharing one prompt, or None if the batch's prompts
+    do not split into equal groups of at least two."""
+    key = torch.where(prompt_mask.bool(), prompt_ids, -1)
+    _, inverse, counts = torch.unique(key, dim=0, return_inverse=True, return_counts=True)
+    G = int(counts[0])
+    if G < 2 or bool((counts != G).any()):
+        return None
+    return torch.argsort(inverse, stable=True), G
+
+
+class GRPOTrainer(trl.GRPOTrainer):
+    __doc__ = (trl.GRPOTrainer.__doc__ or "") + "\n\n(grpo-fast: " + __doc__.split("\n\n")[1] + ")"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.fused_fallback_reason = self._config_fallback_reason()
+        self._fallback_warned = set()
+        if self.fused_fallback_reason:
+            self._warn_fallback(self.fused_fallback_reason)
+
+    # ---------------------------------------------------------------------------------------------------
+    # When TRL's own path runs instead
+    # ---------------------------------------------------------------------------------------------------
+    def _config_fallback_reason(self) -> str | None:
+        args = self.args
+        text_config = self.model.config.get_text_config()
+        scaled = [n for n in _LOGIT_SCALES if getattr(text_config, n, None) not in (None, 1.0)] + (
+            ["logits_scaling"] if getattr(text_config, "logits_scaling", None) not in (None, 1.0) else []
+        )
+        checks = [
+            (
+                self.loss_type not in FUSED_LOSS_TYPES,
+                f"loss_type={self.loss_type!r} is not one of {FUSED_LOSS_TYPES}",
+            ),
+            (self.top_entropy_quantile < 1.0, "top_entropy_quantile < 1 (entropy masking)"),
+            (self._entropy_bonus_enabled, "an entropy bonus (entropy_coef / use_adaptive_entropy)"),
+            (args.delta is not None, "delta (two-sided clipping of the ratio)"),
+            (
+                self.off_policy_mask_threshold is not None,
+                "off_policy_mask_threshold (off-policy sequence mask)",
+            ),
+            (
+                self.use_vllm and self.vllm_importance_sampling_correction,
+                "vLLM importance-sampling correction",
+            ),
+            (self.aux_loss_enabled, "a MoE router aux loss"),
+            (bool(scaled), f"the model scales or soft-caps its logits ({', '.join(scaled)})"),
+            (not isinstance(lm_head_of(self.model), torch.nn.Linear), "the LM head is not a plain nn.Linear"),
+        ]
+        return next((why for bad, why in checks if bad), None)
+
+    def _batch_fallback_reason(self, model, inputs) -> str | None:
+        if self.accelerator.unwrap_model(model) is not model:
+            return (
+                "the model is wrapped for distributed training (the fused forward would bypass the wrapper)"
+            )
+        if any(inputs.get(k) is not None for k in _MULTIMODAL_KEYS):
+            return "multimodal inputs"
+        if inputs["advantages"].dim() != 1:
+            return "per-token advantages"
+        return None
+
+    def _warn_fallback(self, why: str) -> None:
+        if why not in self._fallback_warned:
+            self._fallback_warned.add(why)
+            warnings.warn(f"grpo_fast GRPOTrainer: TRL's own loss path runs because of {why}", stacklevel=3)
+
+    # ---------------------------------------------------------------------------------------------------
+    # Hidden states and log-probs without logits
+    # ---------------------------------------------------------------------------------------------------
+    def _completion_hidden(self, model, prompt_ids, prompt_mask, completion_ids, completion_mask):
+        """(B, C, H) decoder states predicting each completion token; shared prefix when the batch allows."""
+        groups = None
+        if getattr(model.config, "model_type", None) in SHARED_PREFIX_MODEL_TYPES:
+            groups = equal_groups(prompt_ids, prompt_mask)
+        if groups is not None:
+            order, G = groups
+            first = order[::G]
+            hidden = shared_prefix_forward(
+                model, prompt_ids[first], prompt_mask[first], completion_ids[order], completion_mask[order]
+            )
+            return hidden[torch.argsort(order)]
+        ids = torch.cat([prompt_ids, completion_ids], dim=1)
+        mask = torch.cat([prompt_mask, completion_mask], dim=1)
+        out = decoder_of(model)(input_ids=ids, attention_mask=mask, use_cache=False)
+        return out.last_hidden_state[:, prompt_ids.shape[1] - 1 : -1]
+
+    @staticmethod
+    def _head(model):
+        head = lm_head_of(model)
+        return head.weight, head.bias
+
+    def _get_per_token_logps_and_entropies(
+        self,
+        model,
+        input_ids,
+        attention_mask,
+        logits_to_keep,
+        batch_size=None,
+        compute_entropy=False,
+        compute_aux_loss=False,
+        **multimodal,
+    ):
+        """Reference / old log-probs (and entropies when asked) through `fused_linear_logprobs`."""
+        wrapped = self.accelerator.unwrap_model(model) is not model
+        if compute_aux_loss or wrapped or any(v is not None for v in multimodal.values()):
+            return super()._get_per_token_logps_and_entropies(
+                model,
+                input_ids,
+                attention_mask,
+                logits_to_keep,
+                batch_size,
+                compute_entropy,
+                compute_aux_loss,
+                **multimodal,
+            )
+        weight, bias = self._head(model)
+        batch_size = batch_size or input_ids.size(0)
+        logps, entropies = [], []
+        for start in range(0, input_ids.size(0), batch_size):
+            ids, mask = input_ids[start : start + batch_size], attention_mask[start : start + batch_size]
+            hidden = decoder_of(model)(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
+            hidden = hidden[:, -logits_to_keep - 1 : -1].to(weight.dtype)
+            out = fused_linear_logprobs(
+                hidden,
+                weight,
+                ids[:, -logits_to_keep:],
+                bias=bias,
+                temperature=self.temperature,
+                return_entropy=compute_entropy,
+            )
+            logps.append(out[0] if compute_entropy else out)
+            if compute_entropy:
+                entropies.append(out[1])
+        return torch.cat(logps), torch.cat(entropies) if compute_entropy else None, None
+
+    # ---------------------------------------------------------------------------------------------------
+    # The loss
+    # ---------------------------------------------------------------------------------------------------
+    def _compute_loss(self, model, inputs):
+        why = self.fused_fallback_reason or self._batch_fallback_reason(model, inputs)
+        if why:
+            self._warn_fallback(why)
+            return super()._compute_loss(model, inputs)
+        completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
+        mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
+        weight, bias = self._head(model)
+        hidden = self._completion_hidden(
+            model, inputs["prompt_ids"], inputs["prompt_mask"], completion_ids, completion_mask
+        ).to(weight.dtype)
+
+        mode = "train" if self.model.training else "eval"
+        accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
+        num_items = None
+        if (
+            self.loss_type == "dapo"
+        ):  # TRL's normalizer: the generation batch's tokens, per accumulation window
+            num_items = inputs["num_items_in_batch"].clamp(min=1.0).float() / self.accelerator.num_processes
+            if mode == "train":
+                num_items = num_items * accumulation / self.args.steps_per_generation
+        loss, metrics = fused_linear_grpo_loss(
+            hidden,
+            weight,
+            completion_ids,
+            mask,
+            inputs["advantages"],
+            bias=bias,
+            temperature=self.temperature,
+            old_logps=inputs.get("old_per_token_logps"),
+            ref_logps=inputs.get("ref_per_token_logps") if self.beta != 0.0 else None,
+            beta=self.beta,
+            epsilon_low=self.epsilon_low,
+            epsilon_high=self.epsilon_high,
+            loss_type=self.loss_type,
+            importance_sampling_level=self.importance_sampling_level,
+            max_completion_length=self.max_completion_length,
+            num_items_in_batch=num_items,
+            use_bias_correction_kl=self.args.use_bias_correction_kl,
+        )
+        if self.loss_type != "dapo":  # TRL scales these for gradient accumulation; dapo's normalizer does it
+            loss = loss / accumulation
+
+        def reduce_mean(value):  # token-weighted across ranks, as TRL's global_masked_mean
+            count = mask.sum().float()
+            totals = self.accelerator.reduce(torch.stack([value.detach() * count, count]), reduction="sum")
+            return (totals[0] / totals[1].clamp(min=1.0)).item()
+
+        if self.beta != 0.0:
+            self._metrics[mode]["kl"].append(reduce_mean(metrics["kl"]))
+        self._metrics[mode]["clip_ratio/low_mean"].append(reduce_mean(metrics["clip_ratio_low"]))
+        self._metrics[mode]["clip_ratio/high_mean"].append(reduce_mean(metrics["clip_ratio_high"]))
+        self._metrics[mode]["clip_ratio/region_mean"].append(reduce_mean(metrics["clip_ratio"]))
+        return loss

@@ -1,0 +1,173 @@
+"""grpo_fast.integrations.trl.GRPOTrainer gives TRL's GRPOTrainer's numbers on one fixed batch.
+
+The reference is TRL 1.16's own GRPOTrainer on an identical copy of the model (its chunked LM head, its loss
+code); ours takes the fused kernels and the shared-prefix forward. Same prompts, completions, advantages,
+old and reference log-probs; loss and every parameter gradient must agree.
+"""
+
+import copy
+import warnings
+
+import pytest
+import torch
+from datasets import Dataset
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import grpo_fast.integrations.trl as integ
+from grpo_fast import default_task
+
+trl = pytest.importorskip("trl")
+
+G, N_PROMPTS, C = 4, 3, 7
+
+
+_RNG = torch.Generator().manual_seed(0)
+
+
+def _reward(completions, **kwargs):
+    """Random rewards: groups always have spread, so every step has a gradient (the model is near-greedy)."""
+    return torch.rand(len(completions), generator=_RNG).tolist()
+
+
+def _trainer(cls, model, tmp_path, **overrides):
+    tok = AutoTokenizer.from_pretrained(default_task.ASSET_DIR)
+    args = dict(
+        output_dir=str(tmp_path / cls.__module__),
+        per_device_train_batch_size=G * N_PROMPTS,
+        num_generations=G,
+        max_completion_length=C,
+        learning_rate=1e-3,
+        max_steps=3,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        bf16=False,
+        use_cpu=not torch.cuda.is_available(),
+        seed=0,
+    )
+    args.update(overrides)
+    data = Dataset.from_list([{"prompt": p["prompt"]} for p in default_task.dataset_rows("train")[:12]])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        trainer = cls(
+            model=model,
+            reward_funcs=_reward,
+            args=trl.GRPOConfig(**args),
+            train_dataset=data,
+            processing_class=tok,
+        )
+    trainer.current_gradient_accumulation_steps = 1  # set by the training loop; _compute_loss reads it
+    return trainer
+
+
+def _batch(model, beta):
+    """Left-padded prompts of three lengths, G ragged completions each, rows shuffled (groups apart)."""
+    g = torch.Generator().manual_seed(0)
+    V, P = model.config.vocab_size, 9
+    lengths = torch.tensor([9, 5, 2])
+    prompt_mask = (torch.arange(P)[None] >= P - lengths[:, None]).long()
+    prompt_ids = torch.randint(3, V, (N_PROMPTS, P), generator=g) * prompt_mask
+    comp_len = torch.randint(1, C + 1, (N_PROMPTS * G,), generator=g)
+    completion_mask = (torch.arange(C)[None] < comp_len[:, None]).long()
+    completion_ids = torch.randint(3, V, (N_PROMPTS * G, C), generator=g) * completion_mask
+    perm = torch.randperm(N_PROMPTS * G, generator=g)
+    batch = {
+        "prompt_ids": prompt_ids.repeat_interleave(G, 0)[perm],
+        "prompt_mask": prompt_mask.repeat_interleave(G, 0)[perm],
+        "completion_ids": completion_ids[perm],
+        "completion_mask": completion_mask[perm],
+        "advantages": torch.randn(N_PROMPTS * G, generator=g),
+        "num_items_in_batch": completion_mask.sum(),
+        # old log-probs a little off the policy, so ratios differ from 1 and some get clipped
+        "old_per_token_logps": -7.0 + 0.3 * torch.randn(N_PROMPTS * G, C, generator=g),
+    }
+    if beta:
+        batch["ref_per_token_logps"] = -7.0 + 0.3 * torch.randn(N_PROMPTS * G, C, generator=g)
+    return batch
+
+
+def _loss_and_grads(trainer, batch):
+    trainer.model.train()
+    trainer.model.zero_grad()
+    loss = trainer._compute_loss(trainer.model, batch)
+    loss.backward()
+    return loss.detach(), {
+        n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None
+    }
+
+
+@pytest.fixture(scope="module")
+def base_model():
+    return AutoModelForCausalLM.from_pretrained(default_task.ASSET_DIR, dtype=torch.float32)
+
+
+@pytest.mark.parametrize(
+    "loss_type,beta,level",
+    [
+        ("grpo", 0.0, "token"),
+        ("bnpo", 0.0, "token"),
+        ("dr_grpo", 0.0, "token"),
+        ("dapo", 0.0, "token"),
+        ("dapo", 0.04, "token"),
+        ("grpo", 0.04, "sequence"),
+    ],
+)
+def test_loss_and_gradients_equal_trl(base_model, tmp_path, monkeypatch, loss_type, beta, level):
+    kw = dict(loss_type=loss_type, beta=beta, importance_sampling_level=level, epsilon_high=0.28)
+    theirs = _trainer(trl.GRPOTrainer, copy.deepcopy(base_model), tmp_path, **kw)
+    ours = _trainer(integ.GRPOTrainer, copy.deepcopy(base_model), tmp_path, **kw)
+    assert ours.fused_fallback_reason is None
+    shared_calls = []
+    real = integ.shared_prefix_forward
+    monkeypatch.setattr(
+        integ, "shared_prefix_forward", lambda *a, **k: shared_calls.append(1) or real(*a, **k)
+    )
+
+    batch = _batch(base_model, beta)
+    ref_loss, ref_grads = _loss_and_grads(theirs, batch)
+    loss, grads = _loss_and_grads(ours, batch)
+
+    assert shared_calls, "the shuffled batch of whole groups should take the shared-prefix forward"
+    assert abs(loss.item() - ref_loss.item()) <= 1e-5 * max(1.0, abs(ref_loss.item())), (loss, ref_loss)
+    assert grads.keys() == ref_grads.keys()
+    for name, ref in ref_grads.items():
+        err = (grads[name] - ref).abs().max().item()
+        assert err <= 1e-5 * max(1.0, ref.abs().max().item()), f"{name}: grad max err {err:.3g}"
+    clip_ours = ours._metrics["train"]["clip_ratio/region_mean"][-1]
+    clip_theirs = theirs._metrics["train"]["clip_ratio/region_mean"][-1]
+    assert clip_theirs > 0 and abs(clip_ours - clip_theirs) < 1e-6
+
+
+def test_reference_logps_and_entropy_equal_trl(base_model, tmp_path):
+    theirs = _trainer(trl.GRPOTrainer, copy.deepcopy(base_model), tmp_path, temperature=0.7)
+    ours = _trainer(integ.GRPOTrainer, copy.deepcopy(base_model), tmp_path, temperature=0.7)
+    b = _batch(base_model, 0.0)
+    ids = torch.cat([b["prompt_ids"], b["completion_ids"]], 1)
+    mask = torch.cat([b["prompt_mask"], b["completion_mask"]], 1)
+    with torch.no_grad():
+        ref = theirs._get_per_token_logps_and_entropies(theirs.model, ids, mask, C, 5, compute_entropy=True)
+        got = ours._get_per_token_logps_and_entropies(ours.model, ids, mask, C, 5, compute_entropy=True)
+    valid = b["completion_mask"].bool()
+    assert (got[0] - ref[0])[valid].abs().max().item() < 1e-5
+    assert (got[1] - ref[1])[valid].abs().max().item() < 1e-5
+
+
+def test_unsupported_options_fall_back_to_trl_with_a_warning(base_model, tmp_path):
+    theirs = _trainer(trl.GRPOTrainer, copy.deepcopy(base_model), tmp_path, loss_type="cispo")
+    with pytest.warns(UserWarning, match="loss_type='cispo'"):
+        ours = _trainer(integ.GRPOTrainer, copy.deepcopy(base_model), tmp_path, loss_type="cispo")
+    batch = _batch(base_model, 0.0)
+    ref_loss, _ = _loss_and_grads(theirs, batch)
+    loss, _ = _loss_and_grads(ours, batch)
+    assert abs(loss.item() - ref_loss.item()) <= 1e-5 * max(1.0, abs(ref_loss.item()))
+
+
+def test_three_training_steps_run(base_model, tmp_path):
+    model = copy.deepcopy(base_model)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    trainer = _trainer(integ.GRPOTrainer, model, tmp_path)
+    trainer.train()
+    assert trainer.state.global_step == 3
+    losses = [r["loss"] for r in trainer.state.log_history if "loss" in r]
+    assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses)))
+    assert any((p.detach() - before[n]).abs().max() > 0 for n, p in model.named_parameters())
