@@ -4,7 +4,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test demo bench lint clean
+.PHONY: setup test demo bench bench-full lint clean
 
 setup: $(STAMP)
 
@@ -23,10 +23,21 @@ test: setup
 demo: setup
 	$(VPY) -m grpo_fast.train --output-dir runs/demo --overwrite-output-dir
 
+# about 17 minutes on a 2-core CPU: kernels at one size, two shared-prefix points, end to end vs TRL, report
 bench: setup
-	$(VPY) -m bench.bench_logprobs
+	$(VPY) -m bench.bench_loss --ns 1024 --repeats 1
+	$(VPY) -m bench.bench_logprobs --ns 1024 --repeats 1
+	$(VPY) -m bench.bench_prefix --points 512:64:8,2048:64:8 --repeats 1
+	$(VPY) -m bench.bench_e2e
+	$(VPY) -m bench.report
+
+# the whole grids (an hour or more on a CPU)
+bench-full: setup
 	$(VPY) -m bench.bench_loss
-	$(VPY) -m bench.bench_prefix
+	$(VPY) -m bench.bench_logprobs
+	$(VPY) -m bench.bench_prefix --full
+	$(VPY) -m bench.bench_e2e --steps 3
+	$(VPY) -m bench.report
 
 lint: setup
 	$(VPY) -m ruff check kernels grpo_fast tests bench

@@ -111,6 +111,23 @@ def measure_one(a):
     return res
 
 
+COLUMNS = [
+    ("kind", "kind"),
+    ("P", "P"),
+    ("C", "C"),
+    ("G", "G"),
+    ("shared", "shared"),
+    ("median_ms", "median ms"),
+    ("peak_mem_mb", "peak MiB"),
+    ("tokens_per_s", "tokens/s"),
+    ("speedup", "speedup"),
+    ("theory", "token ratio G(P+C)/(P+GC)"),
+    ("mem_ratio", "memory / unshared"),
+    ("prompt_kv_bytes", "prompt KV bytes"),
+    ("error", "error"),
+]
+
+
 def plot(rows, path):
     import matplotlib
 
@@ -147,6 +164,7 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="a tiny model and grid (smoke run)")
     ap.add_argument("--full", action="store_true", help="the whole P x C x G grid (slow on a CPU)")
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--points", default=None, help="training points P:C:G,... (default: the CPU grid)")
     ap.add_argument(
         "--kinds",
         default="train,generate",
@@ -155,6 +173,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
     kinds = args.kinds.split(",")
     grid = [(32, 8, 4), (64, 16, 8)] if args.quick else FULL_GRID if args.full else CPU_GRID
+    if args.points:
+        grid = [tuple(int(x) for x in pt.split(":")) for pt in args.points.split(",")]
     gen_point = (32, 8, 4) if args.quick else (512, 64, 8)
     jobs = [dict(kind="train", P=p, C=c, G=g) for p, c, g in grid] if "train" in kinds else []
     jobs += (
@@ -198,25 +218,12 @@ def main(argv=None):
                 r["G"] * (r["P"] + r["C"]) / (r["P"] + r["G"] * r["C"]) if r["kind"] == "train" else None
             )
     info = machine_info()
-    cols = [
-        ("kind", "kind"),
-        ("P", "P"),
-        ("C", "C"),
-        ("G", "G"),
-        ("shared", "shared"),
-        ("median_ms", "median ms"),
-        ("peak_mem_mb", "peak MiB"),
-        ("tokens_per_s", "tokens/s"),
-        ("speedup", "speedup"),
-        ("theory", "token ratio G(P+C)/(P+GC)"),
-        ("mem_ratio", "memory / unshared"),
-        ("prompt_kv_bytes", "prompt KV bytes"),
-        ("error", "error"),
-    ]
     md = (
         f"# Shared prefix vs unshared ({'tiny' if args.quick else '~50M'} Qwen2-shaped model, fp32, "
         f"{N_PROMPTS} prompt per group)\n\nMachine: {info['cpu']} ({info['cores']} cores), torch "
-        f"{info['versions']['torch']}, commit {info['git_commit']}.\n\n" + markdown_table(rows, cols) + "\n"
+        f"{info['versions']['torch']}, commit {info['git_commit']}.\n\n"
+        + markdown_table(rows, COLUMNS)
+        + "\n"
     )
     out = write_results(name, {"machine": info, "rows": rows}, md)
     plot(rows, out / f"{name}.png")

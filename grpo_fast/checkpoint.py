@@ -32,23 +32,28 @@ def save_checkpoint(
     step: int,
     model,
     tokenizer,
-    optimizer,
+    optimizer_state: dict,
     scheduler,
     sampler_state: dict,
     generator: torch.Generator,
     extra: dict,
     keep: int,
+    model_state: dict | None = None,
 ) -> Path:
+    """checkpoint-<step>: the model as `save_pretrained` writes it (from `model_state` when given: FSDP's
+    gathered full state), the optimizer's full name-keyed state (`distributed.full_optimizer_state`, loadable
+    with any world size), scheduler, RNG states, sampler position; trainer_state.json last."""
     out_dir.mkdir(parents=True, exist_ok=True)
     final = out_dir / f"checkpoint-{step}"
     tmp = Path(tempfile.mkdtemp(prefix=f".checkpoint-{step}-", dir=out_dir))
     try:
-        model.save_pretrained(tmp, safe_serialization=True)
+        if model_state is not None:
+            model.save_pretrained(tmp, state_dict=model_state, safe_serialization=True)
+        else:
+            model.save_pretrained(tmp, safe_serialization=True)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-        torch.save(
-            {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, tmp / "optimizer.pt"
-        )
+        torch.save({"optimizer": optimizer_state, "scheduler": scheduler.state_dict()}, tmp / "optimizer.pt")
         torch.save(
             {
                 "python": random.getstate(),
@@ -96,16 +101,18 @@ def latest_checkpoint(out_dir: Path) -> Path | None:
     return ckpts[-1] if ckpts else None
 
 
-def load_training_state(ckpt: Path, optimizer, scheduler, generator: torch.Generator) -> dict:
-    """Restore optimizer, scheduler and RNG states; return trainer_state.json (the model loads separately)."""
+def load_training_state(ckpt: Path, load_optimizer, scheduler, generator: torch.Generator | None) -> dict:
+    """Restore optimizer (`load_optimizer(full_state)`), scheduler and RNG states, and the sampling
+    generator when given; return trainer_state.json (the model loads separately)."""
     opt = torch.load(ckpt / "optimizer.pt", weights_only=False)
-    optimizer.load_state_dict(opt["optimizer"])
+    load_optimizer(opt["optimizer"])
     scheduler.load_state_dict(opt["scheduler"])
     rng = torch.load(ckpt / "rng.pt", weights_only=False)
     random.setstate(rng["python"])
     np.random.set_state(rng["numpy"])
     torch.set_rng_state(rng["torch"])
-    generator.set_state(rng["generator"])
+    if generator is not None:
+        generator.set_state(rng["generator"])
     if rng["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(rng["cuda"])
     return json.loads((ckpt / "trainer_state.json").read_text())

@@ -91,6 +91,16 @@ class GRPOConfig:
     )
     report_to: str = _f("none", "also log to tensorboard or wandb", choices=("none", "tensorboard", "wandb"))
     time_budget_s: float = _f(0.0, "stop after this many seconds of training (0 = no limit)")
+    # --- devices and kernels ---
+    distributed: str = _f(
+        "ddp",
+        "under torchrun: DDP (a replica per rank) or FSDP2 (params, grads, optimizer state sharded)",
+        choices=("ddp", "fsdp"),
+    )
+    dist_timeout_s: float = _f(600.0, "a collective that waits longer (e.g. a rank died) is an error")
+    liger_kernels: bool = _f(
+        False, "on CUDA, patch the model with Liger's RMSNorm / RoPE / SwiGLU kernels (needs liger-kernel)"
+    )
 
 
 # The embedded default task: a tiny base model learns in minutes on a CPU with these.
@@ -192,6 +202,8 @@ def validate(cfg: GRPOConfig) -> GRPOConfig:
             f"reward_weights has {len(cfg.reward_weights)} values for {len(cfg.reward or [])} "
             "reward functions"
         )
+    if cfg.dist_timeout_s <= 0:
+        raise ValueError(f"dist_timeout_s must be > 0, got {cfg.dist_timeout_s}")
     if not cfg.reward:
         raise ValueError("no reward function: pass --reward NAME or --reward path/file.py:func")
     return cfg

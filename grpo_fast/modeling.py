@@ -4,6 +4,7 @@ The trainer never asks the model for logits over the completions: it runs the de
 hands its last hidden states, with the LM head's weight, to the fused loss.
 """
 
+import json
 from pathlib import Path
 
 import torch
@@ -14,21 +15,42 @@ from .rollout import position_ids_from_mask
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
+def load_tokenizer(path: str):
+    """AutoTokenizer, except for a plain `tokenizers`-backed tokenizer saved as such: transformers 5's
+    AutoTokenizer would swap in the model type's own class (e.g. Qwen2Tokenizer) and lose its vocabulary."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    saved = Path(path) / "tokenizer_config.json"
+    if saved.is_file():
+        if json.loads(saved.read_text()).get("tokenizer_class") in (
+            "TokenizersBackend",
+            "PreTrainedTokenizerFast",
+        ):
+            return PreTrainedTokenizerFast.from_pretrained(path)
+    return AutoTokenizer.from_pretrained(path)
+
+
 def load_model_and_tokenizer(cfg, device):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     path = cfg.model or str(default_task.ASSET_DIR)
     local = Path(path)
     if (local.exists() or path.startswith((".", "/"))) and not (local / "config.json").is_file():
         raise ValueError(f"--model {path!r}: not a model directory (no config.json there)")
+    # flash-attn where it can run (CUDA, half precision, installed): the shared-prefix forward then packs
+    # groups for its varlen kernel; elsewhere SDPA
+    flash = _flash_attn_version() if device.type == "cuda" and cfg.dtype == "bf16" else None
+    extra = {"attn_implementation": "flash_attention_2"} if flash else {}
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=_DTYPES[cfg.dtype])
+        tokenizer = load_tokenizer(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=_DTYPES[cfg.dtype], **extra)
     except (OSError, ValueError) as exc:
         raise ValueError(f"--model {path!r}: could not load it ({type(exc).__name__}: {exc})") from exc
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     model.to(device)
+    if cfg.liger_kernels:
+        apply_liger_kernels(model, device)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
@@ -54,10 +76,40 @@ def load_model_and_tokenizer(cfg, device):
         "dtype": cfg.dtype,
         "device": str(device),
         "attn_implementation": getattr(model.config, "_attn_implementation", None),
+        "flash_attn": flash,
+        "liger_kernels": bool(cfg.liger_kernels),
         "n_params": sum(p.numel() for p in model.parameters()),
         "n_trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
     }
     return model, tokenizer, info
+
+
+def _flash_attn_version():
+    try:
+        import flash_attn
+
+        return flash_attn.__version__
+    except ImportError:
+        return None
+
+
+def apply_liger_kernels(model, device) -> None:
+    """Liger's RMSNorm / RoPE / SwiGLU Triton kernels, through Liger's own API (its fused cross-entropy stays
+    off: our loss never asks the model for logits)."""
+    if device.type != "cuda":
+        raise ValueError("--liger-kernels: Liger's kernels need a CUDA device; none is available")
+    try:
+        from liger_kernel.transformers import _apply_liger_kernel_to_instance
+    except ImportError as exc:
+        raise ValueError("--liger-kernels: liger-kernel is not installed (pip install liger-kernel)") from exc
+    _apply_liger_kernel_to_instance(
+        model=model,
+        rms_norm=True,
+        rope=True,
+        swiglu=True,
+        cross_entropy=False,
+        fused_linear_cross_entropy=False,
+    )
 
 
 def _causal_lm(model):

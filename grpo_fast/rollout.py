@@ -31,9 +31,13 @@ def sample_next(logits, temperature, top_p, top_k, generator):
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
-def decode(step, logits, max_new_tokens, *, temperature, top_p, top_k, eos_token_id, generator):
+def decode(
+    step, logits, max_new_tokens, *, temperature, top_p, top_k, eos_token_id, generator, all_done=None
+):
     """Sample up to `max_new_tokens` per row from `logits` (rows, V); `step(tokens)` feeds the sampled tokens
-    to the model and returns the next logits. Rows stop at EOS (kept, mask 1); later tokens are padding."""
+    to the model and returns the next logits. Rows stop at EOS (kept, mask 1); later tokens are padding.
+    `all_done(local_done) -> bool`, when given, decides when to stop (the ranks of a sharded model step
+    together)."""
     device, rows = logits.device, logits.shape[0]
     eos = torch.tensor(
         [eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []), device=device
@@ -48,7 +52,8 @@ def decode(step, logits, max_new_tokens, *, temperature, top_p, top_k, eos_token
         lengths += (~done).long()
         if eos.numel():
             done |= torch.isin(tok, eos)
-        if bool(done.all()) or t == max_new_tokens - 1:
+        finished = bool(done.all())
+        if (all_done(finished) if all_done else finished) or t == max_new_tokens - 1:
             break
         logits = step(tok)
     width = int(lengths.max()) if rows else 0
@@ -73,6 +78,7 @@ def generate_groups(
     top_k=0,
     eos_token_id=None,
     generator=None,
+    all_done=None,
 ):
     """`grpo_fast.generate_groups` with share_prefix=False (its docstring has the arguments): every prompt is
     repeated G times and prefilled once per sample, the plain way and the reference for the shared one."""
@@ -107,4 +113,5 @@ def generate_groups(
         top_k=top_k,
         eos_token_id=eos_token_id,
         generator=generator,
+        all_done=all_done,
     )

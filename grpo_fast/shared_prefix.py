@@ -120,6 +120,7 @@ def generate_groups(
     eos_token_id=None,
     share_prefix=True,
     generator=None,
+    all_done=None,
 ):
     """G sampled completions per prompt; sample s belongs to prompt s // G.
 
@@ -131,12 +132,19 @@ def generate_groups(
         eos_token_id: int or list of ints ending a completion (kept, mask 1).
         share_prefix: prefill each prompt once and keep its KV once (True), or repeat it G times (False).
         generator: torch.Generator for reproducible sampling.
+        all_done: optional `f(local_done) -> bool` deciding when decoding stops (distributed: every rank
+            steps until all are done, so that a sharded model's collectives match).
 
     Returns:
         (completion_ids, completion_mask), (n_prompts * G, C') with C' <= C the longest completion.
     """
     kw = dict(
-        temperature=temperature, top_p=top_p, top_k=top_k, eos_token_id=eos_token_id, generator=generator
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        eos_token_id=eos_token_id,
+        generator=generator,
+        all_done=all_done,
     )
     if not share_prefix:
         return plain_generate_groups(model, prompt_ids, prompt_mask, num_generations, max_new_tokens, **kw)

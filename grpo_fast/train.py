@@ -15,6 +15,7 @@ state and LM head through `fused_linear_grpo_loss`: the (tokens x vocab) logits 
 import copy
 import json
 import math
+import os
 import random
 import resource
 import shutil
@@ -31,6 +32,20 @@ from tqdm import tqdm
 from . import checkpoint as ckpt_mod
 from .config import GRPOConfig, parse_config, to_dict
 from .data import PromptSampler, render_prompt, train_and_eval_rows
+from .distributed import (
+    DistInfo,
+    all_done,
+    all_gather_rows,
+    all_sum,
+    full_model_state,
+    full_optimizer_state,
+    full_tensor,
+    gradient_sync,
+    init_distributed,
+    load_full_optimizer_state,
+    shutdown,
+    wrap,
+)
 from .kernels import fused_linear_grpo_loss, fused_linear_logprobs, group_advantages
 from .modeling import (
     completion_hidden_states,
@@ -111,15 +126,20 @@ def policy_loss(model, batch, loss_mask, advantages, old_logps, ref_logps, cfg: 
 
 
 @torch.no_grad()
-def evaluate(model, tokenizer, rows, reward_funcs, cfg, device) -> dict:
-    """Greedy accuracy on held-out prompts: the share whose first reward function pays its full 1.0."""
-    model.eval()
-    hits, total = [], 0.0
-    for i in range(0, len(rows), 64):
-        chunk = rows[i : i + 64]
+def evaluate(policy, tokenizer, rows, reward_funcs, cfg, device, dist=DistInfo()) -> dict:
+    """Greedy accuracy on held-out prompts: the share whose first reward function pays its full 1.0.
+    Distributed, each rank takes every world-th prompt; all ranks run the same number of chunks."""
+    policy.eval()
+    mine = rows[dist.rank :: dist.world]
+    n_chunks = math.ceil(len(rows) / (64 * dist.world))
+    hits = total = 0
+    for k in range(n_chunks):
+        chunk = mine[k * 64 : (k + 1) * 64]
+        counted = len(chunk)
+        chunk = chunk or rows[:1]  # a rank with nothing left still steps with the others (FSDP)
         texts, ids, mask = encode_prompts(chunk, tokenizer, cfg.max_prompt_length, device)
-        comp, cmask = generate_groups(
-            model,
+        comp, cmask = policy(
+            generate_groups,
             ids,
             mask,
             1,
@@ -127,13 +147,27 @@ def evaluate(model, tokenizer, rows, reward_funcs, cfg, device) -> dict:
             temperature=0.0,
             eos_token_id=tokenizer.eos_token_id,
             share_prefix=False,
+            all_done=(lambda done: all_done(done, dist)) if dist.on else None,
         )
         completions = tokenizer.batch_decode(comp * cmask, skip_special_tokens=True)
         cols = reward_columns(chunk, 1, comp, cmask)
         values = score(reward_funcs[:1], [1.0], texts, completions, cols, on_error="skip").per_func[:, 0]
-        hits += (values >= 1.0 - 1e-6).tolist()
-        total += len(chunk)
-    return {"eval_accuracy": sum(hits) / max(1.0, total), "eval_samples": int(total)}
+        hits += int((values[:counted] >= 1.0 - 1e-6).sum())
+        total += counted
+    hits, total = all_sum(torch.tensor([hits, total], device=device), dist).tolist()
+    return {"eval_accuracy": hits / max(1, total), "eval_samples": int(total)}
+
+
+def reduce_metrics(metrics: dict, n_active, dist: DistInfo) -> dict:
+    """One value per metric for the global batch: the loss is already a share of the global loss (mean over
+    ranks, as the gradients); per-token metrics (kl, clip ratios) are weighted by each rank's active
+    tokens."""
+    keys = sorted(metrics)
+    vals = torch.stack([torch.as_tensor(metrics[k], dtype=torch.float32) for k in keys]).to(n_active.device)
+    is_loss = torch.tensor([k == "loss" for k in keys], device=vals.device)
+    weights = torch.where(is_loss, 1.0, n_active.float())
+    totals = all_sum(torch.cat([vals * weights, weights]), dist)
+    return dict(zip(keys, (totals[: len(keys)] / totals[len(keys) :].clamp(min=1e-12)).tolist()))
 
 
 def lr_lambda(cfg: GRPOConfig):
@@ -225,6 +259,22 @@ def plot_curves(metrics_path: Path, png: Path) -> None:
     plt.close(fig)
 
 
+def stop_requested(signals: dict, dist: DistInfo) -> bool:
+    """A signal on any rank stops every rank at the same step."""
+    if not dist.on:
+        return signals["stop"]
+    return bool(all_sum(torch.tensor([int(signals["stop"])], device=_device_of(dist)), dist).item())
+
+
+def _device_of(dist: DistInfo) -> torch.device:
+    return torch.device("cuda", dist.local_rank) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def barrier(dist: DistInfo) -> None:
+    if dist.on:
+        torch.distributed.barrier()
+
+
 @contextmanager
 def stop_on_signals():
     """SIGTERM and Ctrl-C set a flag; the loop saves a checkpoint at the end of the step, then exits."""
@@ -246,11 +296,23 @@ def stop_on_signals():
 # --------------------------------------------------------------------------------------------------------
 def train(cfg: GRPOConfig) -> dict:
     out = Path(cfg.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    dist = init_distributed(cfg.distributed, cfg.dist_timeout_s)
+    if dist.main:
+        out.mkdir(parents=True, exist_ok=True)
+    # initialization agrees on every rank; sampling differs per rank (the generator below)
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = _device_of(dist)
+    if cfg.prompts_per_step % (dist.world * cfg.gradient_accumulation_steps):
+        raise ValueError(
+            f"prompts_per_step ({cfg.prompts_per_step}) must split evenly over {dist.world} rank(s) x "
+            f"gradient_accumulation_steps ({cfg.gradient_accumulation_steps}): whole groups on each rank"
+        )
+    if dist.kind == "fsdp" and dist.on and cfg.lora_r > 0:
+        raise ValueError(
+            "--distributed fsdp with --lora-r > 0 is not supported: use --distributed ddp for LoRA"
+        )
 
     model, tokenizer, info = load_model_and_tokenizer(cfg, device)
     # the reference policy: the base with adapters off (LoRA), else a frozen copy, only when beta != 0
@@ -263,14 +325,8 @@ def train(cfg: GRPOConfig) -> dict:
     names = [reward_name(f) for f in reward_funcs]
     weights = cfg.reward_weights or [1.0] * len(reward_funcs)
     G = cfg.num_generations
-
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(
-        params, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.weight_decay
-    )
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
-    sampler = PromptSampler(train_rows, cfg.prompts_per_step, cfg.seed)
-    generator = torch.Generator(device=device).manual_seed(cfg.seed)
+    sampler = PromptSampler(train_rows, cfg.prompts_per_step, cfg.seed)  # the global batch, on every rank
+    generator = torch.Generator(device=device).manual_seed(cfg.seed + dist.rank)
 
     step, elapsed_train = 0, 0.0
     resume_from = ckpt_mod.latest_checkpoint(out) if cfg.resume else None
@@ -280,70 +336,116 @@ def train(cfg: GRPOConfig) -> dict:
             f"--output-dir {out} already holds checkpoints ({stale[-1].name}, ...): pass --resume to "
             "continue that run, --overwrite-output-dir to start afresh, or another --output-dir"
         )
-    for old_ckpt in stale:
+    if dist.on:
+        barrier(dist)  # every rank has looked before rank 0 deletes
+    for old_ckpt in stale if dist.main else []:
         shutil.rmtree(old_ckpt)
-    if resume_from is not None:
+    if resume_from is not None:  # weights before wrapping: any world size wrote them whole
         load_weights_from_checkpoint(model, resume_from, info["lora"])
-        state = ckpt_mod.load_training_state(resume_from, optimizer, scheduler, generator)
+
+    # one module per model behind which every use of the parameters runs (DDP / FSDP hooks see them all)
+    policy = wrap(model, dist)
+    ref_policy = wrap(ref_model, dist, trainable=False) if ref_model is not None else None
+    params = [p for p in policy.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(
+        params, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.weight_decay
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+    if resume_from is not None:
+        state = ckpt_mod.load_training_state(
+            resume_from,
+            lambda sd: load_full_optimizer_state(policy, optimizer, sd, dist),
+            scheduler,
+            generator if dist.world == 1 else None,
+        )
         sampler.load_state_dict(state["sampler"])
         step, elapsed_train = state["step"], state.get("elapsed_train_s", 0.0)
+        if dist.world > 1:  # per-rank sampling streams, reproducible from (seed, rank, step)
+            generator.manual_seed(cfg.seed + dist.rank + 7919 * step)
+    info.update(world_size=dist.world, distributed=dist.kind if dist.on else "none")
     resolved = {**to_dict(cfg), "resolved": info}
-    (out / "config.json").write_text(json.dumps(resolved, indent=2))
-    log = MetricsLog(out, cfg.report_to, resolved, append=resume_from is not None)
-    print(
-        f"grpo-fast: {info['model']} ({info['n_params'] / 1e6:.2f}M params, {info['n_trainable'] / 1e6:.2f}M "
-        f"trainable) on {device}; {len(train_rows)} train / {len(eval_rows)} eval prompts; output {out}\n"
-        f"config: {json.dumps(to_dict(cfg))}",
-        flush=True,
-    )
+    log = None
+    if dist.main:
+        (out / "config.json").write_text(json.dumps(resolved, indent=2))
+        log = MetricsLog(out, cfg.report_to, resolved, append=resume_from is not None)
+        print(
+            f"grpo-fast: {info['model']} ({info['n_params'] / 1e6:.2f}M params, "
+            f"{info['n_trainable'] / 1e6:.2f}M trainable) on {device} x {dist.world}; "
+            f"{len(train_rows)} train / {len(eval_rows)} eval prompts; "
+            f"output {out}\nconfig: {json.dumps(to_dict(cfg))}",
+            flush=True,
+        )
+    finished = (lambda done: all_done(done, dist)) if dist.on else None
+    local_prompts = cfg.prompts_per_step // dist.world
 
     def save(at_step):
-        extra = {"elapsed_train_s": elapsed_train, "config": to_dict(cfg)}
-        return ckpt_mod.save_checkpoint(
-            out,
-            at_step,
-            model,
-            tokenizer,
-            optimizer,
-            scheduler,
-            sampler.state_dict(),
-            generator,
-            extra,
-            cfg.save_total_limit,
-        )
+        extra = {"elapsed_train_s": elapsed_train, "config": to_dict(cfg), "world_size": dist.world}
+        model_state = full_model_state(policy, dist) if dist.kind == "fsdp" and dist.on else None
+        optimizer_state = full_optimizer_state(policy, optimizer, dist)  # a collective: every rank
+        path = None
+        if dist.main:
+            path = ckpt_mod.save_checkpoint(
+                out,
+                at_step,
+                model,
+                tokenizer,
+                optimizer_state,
+                scheduler,
+                sampler.state_dict(),
+                generator,
+                extra,
+                cfg.save_total_limit,
+                model_state=model_state,
+            )
+        barrier(dist)
+        return path or out / f"checkpoint-{at_step}"
+
+    def log_record(record):
+        if log is not None:
+            log.write(record)
 
     last_eval = {}
     if eval_rows and step == 0:
-        last_eval = evaluate(model, tokenizer, eval_rows, reward_funcs, cfg, device)
-        log.write({"step": 0, **last_eval})
-        print(f"step 0: held-out accuracy {last_eval['eval_accuracy']:.3f}", flush=True)
+        last_eval = evaluate(policy, tokenizer, eval_rows, reward_funcs, cfg, device, dist)
+        log_record({"step": 0, **last_eval})
+        if dist.main:
+            print(f"step 0: held-out accuracy {last_eval['eval_accuracy']:.3f}", flush=True)
 
-    bar = tqdm(total=cfg.max_steps, initial=step, desc="grpo", dynamic_ncols=True, disable=None)
+    bar = tqdm(
+        total=cfg.max_steps,
+        initial=step,
+        desc="grpo",
+        dynamic_ncols=True,
+        disable=None if dist.main else True,
+    )
     with stop_on_signals() as signals:
-        while step < cfg.max_steps and not signals["stop"]:
+        while step < cfg.max_steps and not stop_requested(signals, dist):
             if cfg.time_budget_s and elapsed_train >= cfg.time_budget_s:
-                print(f"time budget of {cfg.time_budget_s:.0f}s reached at step {step}", flush=True)
+                if dist.main:
+                    print(f"time budget of {cfg.time_budget_s:.0f}s reached at step {step}", flush=True)
                 break
             t0 = time.perf_counter()
-            # 1. rollout: G completions per prompt
-            rows = sampler.next()
+            # 1. rollout: G completions per prompt; this rank's share of the global batch
+            rows = sampler.next()[dist.rank * local_prompts : (dist.rank + 1) * local_prompts]
             texts, p_ids, p_mask = encode_prompts(rows, tokenizer, cfg.max_prompt_length, device)
-            model.eval()
-            c_ids, c_mask = generate_groups(
-                model,
-                p_ids,
-                p_mask,
-                G,
-                cfg.max_completion_length,
-                temperature=cfg.temperature,
-                top_p=cfg.top_p,
-                top_k=cfg.top_k,
-                eos_token_id=tokenizer.eos_token_id,
-                share_prefix=cfg.share_prefix,
-                generator=generator,
-            )
+            policy.eval()
+            with torch.no_grad():
+                c_ids, c_mask = policy(
+                    generate_groups,
+                    p_ids,
+                    p_mask,
+                    G,
+                    cfg.max_completion_length,
+                    temperature=cfg.temperature,
+                    top_p=cfg.top_p,
+                    top_k=cfg.top_k,
+                    eos_token_id=tokenizer.eos_token_id,
+                    share_prefix=cfg.share_prefix,
+                    generator=generator,
+                    all_done=finished,
+                )
             t1 = time.perf_counter()
-            # 2. rewards, then group advantages
+            # 2. rewards, then group advantages over the global batch (rewards all-gathered)
             completions = tokenizer.batch_decode(c_ids * c_mask, skip_special_tokens=True)
             prompts_g = [t for t in texts for _ in range(G)]
             scores = score(
@@ -354,47 +456,52 @@ def train(cfg: GRPOConfig) -> dict:
                 reward_columns(rows, G, c_ids, c_mask),
                 on_error=cfg.on_reward_error,
             )
-            advantages = advantages_of(scores.rewards, G, cfg.scale_rewards).to(device)
+            all_rewards = all_gather_rows(scores.rewards.to(device), dist)
+            mine = slice(dist.rank * len(completions), (dist.rank + 1) * len(completions))
+            advantages = advantages_of(all_rewards, G, cfg.scale_rewards)[mine]
             loss_mask = c_mask.clone()
             loss_mask[scores.failed.to(device)] = 0
             if cfg.mask_truncated_completions:
                 ended = (c_ids == tokenizer.eos_token_id) & c_mask.bool()
                 loss_mask[~ended.any(dim=1)] = 0
             t2 = time.perf_counter()
-            # 3. the loss on hidden states through the fused kernel; old / reference log-probs only if needed
-            n_items = loss_mask.sum().clamp(min=1).float()
+            # 3. the loss on hidden states through the fused kernel; old / reference log-probs only if needed.
+            # dapo divides by the active tokens of all ranks; DDP / FSDP average the ranks' gradients: / world
+            n_items = all_sum(loss_mask.sum().float(), dist).clamp(min=1) / dist.world
             # micro-batches of whole groups: (prompts, their G completions each)
             micro_prompts = torch.arange(len(rows), device=device).chunk(cfg.gradient_accumulation_steps)
             micro = [(pi[:, None] * G + torch.arange(G, device=device)).reshape(-1) for pi in micro_prompts]
             batches = [(p_ids[pi], p_mask[pi], c_ids[i], c_mask[i]) for pi, i in zip(micro_prompts, micro)]
-            old = [sequence_logps(model, b, cfg) for b in batches] if cfg.num_iterations > 1 else None
-            ref = None
-            if cfg.beta != 0.0:
-                ctx = model.disable_adapter() if info["lora"] else nullcontext()
-                with ctx:
-                    ref = [sequence_logps(ref_model or model, b, cfg) for b in batches]
-            model.train()
+            with torch.no_grad():
+                old = [policy(sequence_logps, b, cfg) for b in batches] if cfg.num_iterations > 1 else None
+                ref = None
+                if cfg.beta != 0.0:
+                    ctx = model.disable_adapter() if info["lora"] else nullcontext()
+                    with ctx:
+                        ref = [(ref_policy or policy)(sequence_logps, b, cfg) for b in batches]
+            policy.train()
             for _ in range(cfg.num_iterations):
                 metrics_acc = {}
                 for k, (i, b) in enumerate(zip(micro, batches)):
-                    loss, m = policy_loss(
-                        model,
-                        b,
-                        loss_mask[i],
-                        advantages[i],
-                        old[k] if old else None,
-                        ref[k] if ref else None,
-                        cfg,
-                        n_items,
-                    )
-                    # dapo is already normalized over the whole step; the others average the micro-batches
-                    (loss if cfg.loss_type == "dapo" else loss / len(micro)).backward()
-                    metrics_acc["loss"] = metrics_acc.get("loss", 0.0) + loss.item() * (
+                    with gradient_sync(policy, k == len(micro) - 1):
+                        loss, m = policy(
+                            policy_loss,
+                            b,
+                            loss_mask[i],
+                            advantages[i],
+                            old[k] if old else None,
+                            ref[k] if ref else None,
+                            cfg,
+                            n_items,
+                        )
+                        # dapo is already normalized over the whole step; the others average the micro-batches
+                        (loss if cfg.loss_type == "dapo" else loss / len(micro)).backward()
+                    metrics_acc["loss"] = metrics_acc.get("loss", 0.0) + loss.detach() * (
                         1 if cfg.loss_type == "dapo" else 1 / len(micro)
                     )
                     for key, v in m.items():
-                        metrics_acc[key] = metrics_acc.get(key, 0.0) + v.item() / len(micro)
-                grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm).item()
+                        metrics_acc[key] = metrics_acc.get(key, 0.0) + v.detach() / len(micro)
+                grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)).item()
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
@@ -402,20 +509,23 @@ def train(cfg: GRPOConfig) -> dict:
                 bar.update(1)
             t3 = time.perf_counter()
             elapsed_train += t3 - t0
-            # 4. log
-            n_tokens = int(p_mask.sum() * G + c_mask.sum())  # as if unshared: comparable across modes
+            # 4. log: the loss summed over ranks' shares, token metrics weighted by each rank's active tokens,
+            # rewards and tokens of the global batch
+            metrics_acc = reduce_metrics(metrics_acc, loss_mask.sum(), dist)
+            all_scores = all_gather_rows(scores.per_func.to(device), dist).cpu()
+            counts = all_sum(torch.stack([p_mask.sum() * G + c_mask.sum(), c_mask.sum()]).float(), dist)
+            n_tokens, n_completion_tokens = counts.tolist()  # tokens as if unshared: comparable across modes
+            valid = all_rewards[~all_rewards.isnan()]
             record = {
                 "step": step,
-                "reward_mean": float(scores.rewards.nanmean()),
-                "reward_std": float(scores.rewards[~scores.rewards.isnan()].std())
-                if len(completions) > 1
-                else 0.0,
-                **{f"rewards/{n}_mean": float(scores.per_func[:, j].nanmean()) for j, n in enumerate(names)},
+                "reward_mean": float(all_rewards.nanmean()),
+                "reward_std": float(valid.std()) if len(valid) > 1 else 0.0,
+                **{f"rewards/{n}_mean": float(all_scores[:, j].nanmean()) for j, n in enumerate(names)},
                 "kl": metrics_acc.get("kl", 0.0),
                 "clip_ratio": metrics_acc["clip_ratio"],
                 "loss": metrics_acc["loss"],
                 "grad_norm": grad_norm,
-                "completion_len_mean": float(c_mask.sum(1).float().mean()),
+                "completion_len_mean": n_completion_tokens / len(all_rewards),
                 "tokens_per_s": n_tokens / (t3 - t0),
                 "peak_mem_mb": peak_mem_mb(device),
                 "lr": scheduler.get_last_lr()[0],
@@ -425,10 +535,10 @@ def train(cfg: GRPOConfig) -> dict:
                 "elapsed_s": elapsed_train,
             }
             if step % cfg.logging_steps == 0 or step >= cfg.max_steps:
-                log.write(record)
+                log_record(record)
             if eval_rows and cfg.eval_steps and step % cfg.eval_steps == 0:
-                last_eval = evaluate(model, tokenizer, eval_rows, reward_funcs, cfg, device)
-                log.write({"step": step, **last_eval})
+                last_eval = evaluate(policy, tokenizer, eval_rows, reward_funcs, cfg, device, dist)
+                log_record({"step": step, **last_eval})
             bar.set_postfix(
                 reward=f"{record['reward_mean']:.3f}",
                 acc=f"{last_eval.get('eval_accuracy', 0):.2f}",
@@ -439,17 +549,17 @@ def train(cfg: GRPOConfig) -> dict:
             if cfg.save_steps and step % cfg.save_steps == 0:
                 save(step)
     bar.close()
-    if signals["stop"]:
+    if signals["stop"] or stop_requested(signals, dist):
         path = save(step)
-        print(f"interrupted: checkpoint saved to {path}", flush=True)
-        log.close()
+        if dist.main:
+            print(f"interrupted: checkpoint saved to {path}", flush=True)
+            log.close()
+        shutdown(dist)
         sys.exit(130)
     if eval_rows and (not last_eval or not cfg.eval_steps or step % cfg.eval_steps):
-        last_eval = evaluate(model, tokenizer, eval_rows, reward_funcs, cfg, device)
-        log.write({"step": step, **last_eval})
+        last_eval = evaluate(policy, tokenizer, eval_rows, reward_funcs, cfg, device, dist)
+        log_record({"step": step, **last_eval})
     final = save(step)
-    log.close()
-    plot_curves(out / "metrics.jsonl", out / "curves.png")
     summary = {
         "step": step,
         "elapsed_train_s": elapsed_train,
@@ -458,12 +568,16 @@ def train(cfg: GRPOConfig) -> dict:
         "metrics": str(out / "metrics.jsonl"),
         "plot": str(out / "curves.png"),
     }
-    print(f"done: {json.dumps(summary)}", flush=True)
-    print(
-        f"outputs in {out}/: metrics.jsonl (per-step metrics, eval records), curves.png, config.json, "
-        f"{final.name}/",
-        flush=True,
-    )
+    if dist.main:
+        log.close()
+        plot_curves(out / "metrics.jsonl", out / "curves.png")
+        print(f"done: {json.dumps(summary)}", flush=True)
+        print(
+            f"outputs in {out}/: metrics.jsonl (per-step metrics, eval records), curves.png, config.json, "
+            f"{final.name}/",
+            flush=True,
+        )
+    shutdown(dist)
     return summary
 
 
@@ -473,6 +587,16 @@ def main(argv=None) -> None:
     except ValueError as err:  # bad input: flags, files, data, reward functions
         print(f"grpo-fast: error: {err}", file=sys.stderr)
         sys.exit(2)
+    except RuntimeError as err:  # distributed: a rank died or stalled; fail with a clear error, never hang
+        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+            raise
+        rank = os.environ.get("RANK", "?")
+        print(
+            f"grpo-fast: error: rank {rank}: a collective with the other ranks failed (a rank died, or none "
+            f"answered within --dist-timeout-s): {type(err).__name__}: {str(err).splitlines()[0]}",
+            file=sys.stderr,
+        )
+        sys.exit(3)
 
 
 if __name__ == "__main__":

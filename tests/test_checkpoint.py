@@ -32,7 +32,16 @@ def _save(out, step, model, fail=False):
                 raise OSError("disk full")
 
     return ck.save_checkpoint(
-        out, step, model, Tok(), opt, sched, {"epoch": 0, "pos": step}, torch.Generator(), {}, keep=2
+        out,
+        step,
+        model,
+        Tok(),
+        opt.state_dict(),
+        sched,
+        {"epoch": 0, "pos": step},
+        torch.Generator(),
+        {},
+        keep=2,
     )
 
 

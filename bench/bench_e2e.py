@@ -1,0 +1,418 @@
+"""End to end: GRPO steps on identical work, grpo-fast vs TRL 1.16's GRPOTrainer, each in its own process.
+
+    python -m bench.bench_e2e [--quick] [--providers a,b] [--warmup 1] [--steps 2]
+
+Work: a random-init ~50M Qwen2-shaped model (bench_prefix.make_model) saved to a local directory with a
+word-level tokenizer, prompts of exactly P tokens, G completions of up to C tokens sampled at temperature 1,
+`prompts_per_step` prompts per optimizer step, beta 0, loss dapo, fp32, no gradient checkpointing, AdamW
+lr 1e-6. The first `warmup` steps are not counted. Tokens/s counts the tokens actually processed as if
+unshared (prompt tokens x G + completion tokens), so a completion that stops early at EOS is not a gain.
+
+Providers:
+  trl                 trl.GRPOTrainer (HF generate, its chunked fused LM head)
+  trl_liger           the same with use_liger_kernel=True (TRL 1.16 applies only Liger's layer kernels;
+                      they are Triton, CUDA only, so this is skipped on CPU)
+  trl_grpo_fast       grpo_fast.integrations.trl.GRPOTrainer (same arguments, our kernels)
+  grpo_fast_unshared  grpo-fast's trainer, share_prefix off
+  grpo_fast           grpo-fast's trainer, share_prefix on (the default)
+
+Step time is split into generation / scoring (rewards and advantages) / training (log-probs, loss,
+backward, optimizer); peak memory is the process's resident-set high-water mark (CPU) or
+max_memory_allocated (CUDA) above what the process held once its libraries were imported.
+"""
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from bench._utils import machine_info, markdown_table, run_worker, worker_main, write_results
+
+PROVIDERS = ["trl", "trl_liger", "trl_grpo_fast", "grpo_fast_unshared", "grpo_fast"]
+LABELS = {
+    "trl": "TRL GRPOTrainer",
+    "trl_liger": "TRL + use_liger_kernel",
+    "trl_grpo_fast": "TRL + grpo_fast subclass",
+    "grpo_fast_unshared": "grpo-fast, sharing off",
+    "grpo_fast": "grpo-fast, sharing on",
+}
+# the training settings both trainers get, under the names both use
+SAME_FOR_BOTH = dict(temperature=1.0, beta=0.0, loss_type="dapo", learning_rate=1e-6)
+SHAPES = {
+    "full": dict(P=512, C=128, G=8, prompts_per_step=2),
+    "quick": dict(P=24, C=8, G=4, prompts_per_step=2),
+}
+
+
+def bench_reward(completions, **kwargs):
+    """Share of distinct words: cheap, and it spreads the rewards within a group."""
+    return [len(set(c.split())) / max(1, len(c.split())) for c in completions]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The shared work: model directory and prompts
+# ---------------------------------------------------------------------------------------------------------
+def build_work(out: Path, quick: bool, P: int, n_prompts: int) -> tuple[Path, Path]:
+    """A random-init model + word-level tokenizer in out/model and n_prompts prompts of exactly P tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from bench.bench_prefix import make_model
+
+    model = make_model(quick)
+    V = model.config.vocab_size
+    vocab = {"<pad>": 0, "<eos>": 1, **{f"w{i}": i for i in range(2, V)}}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")
+    model.config.pad_token_id, model.config.eos_token_id, model.config.bos_token_id = 0, 1, None
+    model.generation_config.pad_token_id, model.generation_config.eos_token_id = 0, 1
+    model.generation_config.bos_token_id = None
+    model_dir = out / "model"
+    model.save_pretrained(model_dir)
+    fast.save_pretrained(model_dir)
+    g = torch.Generator().manual_seed(0)
+    data = out / "prompts.jsonl"
+    with data.open("w") as f:
+        for _ in range(n_prompts):
+            words = torch.randint(2, V, (P,), generator=g).tolist()
+            f.write(json.dumps({"prompt": " ".join(f"w{w}" for w in words)}) + "\n")
+    return model_dir, data
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Workers
+# ---------------------------------------------------------------------------------------------------------
+def _baseline_mib(device) -> float:
+    from bench._utils import _release_memory, _rss_kib
+
+    _release_memory()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        return torch.cuda.memory_allocated() / 2**20
+    Path("/proc/self/clear_refs").write_text("5")
+    return _rss_kib("VmRSS") / 1024
+
+
+def _peak_mib(device) -> float:
+    from bench._utils import _rss_kib
+
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated() / 2**20
+    return _rss_kib("VmHWM") / 1024
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_trl(a: dict) -> dict:
+    import warnings
+
+    import trl
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, TrainerCallback
+
+    from grpo_fast.integrations.trl import GRPOTrainer as OurTRL
+    from grpo_fast.modeling import load_tokenizer
+
+    warnings.simplefilter("ignore", FutureWarning)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if a["provider"] == "trl_liger":
+        if device.type != "cuda":
+            return {"skipped": "Liger's layer kernels are Triton kernels for CUDA; no GPU here"}
+        try:
+            import liger_kernel  # noqa: F401
+        except ImportError:
+            return {"skipped": "liger-kernel is not installed"}
+    base = OurTRL if a["provider"] == "trl_grpo_fast" else trl.GRPOTrainer
+    timings = {"gen": 0.0, "score": 0.0, "tokens": 0}
+
+    class Timed(base):
+        def _generate(self, prompts):
+            _sync(device)
+            t = time.perf_counter()
+            out = super()._generate(prompts)
+            _sync(device)
+            timings["gen"] += time.perf_counter() - t
+            return out
+
+        def _calculate_rewards(self, *args, **kwargs):
+            t = time.perf_counter()
+            out = super()._calculate_rewards(*args, **kwargs)
+            timings["score"] += time.perf_counter() - t
+            return out
+
+        def _generate_and_score_completions(self, inputs):
+            out = super()._generate_and_score_completions(inputs)
+            timings["tokens"] += int(out["prompt_mask"].sum() + out["completion_mask"].sum())
+            return out
+
+    steps = []
+
+    class StepClock(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            _sync(device)
+            timings.update(gen=0.0, score=0.0, tokens=0, t0=time.perf_counter())
+
+        def on_step_end(self, args, state, control, **kw):
+            _sync(device)
+            total = time.perf_counter() - timings["t0"]
+            steps.append(
+                dict(
+                    step_s=total,
+                    generate_s=timings["gen"],
+                    score_s=timings["score"],
+                    train_s=total - timings["gen"] - timings["score"],
+                    tokens=timings["tokens"],
+                )
+            )
+
+    base_mib = _baseline_mib(device)
+    tok = load_tokenizer(a["model_dir"])
+    model = AutoModelForCausalLM.from_pretrained(a["model_dir"], dtype=torch.float32).to(device)
+    rows = [json.loads(line) for line in Path(a["data"]).read_text().splitlines()]
+    config = trl.GRPOConfig(
+        output_dir=a["out"],
+        per_device_train_batch_size=a["G"] * a["prompts_per_step"],
+        num_generations=a["G"],
+        max_completion_length=a["C"],
+        max_steps=a["warmup"] + a["steps"],
+        **SAME_FOR_BOTH,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        bf16=False,
+        use_cpu=device.type == "cpu",
+        gradient_checkpointing=False,
+        use_liger_kernel=a["provider"] == "trl_liger",
+        disable_tqdm=True,
+        seed=0,
+    )
+    trainer = Timed(
+        model=model,
+        reward_funcs=bench_reward,
+        args=config,
+        train_dataset=Dataset.from_list(rows),
+        processing_class=tok,
+        callbacks=[StepClock()],
+    )
+    trainer.train()
+    return {"steps": steps[a["warmup"] :], "peak_mem_mb": _peak_mib(device) - base_mib}
+
+
+def run_grpo_fast(a: dict) -> dict:
+    import grpo_fast.train as train_mod
+    from grpo_fast.config import GRPOConfig
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    peak_at_end = {}
+
+    def no_checkpoint(*args, **kwargs):  # checkpoints are not part of the measured work (TRL: save "no")
+        peak_at_end["mb"] = _peak_mib(device)
+        return Path(a["out"]) / "no-checkpoint"
+
+    train_mod.ckpt_mod.save_checkpoint = no_checkpoint
+    base_mib = _baseline_mib(device)
+    cfg = GRPOConfig(
+        model=a["model_dir"],
+        dataset=a["data"],
+        reward=[f"{Path(__file__).resolve()}:bench_reward"],
+        num_generations=a["G"],
+        prompts_per_step=a["prompts_per_step"],
+        max_prompt_length=a["P"],
+        max_completion_length=a["C"],
+        max_steps=a["warmup"] + a["steps"],
+        **SAME_FOR_BOTH,
+        share_prefix=a["provider"] == "grpo_fast",
+        output_dir=a["out"],
+        overwrite_output_dir=True,
+    )
+    train_mod.train(cfg)
+    records = [json.loads(line) for line in (Path(a["out"]) / "metrics.jsonl").read_text().splitlines()]
+    records = [r for r in records if "time_train_s" in r][a["warmup"] :]
+    steps = [
+        dict(
+            step_s=r["time_generate_s"] + r["time_reward_s"] + r["time_train_s"],
+            generate_s=r["time_generate_s"],
+            score_s=r["time_reward_s"],
+            train_s=r["time_train_s"],
+            tokens=round(r["tokens_per_s"] * (r["time_generate_s"] + r["time_reward_s"] + r["time_train_s"])),
+        )
+        for r in records
+    ]
+    return {"steps": steps, "peak_mem_mb": peak_at_end.get("mb", _peak_mib(device)) - base_mib}
+
+
+def _import_libraries() -> None:
+    """Every provider's process imports the same libraries before its baseline is taken, so that peak memory
+    compares the work, not import footprints (our trainer imports some of these lazily, later)."""
+    import datasets  # noqa: F401
+    import matplotlib.pyplot  # noqa: F401
+    import transformers  # noqa: F401
+    import trl  # noqa: F401
+
+    import grpo_fast.integrations.trl  # noqa: F401
+    import grpo_fast.rewards  # noqa: F401
+    import grpo_fast.train  # noqa: F401
+
+
+def measure_one(a: dict) -> dict:
+    torch.manual_seed(0)
+    _import_libraries()
+    with tempfile.TemporaryDirectory() as tmp:
+        a = dict(a, out=tmp)
+        res = run_grpo_fast(a) if a["provider"].startswith("grpo_fast") else run_trl(a)
+    if "steps" in res:
+        steps = res["steps"]
+        total = {
+            k: sum(s[k] for s in steps) for k in ("step_s", "generate_s", "score_s", "train_s", "tokens")
+        }
+        n = len(steps)
+        res.update(
+            step_s=total["step_s"] / n,
+            generate_s=total["generate_s"] / n,
+            score_s=total["score_s"] / n,
+            train_s=total["train_s"] / n,
+            tokens_per_step=total["tokens"] / n,
+            tokens_per_s=total["tokens"] / total["step_s"],
+        )
+    return res
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Driver
+# ---------------------------------------------------------------------------------------------------------
+COLUMNS = [
+    ("label", "provider"),
+    ("step_s", "step s"),
+    ("generate_s", "generation s"),
+    ("score_s", "scoring s"),
+    ("train_s", "training s"),
+    ("tokens_per_s", "tokens/s"),
+    ("speedup_vs_trl", "tokens/s vs TRL"),
+    ("peak_mem_mb", "peak MiB"),
+    ("mem_vs_trl", "peak vs TRL"),
+    ("skipped", "note"),
+]
+
+
+def plot_e2e(rows: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    done = [r for r in rows if "step_s" in r]
+    labels = [r["label"].replace(", ", ",\n").replace(" + ", " +\n") for r in done]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.8))
+    bottom = [0.0] * len(done)
+    for key, name, color in (
+        ("generate_s", "generation", "#4c72b0"),
+        ("score_s", "scoring", "#dd8452"),
+        ("train_s", "training", "#55a868"),
+    ):
+        vals = [r[key] for r in done]
+        ax1.bar(labels, vals, bottom=bottom, label=name, color=color)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    for x, r in enumerate(done):
+        ax1.text(x, r["step_s"], f"{r['tokens_per_s']:.0f} tok/s", ha="center", va="bottom", fontsize=8)
+    ax1.set(title="time per step (stacked)", ylabel="seconds")
+    ax1.legend()
+    ax2.bar(labels, [r["peak_mem_mb"] for r in done], color="#8172b2")
+    for x, r in enumerate(done):
+        ax2.text(x, r["peak_mem_mb"], f"{r['peak_mem_mb']:.0f}", ha="center", va="bottom", fontsize=8)
+    ax2.set(title="peak memory above the imported libraries", ylabel="MiB")
+    for ax in (ax1, ax2):
+        ax.tick_params(axis="x", labelsize=8)
+        ax.grid(True, axis="y", alpha=0.3)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="tiny model and shapes (a smoke run)")
+    ap.add_argument("--providers", default=",".join(PROVIDERS))
+    ap.add_argument("--warmup", type=int, default=1, help="steps not counted")
+    ap.add_argument("--steps", type=int, default=2, help="steps measured")
+    ap.add_argument("--out-dir", default=None, help="results folder (default bench/results/<machine>)")
+    args = ap.parse_args(argv)
+    shape = SHAPES["quick" if args.quick else "full"]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        n_prompts = shape["prompts_per_step"] * (args.warmup + args.steps)
+        model_dir, data = build_work(Path(tmp), args.quick, shape["P"], n_prompts)
+        from transformers import AutoConfig
+
+        n_params = AutoConfig.from_pretrained(model_dir)
+        base = dict(
+            shape,
+            model_dir=str(model_dir),
+            data=str(data),
+            warmup=args.warmup,
+            steps=args.steps,
+            quick=args.quick,
+        )
+        print(f"bench_e2e: {json.dumps(shape)}, warmup {args.warmup}, measured {args.steps}", flush=True)
+        for p in args.providers.split(","):
+            t0 = time.time()
+            res = run_worker("bench_e2e", dict(base, provider=p), timeout=3600)
+            row = dict(provider=p, label=LABELS[p], **res)
+            rows.append(row)
+            shown = res.get("error") or res.get("skipped")
+            if not shown:
+                shown = (
+                    f"{res['step_s']:.2f} s/step (gen {res['generate_s']:.2f}, score {res['score_s']:.3f}, "
+                    f"train {res['train_s']:.2f}), {res['tokens_per_s']:.0f} tok/s, "
+                    f"peak {res['peak_mem_mb']:.0f} MiB"
+                )
+            print(f"  {p:<20} {shown}   ({time.time() - t0:.0f}s)", flush=True)
+    trl_row = next((r for r in rows if r["provider"] == "trl" and "step_s" in r), None)
+    for r in rows:
+        if trl_row and "step_s" in r:
+            r["speedup_vs_trl"] = r["tokens_per_s"] / trl_row["tokens_per_s"]
+            r["mem_vs_trl"] = r["peak_mem_mb"] / trl_row["peak_mem_mb"]
+        if "error" in r:
+            r["skipped"] = "error: " + r["error"]
+    info = machine_info()
+    model_params = sum(p.numel() for p in _model_for_count(args.quick).parameters())
+    md = (
+        f"# End-to-end GRPO step vs TRL (P={shape['P']}, C={shape['C']}, G={shape['G']}, "
+        f"{shape['prompts_per_step']} prompts/step)\n\n"
+        f"Random-init Qwen2-shaped model, {model_params / 1e6:.1f}M parameters, fp32, beta 0, loss dapo; "
+        f"{args.warmup} warm-up step(s), then the mean of {args.steps}. Machine: {info['cpu']} "
+        f"({info['cores']} cores){', ' + info['gpu'] if 'gpu' in info else ''}, "
+        f"torch {info['versions']['torch']}, "
+        f"trl {info['versions']['trl']}, commit {info['git_commit']}.\n\n"
+        + markdown_table(rows, COLUMNS)
+        + "\n"
+    )
+    del n_params
+    name = "bench_e2e" + ("_quick" if args.quick else "")
+    out_dir = Path(args.out_dir) if args.out_dir else None
+    payload = {"machine": info, "config": dict(shape, warmup=args.warmup, steps=args.steps), "rows": rows}
+    payload["config"]["model_params"] = model_params
+    out = write_results(name, payload, md, out_dir)
+    plot_e2e(rows, out / f"{name}.png", f"GRPO step, P={shape['P']} C={shape['C']} G={shape['G']}")
+    print(md)
+    print(f"wrote {out}/{name}.{{json,md,png}}")
+
+
+def _model_for_count(quick: bool):
+    from bench.bench_prefix import make_model
+
+    return make_model(quick)
+
+
+if __name__ == "__main__":
+    if not worker_main(measure_one):
+        main(sys.argv[1:])

@@ -1,0 +1,186 @@
+"""Gather one machine's benchmark results into report.md and summary.json (the figures we quote).
+
+    python -m bench.report [--dir bench/results/<machine>]
+
+Reads bench_e2e.json, bench_loss.json, bench_logprobs.json and bench_prefix.json (whichever exist), writes
+report.md (a table and a paragraph per benchmark, the plots linked) and summary.json (headline ratios, the
+git commit, package versions and the machine).
+"""
+
+import argparse
+import json
+from pathlib import Path
+
+from bench._utils import RESULTS, machine_info, machine_name, markdown_table
+from bench.bench_e2e import COLUMNS as E2E_COLUMNS
+from bench.bench_prefix import COLUMNS as PREFIX_COLUMNS
+
+
+def _load(d: Path, name: str):
+    f = d / f"{name}.json"
+    return json.loads(f.read_text()) if f.is_file() else None
+
+
+def _row(rows, **match):
+    return next((r for r in rows if all(r.get(k) == v for k, v in match.items()) and "error" not in r), None)
+
+
+def _pct(part, whole):
+    return f"{100 * part / whole:.0f}%" if whole else "-"
+
+
+def e2e_section(res, summary) -> str:
+    rows, cfg = res["rows"], res["config"]
+    trl, ours = _row(rows, provider="trl"), _row(rows, provider="grpo_fast")
+    table = markdown_table(rows, E2E_COLUMNS)
+    text = (
+        f"## End to end: one GRPO step, grpo-fast vs TRL {res['machine']['versions'].get('trl')}\n\n"
+        f"Same work for every provider, each in its own process: a random-init Qwen2-shaped model of "
+        f"{cfg.get('model_params', 0) / 1e6:.1f}M parameters, {cfg['prompts_per_step']} prompts of "
+        f"P={cfg['P']} tokens per step, G={cfg['G']} completions of up to C={cfg['C']} tokens, beta 0, loss "
+        f"dapo, fp32, no gradient checkpointing; {cfg['warmup']} warm-up step(s), then the mean of "
+        f"{cfg['steps']}. Tokens/s counts prompt tokens x G + completion tokens (as if unshared); peak "
+        "memory is above what each process held after importing the same libraries.\n\n"
+        + table
+        + "\n\n![time split and memory](bench_e2e.png)\n\n"
+    )
+    if trl and ours:
+        speed, mem = ours["tokens_per_s"] / trl["tokens_per_s"], ours["peak_mem_mb"] / trl["peak_mem_mb"]
+        summary.update(e2e_speedup_vs_trl=speed, e2e_peak_mem_ratio_vs_trl=mem)
+        text += (
+            f"What it shows: grpo-fast with prefix sharing processes {ours['tokens_per_s']:.0f} tokens/s "
+            f"against TRL's {trl['tokens_per_s']:.0f} (**{speed:.2f}x**) at **{mem:.2f}x** TRL's peak memory "
+            f"({ours['peak_mem_mb']:.0f} vs {trl['peak_mem_mb']:.0f} MiB). TRL spends "
+            f"{_pct(trl['generate_s'], trl['step_s'])} of its {trl['step_s']:.1f} s step generating and "
+            f"{_pct(trl['train_s'], trl['step_s'])} training; grpo-fast "
+            f"{_pct(ours['generate_s'], ours['step_s'])} and {_pct(ours['train_s'], ours['step_s'])} of "
+            f"{ours['step_s']:.1f} s. Scoring is negligible for both (a cheap reward).\n"
+        )
+        unshared = _row(rows, provider="grpo_fast_unshared")
+        if unshared:
+            summary["e2e_speedup_vs_trl_sharing_off"] = unshared["tokens_per_s"] / trl["tokens_per_s"]
+            summary["e2e_peak_mem_ratio_vs_trl_sharing_off"] = unshared["peak_mem_mb"] / trl["peak_mem_mb"]
+            text += (
+                f"With sharing off, grpo-fast runs {summary['e2e_speedup_vs_trl_sharing_off']:.2f}x TRL's "
+                f"tokens/s at {summary['e2e_peak_mem_ratio_vs_trl_sharing_off']:.2f}x its memory: the gap to "
+                "the shared row is what prefilling and training each prompt once per group buys.\n"
+            )
+    sub = _row(rows, provider="trl_grpo_fast")
+    if trl and sub:
+        summary["trl_subclass_speedup_vs_trl"] = sub["tokens_per_s"] / trl["tokens_per_s"]
+        summary["trl_subclass_peak_mem_ratio_vs_trl"] = sub["peak_mem_mb"] / trl["peak_mem_mb"]
+        text += (
+            f"TRL with our subclass (`grpo_fast.integrations.trl.GRPOTrainer`, one import changed) runs "
+            f"{summary['trl_subclass_speedup_vs_trl']:.2f}x TRL's tokens/s at "
+            f"{summary['trl_subclass_peak_mem_ratio_vs_trl']:.2f}x its peak memory; its generation is still "
+            "TRL's (HF generate), so only the training share of the step moves.\n"
+        )
+    skipped = [r for r in rows if r.get("skipped")]
+    for r in skipped:
+        text += f"\n{r['label']}: not measured ({r['skipped']}).\n"
+    return text
+
+
+def kernel_section(res, name, title, summary) -> str:
+    rows, cfg = res["rows"], res["config"]
+    N = max(r["N"] for r in rows)
+    cols = [
+        ("mode", "mode"),
+        ("provider", "provider"),
+        ("median_ms", "median ms"),
+        ("time_vs_naive", "time / naive"),
+        ("peak_mem_mb", "peak MiB above inputs"),
+        ("peak_above_grads_mb", "peak MiB above inputs+grads"),
+        ("mem_vs_naive", "memory / naive"),
+        ("error", "error"),
+    ]
+    at_n = [r for r in rows if r["N"] == N]
+    text = (
+        f"## {title} (N={N} tokens, H={cfg['H']}, V={cfg['V']}, fp32)\n\n"
+        + markdown_table(at_n, cols)
+        + f"\n\nAll sizes: [{name}.md]({name}.md). ![{name}]({name}.png)\n\n"
+    )
+    ours, naive = (
+        _row(at_n, provider="grpo_fast", mode="fwd_bwd"),
+        _row(at_n, provider="naive", mode="fwd_bwd"),
+    )
+    if ours and naive:
+        t, m = (
+            ours["median_ms"] / naive["median_ms"],
+            ours["peak_above_grads_mb"] / naive["peak_above_grads_mb"],
+        )
+        summary[f"{name}_fwd_bwd_time_vs_naive"] = t
+        summary[f"{name}_fwd_bwd_mem_above_grads_vs_naive"] = m
+        text += (
+            f"What it shows: forward+backward at N={N}, grpo-fast takes {t:.2f}x the time of the naive "
+            f"full-logits PyTorch code and {100 * m:.1f}% of its memory once the weight gradient every "
+            "provider returns is set aside: the (N x V) logits are never whole.\n"
+        )
+    return text
+
+
+def prefix_section(res, summary) -> str:
+    rows = res["rows"]
+    train = [r for r in rows if r["kind"] == "train" and r.get("shared") and "speedup" in r]
+    gen = _row(rows, kind="generate", shared=True)
+    text = (
+        "## Shared prefix vs unshared (~50M Qwen2-shaped model, fp32, one prompt per group)\n\n"
+        + markdown_table(rows, PREFIX_COLUMNS)
+        + "\n\n![bench_prefix](bench_prefix.png)\n\n"
+    )
+    if train:
+        best = max(train, key=lambda r: r["speedup"])
+        summary["prefix_train_speedup_max"] = best["speedup"]
+        text += (
+            f"What it shows: the training forward+backward with each prompt run once per group is up to "
+            f"{best['speedup']:.2f}x faster (P={best['P']}, C={best['C']}, G={best['G']}; the token ratio "
+            f"G(P+C)/(P+GC) is {best['theory']:.2f}) at {best['mem_ratio']:.2f}x the memory."
+        )
+    if gen:
+        summary["prefix_generate_speedup"] = gen["speedup"]
+        text += (
+            f" Generation with the prompt prefilled once: {gen['speedup']:.2f}x the tokens/s, the prompt's "
+            f"KV cache {gen['prompt_kv_bytes'] / 2**20:.1f} MiB instead of G times that."
+        )
+    return text + "\n"
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--dir", default=None, help="results folder (default bench/results/<this machine>)")
+    args = ap.parse_args(argv)
+    d = Path(args.dir) if args.dir else RESULTS / machine_name()
+    info = machine_info()
+    summary = {"git_commit": info["git_commit"], "versions": info["versions"], "machine": info}
+    parts = [
+        f"# grpo-fast benchmarks on {info.get('gpu', info['cpu'])}\n\n"
+        f"{info['cpu']} ({info['cores']} cores), Python {info['python']}, "
+        + ", ".join(f"{k} {v}" for k, v in info["versions"].items() if v)
+        + f"; commit {info['git_commit']}. Produced by `make bench` (`python -m bench.report`).\n"
+    ]
+    e2e = _load(d, "bench_e2e")
+    if e2e:
+        parts.append(e2e_section(e2e, summary))
+    for name, title in (("bench_loss", "Fused GRPO loss"), ("bench_logprobs", "Fused log-probs")):
+        res = _load(d, name)
+        if res:
+            parts.append(kernel_section(res, name, title, summary))
+    prefix = _load(d, "bench_prefix")
+    if prefix:
+        parts.append(prefix_section(prefix, summary))
+    head = {k: summary[k] for k in ("e2e_speedup_vs_trl", "e2e_peak_mem_ratio_vs_trl") if k in summary}
+    if head:
+        parts.insert(
+            1,
+            f"**Headline:** grpo-fast (prefix sharing on) = {head.get('e2e_speedup_vs_trl', 0):.2f}x TRL's "
+            f"tokens/s at {head.get('e2e_peak_mem_ratio_vs_trl', 0):.2f}x its peak memory, same run, same "
+            "machine.\n",
+        )
+    (d / "report.md").write_text("\n".join(parts))
+    (d / "summary.json").write_text(json.dumps(summary, indent=2))
+    print(f"wrote {d}/report.md and {d}/summary.json")
+    print(json.dumps({k: v for k, v in summary.items() if k not in ("machine", "versions")}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

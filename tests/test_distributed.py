@@ -1,0 +1,157 @@
+"""Two gloo processes (DDP and FSDP2) train exactly like one process on the same global batch.
+
+Generation is replaced by fixed completions, a function of the prompt alone, so that the ranks' share of the
+global batch equals the single process's: then losses, gradient norms and updated weights must agree. The
+reference is the single-process run of the same trainer (its own correctness is tested against naive math
+elsewhere); what is tested here is the sharding of prompts, the global advantages and dapo normalizer, the
+gradient averaging, and checkpoints that move between world sizes.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+pytestmark = pytest.mark.slow
+
+REWARD = """
+import os, signal
+
+def spread(completions, **kwargs):
+    return [float(len(c) % 7) for c in completions]
+
+def die_on_rank_1(completions, **kwargs):
+    if os.environ.get("RANK") == "1":
+        os.kill(os.getpid(), signal.SIGKILL)
+    return [0.0 for _ in completions]
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _fixed_completions(model, prompt_ids, prompt_mask, G, C, **kwargs):
+    """G completions per prompt drawn from a generator seeded by the prompt's tokens: rank-independent."""
+    V = model.config.vocab_size if hasattr(model, "config") else 64
+    ids, lens = [], []
+    for p, m in zip(prompt_ids.cpu(), prompt_mask.cpu()):
+        p = p[m.bool()]  # unpadded: each rank pads its own prompts
+        g = torch.Generator().manual_seed(int((p * torch.arange(1, p.numel() + 1)).sum()) % 2**31)
+        ids.append(torch.randint(5, V, (G, C), generator=g))
+        lens.append(torch.randint(1, C + 1, (G,), generator=g))
+    ids, lens = torch.cat(ids), torch.cat(lens)
+    mask = (torch.arange(C)[None] < lens[:, None]).long()
+    return (ids * mask).to(prompt_ids.device), mask.to(prompt_ids.device)
+
+
+def _worker(rank, world, port, cfg):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world))
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    import grpo_fast.train as T
+    from grpo_fast.config import GRPOConfig
+
+    T.generate_groups = _fixed_completions
+    T.train(GRPOConfig(**cfg))
+
+
+def _run(tmp: Path, name: str, world: int, kind: str = "ddp", **over) -> Path:
+    reward = tmp / "rewards.py"
+    reward.write_text(REWARD)
+    cfg = dict(
+        reward=[f"{reward}:spread"],
+        num_generations=4,
+        prompts_per_step=4,
+        max_completion_length=6,
+        learning_rate=1e-3,
+        lr_scheduler_type="constant",
+        beta=0.04,  # a reference model, wrapped (and under FSDP sharded) like the policy
+        scale_rewards="batch",  # the global batch's std: rewards all-gathered
+        max_steps=2,
+        eval_max_samples=0,
+        save_steps=1,
+        save_total_limit=5,
+        output_dir=str(tmp / name),
+        distributed=kind,
+        dist_timeout_s=120.0,
+        seed=0,
+    )
+    cfg.update(over)
+    args = (world, _free_port(), cfg)
+    mp.start_processes(_worker, args=args, nprocs=world, join=True, start_method="spawn")
+    return tmp / name
+
+
+def _metrics(out: Path) -> list[dict]:
+    return [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+
+
+def _weights(ckpt: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(ckpt / "model.safetensors")
+
+
+def _assert_same_run(a: Path, b: Path, step: int, steps_to_compare):
+    ma, mb = {r["step"]: r for r in _metrics(a)}, {r["step"]: r for r in _metrics(b)}
+    for s in steps_to_compare:
+        for key in ("loss", "grad_norm", "reward_mean", "reward_std", "kl", "clip_ratio"):
+            assert abs(ma[s][key] - mb[s][key]) <= 1e-5 * max(1.0, abs(ma[s][key])), (s, key, ma[s], mb[s])
+    wa, wb = _weights(a / f"checkpoint-{step}"), _weights(b / f"checkpoint-{step}")
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        err = (wa[k] - wb[k]).abs().max().item()
+        assert err < 2e-5, f"{k}: max weight difference {err:.3g}"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("dist")
+    return tmp, _run(tmp, "one", 1)
+
+
+@pytest.mark.parametrize("kind", ["ddp", "fsdp"])
+def test_two_ranks_equal_one_process(runs, kind):
+    tmp, one = runs
+    two = _run(tmp, f"two-{kind}", 2, kind)
+    _assert_same_run(one, two, 2, steps_to_compare=(1, 2))
+    first = _metrics(one)[0]
+    assert first["grad_norm"] > 0 and first["loss"] != 0  # the comparison is not between two zeros
+    assert _metrics(one)[1]["kl"] > 0  # the policy moved away from the reference: the KL term is live
+
+
+@pytest.mark.parametrize("first_world,then_world,kind", [(2, 1, "fsdp"), (1, 2, "fsdp"), (2, 1, "ddp")])
+def test_checkpoints_resume_with_another_world_size(runs, first_world, then_world, kind):
+    tmp, one = runs
+    name = f"resume-{first_world}-{then_world}-{kind}"
+    out = _run(tmp, name, first_world, kind, max_steps=1)
+    _run(tmp, name, then_world, kind, max_steps=2, resume=True)
+    _assert_same_run(one, out, 2, steps_to_compare=(2,))
+
+
+def test_a_dead_rank_makes_the_other_exit_with_an_error(tmp_path):
+    (tmp_path / "rewards.py").write_text(REWARD)
+    port = _free_port()
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank))
+        env.update(LOCAL_RANK=str(rank), WORLD_SIZE="2", OMP_NUM_THREADS="1")
+        cmd = [sys.executable, "-m", "grpo_fast.train", "--output-dir", str(tmp_path / "run")]
+        cmd += ["--reward", f"{tmp_path / 'rewards.py'}:die_on_rank_1", "--max-steps", "3"]
+        cmd += ["--eval-max-samples", "0", "--dist-timeout-s", "30", "--prompts-per-step", "4"]
+        pipe = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        procs.append(subprocess.Popen(cmd, env=env, **pipe))
+    out0, _ = procs[0].communicate(timeout=240)
+    procs[1].wait(timeout=60)
+    assert procs[1].returncode == -9
+    assert procs[0].returncode not in (0, None), out0[-2000:]
+    assert "a collective with the other ranks failed" in out0, out0[-2000:]
