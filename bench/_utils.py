@@ -189,7 +189,10 @@ def markdown_table(rows: list[dict], columns: list[tuple[str, str]]) -> str:
         cells = []
         for key, _ in columns:
             v = r.get(key)
-            cells.append(f"{v:.3g}" if isinstance(v, float) else ("-" if v is None else str(v)))
+            if isinstance(v, float):
+                cells.append(f"{v:.0f}" if abs(v) >= 1000 else f"{v:.3g}")
+            else:
+                cells.append("-" if v is None else str(v))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

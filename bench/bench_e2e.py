@@ -323,12 +323,17 @@ def plot_e2e(rows: list[dict], path: Path, title: str) -> None:
         bottom = [b + v for b, v in zip(bottom, vals)]
     for x, r in enumerate(done):
         ax1.text(x, r["step_s"], f"{r['tokens_per_s']:.0f} tok/s", ha="center", va="bottom", fontsize=8)
-    ax1.set(title="time per step (stacked)", ylabel="seconds")
-    ax1.legend()
+    ax1.set(title="time per step (stacked)", ylabel="seconds", ylim=(0, 1.3 * max(bottom, default=1.0)))
+    ax1.legend(loc="upper right", ncol=3, fontsize=8)
     ax2.bar(labels, [r["peak_mem_mb"] for r in done], color="#8172b2")
     for x, r in enumerate(done):
         ax2.text(x, r["peak_mem_mb"], f"{r['peak_mem_mb']:.0f}", ha="center", va="bottom", fontsize=8)
-    ax2.set(title="peak memory above the imported libraries", ylabel="MiB")
+    peaks = [r["peak_mem_mb"] for r in done]
+    ax2.set(
+        title="peak memory above the imported libraries",
+        ylabel="MiB",
+        ylim=(0, 1.15 * max(peaks, default=1.0)),
+    )
     for ax in (ax1, ax2):
         ax.tick_params(axis="x", labelsize=8)
         ax.grid(True, axis="y", alpha=0.3)
