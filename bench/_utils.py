@@ -244,6 +244,20 @@ def plot_sweep(rows: list[dict], path: Path, title: str) -> None:
 
     modes = sorted({r["mode"] for r in rows}, reverse=True)
     fig, axes = plt.subplots(len(modes), 2, figsize=(11, 4 * len(modes)), squeeze=False)
+    if len({r["N"] for r in rows}) == 1:  # one size: bars per provider, not a sweep
+        for i, mode in enumerate(modes):
+            done = [r for r in rows if r["mode"] == mode and "error" not in r]
+            names = [r["provider"] for r in done]
+            for j, (key, unit) in enumerate((("median_ms", "median time, ms"), ("peak_mem_mb", "peak MiB"))):
+                axes[i][j].bar(names, [r[key] for r in done], color=[f"C{k}" for k in range(len(done))])
+                axes[i][j].set(title=f"{mode} at N={done[0]['N']}: {unit}")
+                axes[i][j].tick_params(axis="x", labelsize=8, rotation=20)
+                axes[i][j].grid(True, axis="y", which="both", alpha=0.3)
+        fig.suptitle(title)
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        return
     for i, mode in enumerate(modes):
         for p in dict.fromkeys(r["provider"] for r in rows):
             pts = sorted(

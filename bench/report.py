@@ -150,7 +150,9 @@ def main(argv=None) -> None:
     ap.add_argument("--dir", default=None, help="results folder (default bench/results/<this machine>)")
     args = ap.parse_args(argv)
     d = Path(args.dir) if args.dir else RESULTS / machine_name()
-    info = machine_info()
+    results = {n: _load(d, n) for n in ("bench_e2e", "bench_loss", "bench_logprobs", "bench_prefix")}
+    # the machine, versions and commit the measurements were taken with (not those of this process)
+    info = next((r["machine"] for r in results.values() if r), None) or machine_info()
     summary = {"git_commit": info["git_commit"], "versions": info["versions"], "machine": info}
     parts = [
         f"# grpo-fast benchmarks on {info.get('gpu', info['cpu'])}\n\n"
@@ -158,16 +160,20 @@ def main(argv=None) -> None:
         + ", ".join(f"{k} {v}" for k, v in info["versions"].items() if v)
         + f"; commit {info['git_commit']}. Produced by `make bench` (`python -m bench.report`).\n"
     ]
-    e2e = _load(d, "bench_e2e")
+    e2e = results["bench_e2e"]
     if e2e:
         parts.append(e2e_section(e2e, summary))
     for name, title in (("bench_loss", "Fused GRPO loss"), ("bench_logprobs", "Fused log-probs")):
-        res = _load(d, name)
-        if res:
-            parts.append(kernel_section(res, name, title, summary))
-    prefix = _load(d, "bench_prefix")
+        if results[name]:
+            parts.append(kernel_section(results[name], name, title, summary))
+    prefix = results["bench_prefix"]
     if prefix:
         parts.append(prefix_section(prefix, summary))
+    if (d / "full-sweep").is_dir():
+        parts.append(
+            "Whole grids (N = 512, 1024, 2048; more shared-prefix points), from the full sweeps on an "
+            "earlier commit: [full-sweep/](full-sweep/).\n"
+        )
     head = {k: summary[k] for k in ("e2e_speedup_vs_trl", "e2e_peak_mem_ratio_vs_trl") if k in summary}
     if head:
         parts.insert(

@@ -126,9 +126,10 @@ def policy_loss(model, batch, loss_mask, advantages, old_logps, ref_logps, cfg: 
 
 
 @torch.no_grad()
-def evaluate(policy, tokenizer, rows, reward_funcs, cfg, device, dist=DistInfo()) -> dict:
+def evaluate(policy, tokenizer, rows, reward_funcs, cfg, device, dist: DistInfo | None = None) -> dict:
     """Greedy accuracy on held-out prompts: the share whose first reward function pays its full 1.0.
     Distributed, each rank takes every world-th prompt; all ranks run the same number of chunks."""
+    dist = dist or DistInfo()
     policy.eval()
     mine = rows[dist.rank :: dist.world]
     n_chunks = math.ceil(len(rows) / (64 * dist.world))

@@ -171,7 +171,11 @@ def test_demo_defaults_log_metrics_plot_and_checkpoint(tmp_path):
         assert k in steps[0], k
     run = tmp_path / "run"
     assert (run / "curves.png").stat().st_size > 1000
-    assert json.loads((run / "config.json").read_text())["learning_rate"] == 1e-4
+    resolved = json.loads((run / "config.json").read_text())
+    assert resolved["learning_rate"] == 1e-4
+    # the model-level kernels in use are on record (none here: no CUDA, flag off)
+    assert resolved["liger_kernels"] is False and resolved["resolved"]["liger_kernels"] is False
+    assert "flash_attn" in resolved["resolved"] and resolved["resolved"]["world_size"] == 1
     ckpt = run / "checkpoint-3"
     reloaded = AutoModelForCausalLM.from_pretrained(ckpt)  # loadable by transformers
     assert sum(p.numel() for p in reloaded.parameters()) > 0
@@ -303,7 +307,9 @@ def test_unknown_flag_values(argv, words, capsys):
         (["--prompts-per-step", "3", "--gradient-accumulation-steps", "2"], "must be divisible by"),
         (["--reward", "format", "--reward-weights", "1", "2"], "reward_weights has 2 values for 1"),
         (["--reward", "nonsense"], "--reward 'nonsense': expected a built-in"),
-    ],
+        (["--dist-timeout-s", "0"], "dist_timeout_s must be > 0"),
+    ]
+    + ([] if torch.cuda.is_available() else [(["--liger-kernels"], "--liger-kernels: .* need a CUDA")]),
 )
 def test_bad_config_values(tmp_path, argv, words):
     with pytest.raises(ValueError, match=words):
