@@ -35,6 +35,7 @@ def e2e_section(res, summary) -> str:
     table = markdown_table(rows, E2E_COLUMNS)
     text = (
         f"## End to end: one GRPO step, grpo-fast vs TRL {res['machine']['versions'].get('trl')}\n\n"
+        f"Measured at commit {res['machine'].get('git_commit')}. "
         f"Same work for every provider, each in its own process: a random-init Qwen2-shaped model of "
         f"{cfg.get('model_params', 0) / 1e6:.1f}M parameters, {cfg['prompts_per_step']} prompts of "
         f"P={cfg['P']} tokens per step, G={cfg['G']} completions of up to C={cfg['C']} tokens, beta 0, loss "
@@ -97,6 +98,7 @@ def kernel_section(res, name, title, summary) -> str:
     at_n = [r for r in rows if r["N"] == N]
     text = (
         f"## {title} (N={N} tokens, H={cfg['H']}, V={cfg['V']}, fp32)\n\n"
+        f"Measured at commit {res['machine'].get('git_commit')}.\n\n"
         + markdown_table(at_n, cols)
         + f"\n\nAll sizes: [{name}.md]({name}.md). ![{name}]({name}.png)\n\n"
     )
@@ -125,6 +127,7 @@ def prefix_section(res, summary) -> str:
     gen = _row(rows, kind="generate", shared=True)
     text = (
         "## Shared prefix vs unshared (~50M Qwen2-shaped model, fp32, one prompt per group)\n\n"
+        f"Measured at commit {res['machine'].get('git_commit')}.\n\n"
         + markdown_table(rows, PREFIX_COLUMNS)
         + "\n\n![bench_prefix](bench_prefix.png)\n\n"
     )

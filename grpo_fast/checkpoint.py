@@ -96,6 +96,16 @@ def list_checkpoints(out_dir: Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
+def step_of(ckpt: Path | None) -> int:
+    """The step a checkpoint directory holds, -1 for none."""
+    return -1 if ckpt is None else int(_NAME.match(ckpt.name).group(1))
+
+
+def torn_saves(out_dir: Path) -> list[Path]:
+    """Temporary directories of saves that were killed before their rename (safe to delete at start)."""
+    return sorted(out_dir.glob(".checkpoint-*")) if out_dir.is_dir() else []
+
+
 def latest_checkpoint(out_dir: Path) -> Path | None:
     ckpts = list_checkpoints(out_dir)
     return ckpts[-1] if ckpts else None
@@ -104,15 +114,19 @@ def latest_checkpoint(out_dir: Path) -> Path | None:
 def load_training_state(ckpt: Path, load_optimizer, scheduler, generator: torch.Generator | None) -> dict:
     """Restore optimizer (`load_optimizer(full_state)`), scheduler and RNG states, and the sampling
     generator when given; return trainer_state.json (the model loads separately)."""
-    opt = torch.load(ckpt / "optimizer.pt", weights_only=False)
+    opt = torch.load(ckpt / "optimizer.pt", map_location="cpu", weights_only=False)
     load_optimizer(opt["optimizer"])
     scheduler.load_state_dict(opt["scheduler"])
-    rng = torch.load(ckpt / "rng.pt", weights_only=False)
+    rng = torch.load(ckpt / "rng.pt", map_location="cpu", weights_only=False)
     random.setstate(rng["python"])
     np.random.set_state(rng["numpy"])
     torch.set_rng_state(rng["torch"])
     if generator is not None:
         generator.set_state(rng["generator"])
-    if rng["cuda"] is not None and torch.cuda.is_available():
+    if (
+        rng["cuda"] is not None
+        and torch.cuda.is_available()
+        and len(rng["cuda"]) == torch.cuda.device_count()
+    ):
         torch.cuda.set_rng_state_all(rng["cuda"])
     return json.loads((ckpt / "trainer_state.json").read_text())

@@ -198,9 +198,16 @@ def peak_mem_mb(device) -> float:
 class MetricsLog:
     """metrics.jsonl (one JSON object per record), plus TensorBoard / W&B when asked and installed."""
 
-    def __init__(self, out_dir: Path, report_to: str, cfg: dict, append: bool):
+    def __init__(self, out_dir: Path, report_to: str, cfg: dict, resume_step: int | None = None):
+        """resume_step: continue a run's log, dropping records of steps after that checkpoint (they are
+        redone)."""
         self.path = out_dir / "metrics.jsonl"
-        self.fh = open(self.path, "a" if append else "w")
+        if resume_step is not None and self.path.is_file():
+            kept = [
+                x for x in self.path.read_text().splitlines() if json.loads(x).get("step", 0) <= resume_step
+            ]
+            self.path.write_text("".join(x + "\n" for x in kept))
+        self.fh = open(self.path, "a" if resume_step is not None else "w")
         self.tb = self.wb = None
         if report_to == "tensorboard":
             from torch.utils.tensorboard import SummaryWriter
@@ -260,15 +267,23 @@ def plot_curves(metrics_path: Path, png: Path) -> None:
     plt.close(fig)
 
 
-def stop_requested(signals: dict, dist: DistInfo) -> bool:
-    """A signal on any rank stops every rank at the same step."""
+def agreed(flags: list[bool], dist: DistInfo) -> list[bool]:
+    """Each flag true on any rank is true on every rank (one all-reduce, called by every rank): a signal
+    or a time budget that only some ranks see still stops all of them at the same step."""
     if not dist.on:
-        return signals["stop"]
-    return bool(all_sum(torch.tensor([int(signals["stop"])], device=_device_of(dist)), dist).item())
+        return [bool(f) for f in flags]
+    return [bool(v) for v in all_sum(torch.tensor([int(f) for f in flags], device=_device_of(dist)), dist)]
 
 
 def _device_of(dist: DistInfo) -> torch.device:
     return torch.device("cuda", dist.local_rank) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def clock(device) -> float:
+    """Wall time after the device's queued work: step phases are timed, not their launches."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
 
 
 def barrier(dist: DistInfo) -> None:
@@ -331,6 +346,13 @@ def train(cfg: GRPOConfig) -> dict:
 
     step, elapsed_train = 0, 0.0
     resume_from = ckpt_mod.latest_checkpoint(out) if cfg.resume else None
+    if dist.on:  # every rank must read the same checkpoint: one output dir on a filesystem they all share
+        seen = all_gather_rows(torch.tensor([ckpt_mod.step_of(resume_from)], device=device), dist)
+        if bool((seen != seen[0]).any()):
+            raise ValueError(
+                f"--resume: ranks see different latest checkpoints in {out} (steps {seen.tolist()}): the "
+                "output dir must be on a filesystem every rank shares"
+            )
     stale = [] if cfg.resume else ckpt_mod.list_checkpoints(out)
     if stale and not cfg.overwrite_output_dir:  # never mix two runs' checkpoints, never delete unasked
         raise ValueError(
@@ -339,7 +361,7 @@ def train(cfg: GRPOConfig) -> dict:
         )
     if dist.on:
         barrier(dist)  # every rank has looked before rank 0 deletes
-    for old_ckpt in stale if dist.main else []:
+    for old_ckpt in stale + ckpt_mod.torn_saves(out) if dist.main else []:
         shutil.rmtree(old_ckpt)
     if resume_from is not None:  # weights before wrapping: any world size wrote them whole
         load_weights_from_checkpoint(model, resume_from, info["lora"])
@@ -368,7 +390,7 @@ def train(cfg: GRPOConfig) -> dict:
     log = None
     if dist.main:
         (out / "config.json").write_text(json.dumps(resolved, indent=2))
-        log = MetricsLog(out, cfg.report_to, resolved, append=resume_from is not None)
+        log = MetricsLog(out, cfg.report_to, resolved, resume_step=step if resume_from is not None else None)
         print(
             f"grpo-fast: {info['model']} ({info['n_params'] / 1e6:.2f}M params, "
             f"{info['n_trainable'] / 1e6:.2f}M trainable) on {device} x {dist.world}; "
@@ -379,7 +401,11 @@ def train(cfg: GRPOConfig) -> dict:
     finished = (lambda done: all_done(done, dist)) if dist.on else None
     local_prompts = cfg.prompts_per_step // dist.world
 
+    saved = {}
+
     def save(at_step):
+        if at_step in saved:  # already written at this step (save_steps divides max_steps): keep that one
+            return saved[at_step]
         extra = {"elapsed_train_s": elapsed_train, "config": to_dict(cfg), "world_size": dist.world}
         model_state = full_model_state(policy, dist) if dist.kind == "fsdp" and dist.on else None
         optimizer_state = full_optimizer_state(policy, optimizer, dist)  # a collective: every rank
@@ -399,7 +425,8 @@ def train(cfg: GRPOConfig) -> dict:
                 model_state=model_state,
             )
         barrier(dist)
-        return path or out / f"checkpoint-{at_step}"
+        saved[at_step] = path or out / f"checkpoint-{at_step}"
+        return saved[at_step]
 
     def log_record(record):
         if log is not None:
@@ -420,12 +447,18 @@ def train(cfg: GRPOConfig) -> dict:
         disable=None if dist.main else True,
     )
     with stop_on_signals() as signals:
-        while step < cfg.max_steps and not stop_requested(signals, dist):
-            if cfg.time_budget_s and elapsed_train >= cfg.time_budget_s:
+        stopped = False
+        while step < cfg.max_steps:
+            stopped, over_budget = agreed(
+                [signals["stop"], cfg.time_budget_s and elapsed_train >= cfg.time_budget_s], dist
+            )
+            if stopped:
+                break
+            if over_budget:
                 if dist.main:
                     print(f"time budget of {cfg.time_budget_s:.0f}s reached at step {step}", flush=True)
                 break
-            t0 = time.perf_counter()
+            t0 = clock(device)
             # 1. rollout: G completions per prompt; this rank's share of the global batch
             rows = sampler.next()[dist.rank * local_prompts : (dist.rank + 1) * local_prompts]
             texts, p_ids, p_mask = encode_prompts(rows, tokenizer, cfg.max_prompt_length, device)
@@ -445,7 +478,7 @@ def train(cfg: GRPOConfig) -> dict:
                     generator=generator,
                     all_done=finished,
                 )
-            t1 = time.perf_counter()
+            t1 = clock(device)
             # 2. rewards, then group advantages over the global batch (rewards all-gathered)
             completions = tokenizer.batch_decode(c_ids * c_mask, skip_special_tokens=True)
             prompts_g = [t for t in texts for _ in range(G)]
@@ -465,7 +498,7 @@ def train(cfg: GRPOConfig) -> dict:
             if cfg.mask_truncated_completions:
                 ended = (c_ids == tokenizer.eos_token_id) & c_mask.bool()
                 loss_mask[~ended.any(dim=1)] = 0
-            t2 = time.perf_counter()
+            t2 = clock(device)
             # 3. the loss on hidden states through the fused kernel; old / reference log-probs only if needed.
             # dapo divides by the active tokens of all ranks; DDP / FSDP average the ranks' gradients: / world
             n_items = all_sum(loss_mask.sum().float(), dist).clamp(min=1) / dist.world
@@ -508,7 +541,7 @@ def train(cfg: GRPOConfig) -> dict:
                 optimizer.zero_grad(set_to_none=True)
                 step += 1
                 bar.update(1)
-            t3 = time.perf_counter()
+            t3 = clock(device)
             elapsed_train += t3 - t0
             # 4. log: the loss summed over ranks' shares, token metrics weighted by each rank's active tokens,
             # rewards and tokens of the global batch
@@ -549,8 +582,10 @@ def train(cfg: GRPOConfig) -> dict:
             )
             if cfg.save_steps and step % cfg.save_steps == 0:
                 save(step)
+        if not stopped:  # a signal during the last step
+            (stopped,) = agreed([signals["stop"]], dist)
     bar.close()
-    if signals["stop"] or stop_requested(signals, dist):
+    if stopped:
         path = save(step)
         if dist.main:
             print(f"interrupted: checkpoint saved to {path}", flush=True)
@@ -588,8 +623,8 @@ def main(argv=None) -> None:
     except ValueError as err:  # bad input: flags, files, data, reward functions
         print(f"grpo-fast: error: {err}", file=sys.stderr)
         sys.exit(2)
-    except RuntimeError as err:  # distributed: a rank died or stalled; fail with a clear error, never hang
-        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+    except RuntimeError as err:  # a rank died or stalled: fail with a clear error, never hang
+        if not is_collective_failure(err):
             raise
         rank = os.environ.get("RANK", "?")
         print(
@@ -599,6 +634,14 @@ def main(argv=None) -> None:
         )
         sys.exit(3)
 
+
+def is_collective_failure(err: RuntimeError) -> bool:
+    """NCCL / c10d errors are DistError; gloo's lost peers and timeouts are plain RuntimeErrors."""
+    if isinstance(err, torch.distributed.DistError):
+        return True
+    lost = ("gloo", "connection reset", "connection closed", "timed out", "timeout", "socket")
+    in_dist = torch.distributed.is_available() and torch.distributed.is_initialized()
+    return in_dist and any(word in str(err).lower() for word in lost)
 
 if __name__ == "__main__":
     main()

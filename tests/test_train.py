@@ -127,7 +127,12 @@ def test_resume_reproduces_uninterrupted_run(tmp_path):
     part_dir.mkdir()
     train(_cfg(full_dir, "--max-steps", "4", "--learning-rate", "1e-4"))
     train(_cfg(part_dir, "--max-steps", "2", "--learning-rate", "1e-4"))
+    # as if killed during step 3: its metrics record written, its save torn before the rename
+    with open(part_dir / "run" / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"step": 3, "loss": 99.0}) + "\n")
+    (part_dir / "run" / ".checkpoint-3-torn").mkdir()
     train(_cfg(part_dir, "--max-steps", "4", "--learning-rate", "1e-4", "--resume"))
+    assert not (part_dir / "run" / ".checkpoint-3-torn").exists()
     keys = ("reward_mean", "loss", "completion_len_mean", "grad_norm", "clip_ratio")
     a = [r for r in _records(full_dir) if "loss" in r]
     b = [r for r in _records(part_dir) if "loss" in r]

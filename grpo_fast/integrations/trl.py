@@ -14,8 +14,10 @@ What changes (TRL 1.16):
 What does not change: generation, rewards, advantages, logging, checkpoints, accelerate. Anything this path
 does not cover (loss types beyond grpo/bnpo/dr_grpo/dapo, entropy masking or bonus, delta clipping, the
 off-policy mask, vLLM importance-sampling correction, MoE aux losses, multimodal inputs, logit scaling or
-soft-capping, a model wrapped for distributed training) runs TRL's own code, with a one-line warning saying
-why. The `entropy` metric is not logged on the fused path (it would cost one more pass over the vocabulary).
+soft-capping, a model wrapped or sharded for distributed training: DDP, FSDP, ZeRO-3) runs TRL's own code,
+with a one-line warning saying why. Metrics: kl and clip_ratio/{low,high,region}_mean as TRL's; `entropy`,
+clip_ratio/low_min and clip_ratio/high_max are not logged on the fused path (entropy would cost one more pass
+over the vocabulary).
 """
 
 import warnings
@@ -96,11 +98,21 @@ class GRPOTrainer(trl.GRPOTrainer):
         ]
         return next((why for bad, why in checks if bad), None)
 
-    def _batch_fallback_reason(self, model, inputs) -> str | None:
+    def _sharded_reason(self, model) -> str | None:
+        """Our forward calls the decoder and reads the LM head weight directly: not under a wrapper's
+        forward (DDP), nor with parameters sharded in place (FSDP, DeepSpeed ZeRO-3)."""
         if self.accelerator.unwrap_model(model) is not model:
-            return (
-                "the model is wrapped for distributed training (the fused forward would bypass the wrapper)"
-            )
+            return "the model is wrapped for distributed training (the fused forward would bypass it)"
+        if getattr(self, "is_fsdp_enabled", False) or getattr(self, "is_deepspeed_enabled", False):
+            return "FSDP / DeepSpeed (parameters sharded outside the fused forward)"
+        weight = lm_head_of(model).weight
+        if type(weight).__name__ == "DTensor" or hasattr(weight, "ds_id"):
+            return "parameters sharded in place (fully_shard / ZeRO-3)"
+        return None
+
+    def _batch_fallback_reason(self, model, inputs) -> str | None:
+        if why := self._sharded_reason(model):
+            return why
         if any(inputs.get(k) is not None for k in _MULTIMODAL_KEYS):
             return "multimodal inputs"
         if inputs["advantages"].dim() != 1:
@@ -149,8 +161,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         **multimodal,
     ):
         """Reference / old log-probs (and entropies when asked) through `fused_linear_logprobs`."""
-        wrapped = self.accelerator.unwrap_model(model) is not model
-        if compute_aux_loss or wrapped or any(v is not None for v in multimodal.values()):
+        if compute_aux_loss or self._sharded_reason(model) or any(v is not None for v in multimodal.values()):
             return super()._get_per_token_logps_and_entropies(
                 model,
                 input_ids,
@@ -166,7 +177,9 @@ class GRPOTrainer(trl.GRPOTrainer):
         logps, entropies = [], []
         for start in range(0, input_ids.size(0), batch_size):
             ids, mask = input_ids[start : start + batch_size], attention_mask[start : start + batch_size]
-            hidden = decoder_of(model)(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
+            with self.accelerator.autocast():  # as TRL's forward (bf16 / fp16 mixed precision)
+                out = decoder_of(model)(input_ids=ids, attention_mask=mask, use_cache=False)
+            hidden = out.last_hidden_state
             hidden = hidden[:, -logits_to_keep - 1 : -1].to(weight.dtype)
             out = fused_linear_logprobs(
                 hidden,
@@ -192,9 +205,11 @@ class GRPOTrainer(trl.GRPOTrainer):
         completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
         mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
         weight, bias = self._head(model)
-        hidden = self._completion_hidden(
-            model, inputs["prompt_ids"], inputs["prompt_mask"], completion_ids, completion_mask
-        ).to(weight.dtype)
+        with self.accelerator.autocast():  # as TRL's forward (bf16 / fp16 mixed precision)
+            hidden = self._completion_hidden(
+                model, inputs["prompt_ids"], inputs["prompt_mask"], completion_ids, completion_mask
+            )
+        hidden = hidden.to(weight.dtype)  # an fp32 head (cast_lm_head_to_fp32) gets fp32 states
 
         mode = "train" if self.model.training else "eval"
         accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
