@@ -23,6 +23,7 @@ max_memory_allocated (CUDA) above what the process held once its libraries were 
 
 import argparse
 import json
+import subprocess
 import sys
 import tempfile
 import time
@@ -115,7 +116,10 @@ def _sync(device):
 def run_trl(a: dict) -> dict:
     import warnings
 
-    import trl
+    try:
+        import trl
+    except ImportError:
+        return {"skipped": "trl is not installed"}
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, TrainerCallback
 
@@ -253,14 +257,15 @@ def run_grpo_fast(a: dict) -> dict:
 def _import_libraries() -> None:
     """Every provider's process imports the same libraries before its baseline is taken, so that peak memory
     compares the work, not import footprints (our trainer imports some of these lazily, later)."""
-    import datasets  # noqa: F401
-    import matplotlib.pyplot  # noqa: F401
-    import transformers  # noqa: F401
-    import trl  # noqa: F401
+    import importlib
 
-    import grpo_fast.integrations.trl  # noqa: F401
-    import grpo_fast.rewards  # noqa: F401
-    import grpo_fast.train  # noqa: F401
+    for name in ("matplotlib.pyplot", "transformers", "grpo_fast.rewards", "grpo_fast.train"):
+        importlib.import_module(name)
+    for name in ("datasets", "trl", "grpo_fast.integrations.trl"):  # absent on a bare GPU machine
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass
 
 
 def measure_one(a: dict) -> dict:
@@ -350,6 +355,7 @@ def main(argv=None) -> None:
     ap.add_argument("--warmup", type=int, default=1, help="steps not counted")
     ap.add_argument("--steps", type=int, default=2, help="steps measured")
     ap.add_argument("--out-dir", default=None, help="results folder (default bench/results/<machine>)")
+    ap.add_argument("--worker-timeout", type=float, default=3600, help="seconds per provider process")
     args = ap.parse_args(argv)
     shape = SHAPES["quick" if args.quick else "full"]
     rows = []
@@ -370,7 +376,10 @@ def main(argv=None) -> None:
         print(f"bench_e2e: {json.dumps(shape)}, warmup {args.warmup}, measured {args.steps}", flush=True)
         for p in args.providers.split(","):
             t0 = time.time()
-            res = run_worker("bench_e2e", dict(base, provider=p), timeout=3600)
+            try:
+                res = run_worker("bench_e2e", dict(base, provider=p), timeout=args.worker_timeout)
+            except subprocess.TimeoutExpired:
+                res = {"error": f"did not finish within {args.worker_timeout:.0f}s"}
             row = dict(provider=p, label=LABELS[p], **res)
             rows.append(row)
             shown = res.get("error") or res.get("skipped")

@@ -8,6 +8,8 @@
    states: naive torch (full logits), Liger's LigerFusedLinearGRPOLoss (when installed), ours; achieved
    TFLOP/s against the bf16 dense matmul peak measured in the same run (torch.mm).
 3. Shared-prefix vs unshared training step on a random-init Qwen2.5-0.5B-shaped model.
+4. End to end against TRL (bench.bench_e2e: TRL, TRL + our subclass, grpo-fast sharing off/on; TRL rows only
+   when trl is installed from a wheel), when the time left allows.
 Writes OUTDIR/gpu_suite.json and OUTDIR/report.md. --dry-run: tiny shapes and the torch twins, on CPU, so
 that the suite is exercised by the test suite and does not rot.
 """
@@ -171,6 +173,23 @@ def e2e_prefix(device, dry):
     return rows
 
 
+E2E_START_BY_S = 270  # the suite must end within 8 minutes: the end-to-end comparison needs about 3
+
+
+def e2e_vs_trl(out: Path, dry: bool, start: float):
+    """bench_e2e's providers in their own processes; rows land in OUTDIR/bench_e2e.{json,md,png}."""
+    if time.time() - start > E2E_START_BY_S:
+        return {"skipped": f"less than {480 - E2E_START_BY_S}s left of the suite's 8 minutes"}
+    from bench import bench_e2e
+
+    argv = ["--out-dir", str(out), "--worker-timeout", "150"]
+    argv += ["--quick", "--providers", "trl,grpo_fast"] if dry else []
+    bench_e2e.main(argv)
+    rows = json.loads((out / ("bench_e2e_quick.json" if dry else "bench_e2e.json")).read_text())["rows"]
+    keys = ("provider", "tokens_per_s", "speedup_vs_trl", "peak_mem_mb", "mem_vs_trl", "skipped", "error")
+    return [{k: r[k] for k in keys if k in r} for r in rows]
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     dry = "--dry-run" in argv
@@ -185,10 +204,12 @@ def main(argv=None):
     from bench._utils import machine_info
 
     result = {"machine": machine_info(), "dry_run": dry, "shape_NHV": shape, "dtype": str(dtype)}
+    start = time.time()
     sections = [
         ("correctness", lambda: correctness(shape, dtype, device, "triton")),
         ("speed", lambda: speed(shape, dtype, device, dry)),
         ("e2e_prefix", lambda: e2e_prefix(device, dry)),
+        ("e2e_vs_trl", lambda: e2e_vs_trl(out, dry, start)),
     ]
     for name, fn in sections:
         t0 = time.time()
@@ -237,6 +258,12 @@ def main(argv=None):
         "",
         "```",
         json.dumps(result["e2e_prefix"], indent=2),
+        "```",
+        "",
+        "## End to end against TRL (bench_e2e.md has the table)",
+        "",
+        "```",
+        json.dumps(result["e2e_vs_trl"], indent=2),
         "```",
     ]
     (out / "report.md").write_text("\n".join(lines) + "\n")

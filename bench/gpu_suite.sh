@@ -14,7 +14,7 @@ if compgen -G "$repo/bench/wheels/*.whl" > /dev/null; then
 fi
 # grpo_fast with kernels/ at grpo_fast/kernels, as the package installs it, without pip or network
 mkdir -p "$site/grpo_fast"
-cp -r "$repo"/grpo_fast/*.py "$site/grpo_fast/"
+cp -r "$repo"/grpo_fast/. "$site/grpo_fast/"
 cp -r "$repo/kernels" "$site/grpo_fast/kernels"
 cp -r "$repo/bench" "$site/bench"
 case " $* " in *" --dry-run "*) export TRITON_INTERPRET=1 ;; esac

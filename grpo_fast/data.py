@@ -5,6 +5,7 @@ column reaches the reward functions as a keyword argument. Prompts are rendered 
 template when it has one.
 """
 
+import json
 import random
 from pathlib import Path
 
@@ -14,34 +15,62 @@ _FILE_TYPES = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "pa
 
 
 def load_rows(spec: str, split: str, what: str = "--dataset") -> list[dict]:
-    """Rows of a local JSONL/JSON/CSV/Parquet file or a Hub dataset, checked for a usable `prompt` column."""
-    import datasets
-
+    """Rows of a local JSONL/JSON/CSV/Parquet file or a Hub dataset, checked for a usable `prompt` column.
+    JSONL is read directly (no `datasets` needed); the other formats and the Hub through `datasets`."""
     path = Path(spec)
     if path.suffix in _FILE_TYPES:
         if not path.is_file():
             raise ValueError(f"{what} {spec!r}: no such file")
         if path.stat().st_size == 0:
             raise ValueError(f"{what} {spec!r}: the dataset is empty")
-        try:
-            ds = datasets.load_dataset(_FILE_TYPES[path.suffix], data_files=str(path), split="train")
-        except Exception as exc:  # noqa: BLE001 - malformed or empty files: name the file and the cause
-            if "corresponds to no data" in str(exc):
-                raise ValueError(f"{what} {spec!r}: the dataset is empty") from exc
-            raise ValueError(f"{what} {spec!r}: could not read it ({type(exc).__name__}: {exc})") from exc
+        rows = (
+            _read_jsonl(path, what, spec)
+            if path.suffix == ".jsonl"
+            else _read_with_datasets(path, what, spec)
+        )
     elif path.exists():
         raise ValueError(f"{what} {spec!r}: expected a .jsonl, .json, .csv or .parquet file")
     else:
+        import datasets
+
         try:
-            ds = datasets.load_dataset(spec, split=split)
+            rows = [dict(r) for r in datasets.load_dataset(spec, split=split)]
         except Exception as exc:  # noqa: BLE001 - offline, missing, private: say which and why
             raise ValueError(
                 f"{what} {spec!r}: could not load it as a Hub dataset ({type(exc).__name__}: {exc})"
             )
-    if "prompt" not in ds.column_names:
-        raise ValueError(f"{what} {spec!r}: no 'prompt' column (columns: {ds.column_names})")
-    if len(ds) == 0:
+    if not rows:
         raise ValueError(f"{what} {spec!r}: the dataset is empty")
+    lacking = next((i for i, r in enumerate(rows) if "prompt" not in r), None)
+    if lacking is not None:
+        raise ValueError(f"{what} {spec!r}: no 'prompt' column (row {lacking} has {sorted(rows[lacking])})")
+    return rows
+
+
+def _read_jsonl(path: Path, what: str, spec: str) -> list[dict]:
+    rows = []
+    for i, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{what} {spec!r}: line {i} is not valid JSON ({exc.msg})") from exc
+        if not isinstance(row, dict):
+            raise ValueError(f"{what} {spec!r}: line {i} is not a JSON object")
+        rows.append(row)
+    return rows
+
+
+def _read_with_datasets(path: Path, what: str, spec: str) -> list[dict]:
+    import datasets
+
+    try:
+        ds = datasets.load_dataset(_FILE_TYPES[path.suffix], data_files=str(path), split="train")
+    except Exception as exc:  # noqa: BLE001 - malformed or empty files: name the file and the cause
+        if "corresponds to no data" in str(exc):
+            raise ValueError(f"{what} {spec!r}: the dataset is empty") from exc
+        raise ValueError(f"{what} {spec!r}: could not read it ({type(exc).__name__}: {exc})") from exc
     return [dict(r) for r in ds]
 
 

@@ -643,5 +643,6 @@ def is_collective_failure(err: RuntimeError) -> bool:
     in_dist = torch.distributed.is_available() and torch.distributed.is_initialized()
     return in_dist and any(word in str(err).lower() for word in lost)
 
+
 if __name__ == "__main__":
     main()

@@ -24,8 +24,10 @@ def test_gpu_suite_dry_run(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((tmp_path / "gpu_suite.json").read_text())
     assert result["dry_run"] is True
-    for section in ("correctness", "speed", "e2e_prefix"):
+    for section in ("correctness", "speed", "e2e_prefix", "e2e_vs_trl"):
         assert "error" not in result[section], result[section]
     corr = result["correctness"]
     assert corr["logprobs logp max abs diff"] < 1e-4 and abs(corr["loss triton"] - corr["loss twin"]) < 1e-4
     assert (tmp_path / "report.md").read_text().startswith("# GPU suite (dry run, CPU)")
+    e2e = {r["provider"]: r for r in result["e2e_vs_trl"]}
+    assert e2e["grpo_fast"]["tokens_per_s"] > 0 and "speedup_vs_trl" in e2e["grpo_fast"]

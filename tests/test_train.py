@@ -274,6 +274,8 @@ def _write(tmp_path, name, text):
         (lambda t: _write(t, "d.jsonl", ""), "the dataset is empty"),
         (lambda t: _write(t, "d.csv", "prompt,answer\n"), "the dataset is empty"),
         (lambda t: t / "missing.jsonl", "no such file"),
+        (lambda t: _write(t, "d.jsonl", '{"prompt": "a"}\n{"prompt": \n'), "line 2 is not valid JSON"),
+        (lambda t: _write(t, "d.jsonl", '["prompt"]\n'), "line 1 is not a JSON object"),
     ],
 )
 def test_bad_dataset(tmp_path, make, words):
