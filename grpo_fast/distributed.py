@@ -49,7 +49,10 @@ def init_distributed(kind: str, timeout_s: float) -> DistInfo:
 
 
 def shutdown(info: DistInfo) -> None:
+    """Leave together: a rank tearing its process group down while another still works (rank 0 writing plots)
+    can abort in gloo's threads, so every rank waits for the others first."""
     if info.on and dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()
 
 
