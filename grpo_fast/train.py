@@ -8,6 +8,8 @@ or sequence-level (GSPO) ratios, optional k3 KL to the reference model (beta), n
 (default "dapo": summed over tokens, divided by the active tokens of the whole step). With num_iterations 1
 the update is on-policy (ratio 1, old log-probs never computed). Log-probs come from the model's last hidden
 state and LM head through `fused_linear_grpo_loss`: the (tokens x vocab) logits are never materialized.
+Under torchrun (DDP or FSDP2, `distributed.py`) each rank takes whole groups of the same global batch;
+advantages and the dapo normalizer are the global batch's, so a step equals the single-process step.
 
     python -m grpo_fast.train [--flag value ...]      (or: grpo-fast train ...)
 """
@@ -401,7 +403,7 @@ def train(cfg: GRPOConfig) -> dict:
     finished = (lambda done: all_done(done, dist)) if dist.on else None
     local_prompts = cfg.prompts_per_step // dist.world
 
-    saved = {}
+    saved = {step: resume_from} if resume_from is not None else {}
 
     def save(at_step):
         if at_step in saved:  # already written at this step (save_steps divides max_steps): keep that one
