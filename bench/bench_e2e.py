@@ -57,14 +57,15 @@ def bench_reward(completions, **kwargs):
 # ---------------------------------------------------------------------------------------------------------
 # The shared work: model directory and prompts
 # ---------------------------------------------------------------------------------------------------------
-def build_work(out: Path, quick: bool, P: int, n_prompts: int) -> tuple[Path, Path]:
-    """A random-init model + word-level tokenizer in out/model and n_prompts prompts of exactly P tokens."""
+def build_work(out: Path, quick: bool, P: int, n_prompts: int) -> tuple[Path, Path, int]:
+    """A random-init model + word-level tokenizer in out/model and n_prompts prompts of exactly P tokens;
+    returns the two paths and the model's parameter count."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     from bench.bench_prefix import make_model
 
-    model = make_model(quick)
+    model = make_model("tiny" if quick else "50m")
     V = model.config.vocab_size
     vocab = {"<pad>": 0, "<eos>": 1, **{f"w{i}": i for i in range(2, V)}}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
@@ -83,7 +84,7 @@ def build_work(out: Path, quick: bool, P: int, n_prompts: int) -> tuple[Path, Pa
         for _ in range(n_prompts):
             words = torch.randint(2, V, (P,), generator=g).tolist()
             f.write(json.dumps({"prompt": " ".join(f"w{w}" for w in words)}) + "\n")
-    return model_dir, data
+    return model_dir, data, sum(p.numel() for p in model.parameters())
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -361,10 +362,7 @@ def main(argv=None) -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         n_prompts = shape["prompts_per_step"] * (args.warmup + args.steps)
-        model_dir, data = build_work(Path(tmp), args.quick, shape["P"], n_prompts)
-        from transformers import AutoConfig
-
-        n_params = AutoConfig.from_pretrained(model_dir)
+        model_dir, data, model_params = build_work(Path(tmp), args.quick, shape["P"], n_prompts)
         base = dict(
             shape,
             model_dir=str(model_dir),
@@ -398,7 +396,6 @@ def main(argv=None) -> None:
         if "error" in r:
             r["skipped"] = "error: " + r["error"]
     info = machine_info()
-    model_params = sum(p.numel() for p in _model_for_count(args.quick).parameters())
     md = (
         f"# End-to-end GRPO step vs TRL (P={shape['P']}, C={shape['C']}, G={shape['G']}, "
         f"{shape['prompts_per_step']} prompts/step)\n\n"
@@ -410,7 +407,6 @@ def main(argv=None) -> None:
         + markdown_table(rows, COLUMNS)
         + "\n"
     )
-    del n_params
     name = "bench_e2e" + ("_quick" if args.quick else "")
     out_dir = Path(args.out_dir) if args.out_dir else None
     payload = {"machine": info, "config": dict(shape, warmup=args.warmup, steps=args.steps), "rows": rows}
@@ -419,12 +415,6 @@ def main(argv=None) -> None:
     plot_e2e(rows, out / f"{name}.png", f"GRPO step, P={shape['P']} C={shape['C']} G={shape['G']}")
     print(md)
     print(f"wrote {out}/{name}.{{json,md,png}}")
-
-
-def _model_for_count(quick: bool):
-    from bench.bench_prefix import make_model
-
-    return make_model(quick)
 
 
 if __name__ == "__main__":

@@ -31,31 +31,23 @@ FULL_GRID = [(p, c, g) for p in (128, 512, 2048) for c in (64, 256) for g in (4,
 N_PROMPTS = 1
 
 
-def make_model(quick: bool):
+# Qwen2 shapes the benchmarks share (GQA; the larger ones with tied embeddings, as Qwen2.5)
+QWEN2_SHAPES = {
+    "tiny": dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2),
+    "50m": dict(vocab_size=32768, hidden_size=512, intermediate_size=1408, num_hidden_layers=10,
+                num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=True),
+    "0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                 num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True),
+}  # fmt: skip
+
+
+def make_model(size: str):
+    """A random-init Qwen2ForCausalLM of one of QWEN2_SHAPES, SDPA attention, seed 0."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    if quick:
-        cfg = Qwen2Config(
-            vocab_size=1024,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=4096,
-        )
-    else:  # ~50M parameters, Qwen2-shaped (GQA, tied embeddings)
-        cfg = Qwen2Config(
-            vocab_size=32768,
-            hidden_size=512,
-            intermediate_size=1408,
-            num_hidden_layers=10,
-            num_attention_heads=8,
-            num_key_value_heads=2,
-            max_position_embeddings=4096,
-            tie_word_embeddings=True,
-        )
+    cfg = Qwen2Config(**QWEN2_SHAPES[size], max_position_embeddings=4096)
     cfg._attn_implementation = "sdpa"
     return Qwen2ForCausalLM(cfg)
 
@@ -74,7 +66,7 @@ def measure_one(a):
     from grpo_fast.shared_prefix import generate_groups
 
     device = torch.device("cpu")
-    model = make_model(a["quick"])
+    model = make_model("tiny" if a["quick"] else "50m")
     V = model.config.vocab_size
     P, C, G, shared = a["P"], a["C"], a["G"], a["shared"]
     if a["kind"] == "train":

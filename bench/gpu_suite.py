@@ -124,34 +124,15 @@ def speed(shape, dtype, device, dry):
 
 
 def e2e_prefix(device, dry):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
+    from bench.bench_prefix import make_model
     from grpo_fast.modeling import completion_hidden_states
 
-    if dry:
-        cfg = Qwen2Config(
-            vocab_size=512,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-        )
-        P, C, G, n = 32, 8, 4, 1
-    else:  # Qwen2.5-0.5B's shape
-        cfg = Qwen2Config(
-            vocab_size=151936,
-            hidden_size=896,
-            intermediate_size=4864,
-            num_hidden_layers=24,
-            num_attention_heads=14,
-            num_key_value_heads=2,
-            tie_word_embeddings=True,
-        )
-        P, C, G, n = 512, 128, 8, 2
-    cfg._attn_implementation = "sdpa"
-    dtype = torch.float32 if dry else torch.bfloat16
-    model = Qwen2ForCausalLM(cfg).to(device=device, dtype=dtype)
+    # dry: a tiny model on the CPU; else Qwen2.5-0.5B's shape in bf16
+    P, C, G, n = (32, 8, 4, 1) if dry else (512, 128, 8, 2)
+    model = make_model("tiny" if dry else "0.5b").to(
+        device=device, dtype=torch.float32 if dry else torch.bfloat16
+    )
+    cfg = model.config
     g = torch.Generator(device=device).manual_seed(0)
     batch = (
         torch.randint(2, cfg.vocab_size, (n, P), device=device, generator=g),

@@ -76,13 +76,19 @@ def all_done(local_done: bool, info: DistInfo) -> bool:
     """True once every rank is done (ranks keep stepping together: FSDP's all-gathers must match)."""
     if not info.on:
         return local_done
-    flag = torch.tensor([0 if local_done else 1], device=_device(info))
+    flag = torch.tensor([0 if local_done else 1], device=device_of(info))
     dist.all_reduce(flag)
     return int(flag) == 0
 
 
-def _device(info: DistInfo) -> torch.device:
+def device_of(info: DistInfo) -> torch.device:
+    """This rank's device: its local GPU, else the CPU."""
     return torch.device("cuda", info.local_rank) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def barrier(info: DistInfo) -> None:
+    if info.on:
+        dist.barrier()
 
 
 class Policy(nn.Module):

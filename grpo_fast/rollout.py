@@ -60,6 +60,13 @@ def decode(
     return out[:, :width], (torch.arange(width, device=device)[None, :] < lengths[:, None]).long()
 
 
+def check_counts(num_generations: int, max_new_tokens: int) -> None:
+    if num_generations < 1 or max_new_tokens < 1:
+        raise ValueError(
+            f"num_generations and max_new_tokens must be >= 1, got {num_generations}, {max_new_tokens}"
+        )
+
+
 def cache_of(model_output):
     """The KV cache of a transformers output (`cache` from 5.x on, `past_key_values` before)."""
     return model_output.cache if hasattr(model_output, "cache") else model_output.past_key_values
@@ -82,10 +89,7 @@ def generate_groups(
 ):
     """`grpo_fast.generate_groups` with share_prefix=False (its docstring has the arguments): every prompt is
     repeated G times and prefilled once per sample, the plain way and the reference for the shared one."""
-    if num_generations < 1 or max_new_tokens < 1:
-        raise ValueError(
-            f"num_generations and max_new_tokens must be >= 1, got {num_generations}, {max_new_tokens}"
-        )
+    check_counts(num_generations, max_new_tokens)
     ids = prompt_ids.repeat_interleave(num_generations, 0)
     mask = prompt_mask.repeat_interleave(num_generations, 0).long()
     pos = position_ids_from_mask(mask)

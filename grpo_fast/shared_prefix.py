@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from .rollout import cache_of, decode, position_ids_from_mask
+from .rollout import cache_of, check_counts, decode, position_ids_from_mask
 from .rollout import generate_groups as plain_generate_groups
 
 ATTN_NAME = "grpo_fast_shared_prefix"
@@ -148,10 +148,7 @@ def generate_groups(
     )
     if not share_prefix:
         return plain_generate_groups(model, prompt_ids, prompt_mask, num_generations, max_new_tokens, **kw)
-    if num_generations < 1 or max_new_tokens < 1:
-        raise ValueError(
-            f"num_generations and max_new_tokens must be >= 1, got {num_generations}, {max_new_tokens}"
-        )
+    check_counts(num_generations, max_new_tokens)
     G = num_generations
     # 1. prefill each prompt once; its KV stays (n, kvh, P, d), shared by the group
     pos = position_ids_from_mask(prompt_mask)

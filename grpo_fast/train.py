@@ -39,6 +39,8 @@ from .distributed import (
     all_done,
     all_gather_rows,
     all_sum,
+    barrier,
+    device_of,
     full_model_state,
     full_optimizer_state,
     full_tensor,
@@ -274,11 +276,7 @@ def agreed(flags: list[bool], dist: DistInfo) -> list[bool]:
     or a time budget that only some ranks see still stops all of them at the same step."""
     if not dist.on:
         return [bool(f) for f in flags]
-    return [bool(v) for v in all_sum(torch.tensor([int(f) for f in flags], device=_device_of(dist)), dist)]
-
-
-def _device_of(dist: DistInfo) -> torch.device:
-    return torch.device("cuda", dist.local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    return [bool(v) for v in all_sum(torch.tensor([int(f) for f in flags], device=device_of(dist)), dist)]
 
 
 def clock(device) -> float:
@@ -286,11 +284,6 @@ def clock(device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter()
-
-
-def barrier(dist: DistInfo) -> None:
-    if dist.on:
-        torch.distributed.barrier()
 
 
 @contextmanager
@@ -321,7 +314,7 @@ def train(cfg: GRPOConfig) -> dict:
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
-    device = _device_of(dist)
+    device = device_of(dist)
     if cfg.prompts_per_step % (dist.world * cfg.gradient_accumulation_steps):
         raise ValueError(
             f"prompts_per_step ({cfg.prompts_per_step}) must split evenly over {dist.world} rank(s) x "
