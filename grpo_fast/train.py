@@ -585,6 +585,7 @@ def train(cfg: GRPOConfig) -> dict:
         if dist.main:
             print(f"interrupted: checkpoint saved to {path}", flush=True)
             log.close()
+        policy = ref_policy = model = ref_model = params = optimizer = scheduler = None  # see shutdown()
         shutdown(dist)
         sys.exit(130)
     if eval_rows and (not last_eval or not cfg.eval_steps or step % cfg.eval_steps):
@@ -608,6 +609,7 @@ def train(cfg: GRPOConfig) -> dict:
             f"{final.name}/",
             flush=True,
         )
+    policy = ref_policy = model = ref_model = params = optimizer = scheduler = None  # see shutdown()
     shutdown(dist)
     return summary
 
