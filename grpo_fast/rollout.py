@@ -6,6 +6,8 @@ then top-k, then top-p) and stops per sample at EOS; tokens after EOS are paddin
 
 import torch
 
+from .hf_compat import cache_kwargs, cache_of
+
 
 def position_ids_from_mask(mask: torch.Tensor) -> torch.Tensor:
     """RoPE positions that ignore left padding: the first real token is position 0."""
@@ -67,11 +69,6 @@ def check_counts(num_generations: int, max_new_tokens: int) -> None:
         )
 
 
-def cache_of(model_output):
-    """The KV cache of a transformers output (`cache` from 5.x on, `past_key_values` before)."""
-    return model_output.cache if hasattr(model_output, "cache") else model_output.past_key_values
-
-
 @torch.no_grad()
 def generate_groups(
     model,
@@ -102,8 +99,8 @@ def generate_groups(
             input_ids=tok[:, None],
             attention_mask=state["mask"],
             position_ids=state["pos"],
-            cache=state["cache"],
             use_cache=True,
+            **cache_kwargs(model, state["cache"]),
         )
         state["cache"], state["pos"] = cache_of(out), state["pos"] + 1
         return out.logits[:, -1]

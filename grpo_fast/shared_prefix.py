@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from .rollout import cache_of, check_counts, decode, position_ids_from_mask
+from .hf_compat import cache_kwargs, cache_of
+from .rollout import check_counts, decode, position_ids_from_mask
 from .rollout import generate_groups as plain_generate_groups
 
 ATTN_NAME = "grpo_fast_shared_prefix"
@@ -161,7 +162,7 @@ def generate_groups(
 
     # 2. decode: every sample reads the shared prompt KV and its own completion KV
     def step(tok):
-        extra = {"cache": state["cache"]} if state["cache"] is not None else {}
+        extra = cache_kwargs(model, state["cache"])
         out = model(input_ids=tok[:, None], position_ids=state["pos"], use_cache=True, **extra)
         state["cache"], state["pos"] = cache_of(out), state["pos"] + 1
         return out.logits[:, -1]

@@ -116,3 +116,21 @@ def test_triton_on_cuda_matches_naive(dtype):
     ref = naive_logprobs(hidden, weight, targets, b).float()
     low = naive_logprobs(hidden, weight, targets, b, dtype=dtype).float()
     assert_within("logp (cuda)", out, ref, low, dtype)
+
+
+@pytest.mark.parametrize("group_n", [0, 4])
+def test_triton_backward_program_orders(monkeypatch, group_n):
+    # the backward's tiles in either program order (token block fastest, or grouped with a ragged last group:
+    # 18 token blocks in groups of 4, the last ragged) give the fp64 gradients
+    import grpo_fast.kernels.logprobs as lp_mod
+
+    monkeypatch.setattr(lp_mod, "BWD_GROUP_N", group_n)
+    _check("triton", torch.float32, (18 * 64 - 5,), 16, 300, bias=True, temperature=0.7, entropy=False)
+
+
+def test_triton_backward_default_group_spans_token_blocks():
+    # N over one full group of BWD_GROUP_N token blocks plus a ragged one
+    import grpo_fast.kernels.logprobs as lp_mod
+
+    N = (lp_mod.BWD_GROUP_N + 2) * lp_mod.BLOCK_N + 7
+    _check("triton", torch.float32, (N,), 16, 300, bias=True, temperature=0.7, entropy=False)
