@@ -4,7 +4,13 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test demo bench bench-full lint clean
+# A second environment with only torch, triton and the oldest transformers we support (and their own
+# dependencies): the exactness tests run there too, and the GPU suite's dry run, as on a bare GPU machine.
+TF_OLDEST := 5.17.0
+BARE := .venv-bare
+BARE_STAMP := $(BARE)/.installed
+
+.PHONY: setup setup-bare smollm2 test demo bench bench-full gpu-wheels lint clean
 
 setup: $(STAMP)
 
@@ -16,9 +22,24 @@ $(STAMP): pyproject.toml
 	$(VPY) -m pip install -q -e ".[test,bench]"
 	touch $(STAMP)
 
-test: setup
+setup-bare: $(BARE_STAMP)
+
+$(BARE_STAMP): pyproject.toml
+	test -x $(BARE)/bin/python || $(PY) -m venv $(BARE)
+	$(BARE)/bin/python -m pip install -q --upgrade pip
+	$(BARE)/bin/python -m pip install -q torch==2.13.0
+	$(BARE)/bin/python -m pip install -q triton transformers==$(TF_OLDEST) pytest
+	$(BARE)/bin/python -m pip install -q --no-deps -e .
+	touch $(BARE_STAMP)
+
+# SmolLM2-135M-Instruct as a Hugging Face directory, built offline once (grpo_fast/smollm2.py)
+smollm2: setup
+	$(VPY) -m grpo_fast.smollm2
+
+test: setup setup-bare smollm2
 	$(VPY) -m ruff check kernels grpo_fast tests bench scripts
-	$(VPY) -m pytest tests
+	GRPO_FAST_BARE_PYTHON=$(CURDIR)/$(BARE)/bin/python $(VPY) -m pytest tests
+	$(BARE)/bin/python -m pytest -m transformers_range tests/test_shared_prefix.py tests/test_real_model.py
 
 demo: setup
 	$(VPY) -m grpo_fast.train --output-dir runs/demo --overwrite-output-dir
@@ -39,8 +60,18 @@ bench-full: setup
 	$(VPY) -m bench.bench_e2e --steps 3
 	$(VPY) -m bench.report
 
+# Wheels the GPU suite installs on the bare GPU machine (Python 3.12, no network) for its TRL and Liger rows:
+# TRL with what that machine lacks of its dependencies, Liger. Pure-Python wheels, ~3.5 MB of the device's
+# 64 MiB carry limit.
+GPU_WHEELS := trl==1.16.0 liger-kernel==0.8.5 datasets==4.7.0 dill==0.4.0 multiprocess==0.70.18
+gpu-wheels: setup
+	mkdir -p bench/wheels
+	$(VPY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux2014_x86_64 -d bench/wheels $(GPU_WHEELS)
+	@du -ch bench/wheels/*.whl | tail -1 | sed 's/total/in bench\/wheels (the device carries 64 MiB in all)/'
+
 lint: setup
 	$(VPY) -m ruff check kernels grpo_fast tests bench
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(BARE) build *.egg-info

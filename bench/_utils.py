@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from grpo_fast.plotting import pyplot
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 
@@ -55,13 +57,22 @@ def machine_info() -> dict:
             except Exception:  # noqa: BLE001
                 versions[pkg] = None
     info["versions"] = versions
-    try:
-        info["git_commit"] = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except Exception:  # noqa: BLE001
-        info["git_commit"] = None
+    info["git_commit"] = git_commit()
     return info
+
+
+def git_commit() -> str | None:
+    """The commit measured: GRPO_FAST_GIT_COMMIT when set (a copy without .git, e.g. the GPU suite's), else
+    `git rev-parse` of this checkout, with "-dirty" when files differ from it."""
+    if os.environ.get("GRPO_FAST_GIT_COMMIT"):
+        return os.environ["GRPO_FAST_GIT_COMMIT"]
+    try:
+        git = dict(cwd=ROOT, capture_output=True, text=True, check=True)
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], **git).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], **git).stdout.strip()
+        return head + ("-dirty" if dirty else "")
+    except Exception:  # noqa: BLE001 - no git, or not a checkout
+        return None
 
 
 def machine_name() -> str:
@@ -237,10 +248,9 @@ def sweep(module: str, providers: list[str], ns: list[int], modes: list[str], ba
 
 
 def plot_sweep(rows: list[dict], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot(str(path))
+    if plt is None:
+        return
 
     modes = sorted({r["mode"] for r in rows}, reverse=True)
     fig, axes = plt.subplots(len(modes), 2, figsize=(11, 4 * len(modes)), squeeze=False)

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from bench._utils import machine_info, markdown_table, run_worker, worker_main, write_results
+from grpo_fast.plotting import pyplot
 
 PROVIDERS = ["trl", "trl_liger", "trl_grpo_fast", "grpo_fast_unshared", "grpo_fast"]
 LABELS = {
@@ -43,6 +44,7 @@ LABELS = {
 }
 # the training settings both trainers get, under the names both use
 SAME_FOR_BOTH = dict(temperature=1.0, beta=0.0, loss_type="dapo", learning_rate=1e-6)
+MIN_WORKER_S = 20  # a provider is not started with less time than this before --deadline
 SHAPES = {
     "full": dict(P=512, C=128, G=8, prompts_per_step=2),
     "quick": dict(P=24, C=8, G=4, prompts_per_step=2),
@@ -119,9 +121,9 @@ def run_trl(a: dict) -> dict:
 
     try:
         import trl
-    except ImportError:
-        return {"skipped": "trl is not installed"}
-    from datasets import Dataset
+        from datasets import Dataset
+    except ImportError as exc:
+        return {"skipped": f"trl is not importable here ({exc})"}
     from transformers import AutoModelForCausalLM, TrainerCallback
 
     from grpo_fast.integrations.trl import GRPOTrainer as OurTRL
@@ -260,9 +262,14 @@ def _import_libraries() -> None:
     compares the work, not import footprints (our trainer imports some of these lazily, later)."""
     import importlib
 
-    for name in ("matplotlib.pyplot", "transformers", "grpo_fast.rewards", "grpo_fast.train"):
+    for name in ("transformers", "grpo_fast.rewards", "grpo_fast.train"):
         importlib.import_module(name)
-    for name in ("datasets", "trl", "grpo_fast.integrations.trl"):  # absent on a bare GPU machine
+    for name in (
+        "matplotlib.pyplot",
+        "datasets",
+        "trl",
+        "grpo_fast.integrations.trl",
+    ):  # absent on a bare box
         try:
             importlib.import_module(name)
         except ImportError:
@@ -310,10 +317,9 @@ COLUMNS = [
 
 
 def plot_e2e(rows: list[dict], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot(str(path))
+    if plt is None:
+        return
 
     done = [r for r in rows if "step_s" in r]
     labels = [r["label"].replace(", ", ",\n").replace(" + ", " +\n") for r in done]
@@ -357,6 +363,9 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=2, help="steps measured")
     ap.add_argument("--out-dir", default=None, help="results folder (default bench/results/<machine>)")
     ap.add_argument("--worker-timeout", type=float, default=3600, help="seconds per provider process")
+    ap.add_argument(
+        "--deadline", type=float, default=None, help="epoch seconds by which every provider must be done"
+    )
     args = ap.parse_args(argv)
     shape = SHAPES["quick" if args.quick else "full"]
     rows = []
@@ -374,10 +383,16 @@ def main(argv=None) -> None:
         print(f"bench_e2e: {json.dumps(shape)}, warmup {args.warmup}, measured {args.steps}", flush=True)
         for p in args.providers.split(","):
             t0 = time.time()
-            try:
-                res = run_worker("bench_e2e", dict(base, provider=p), timeout=args.worker_timeout)
-            except subprocess.TimeoutExpired:
-                res = {"error": f"did not finish within {args.worker_timeout:.0f}s"}
+            timeout = args.worker_timeout
+            if args.deadline is not None:
+                timeout = min(timeout, args.deadline - t0)
+            if timeout < MIN_WORKER_S:
+                res = {"skipped": f"out of time ({max(timeout, 0):.0f} s left before the deadline)"}
+            else:
+                try:
+                    res = run_worker("bench_e2e", dict(base, provider=p), timeout=timeout)
+                except subprocess.TimeoutExpired:
+                    res = {"error": f"did not finish within {timeout:.0f}s"}
             row = dict(provider=p, label=LABELS[p], **res)
             rows.append(row)
             shown = res.get("error") or res.get("skipped")

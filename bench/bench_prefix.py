@@ -24,6 +24,7 @@ from bench._utils import (
     worker_main,
     write_results,
 )
+from grpo_fast.plotting import pyplot
 
 # (P, C, G): the default CPU subset of the grid P {128, 512, 2048} x C {64, 256} x G {4, 8, 16}
 CPU_GRID = [(128, 64, 4), (512, 64, 4), (512, 64, 8), (512, 64, 16), (512, 256, 8), (2048, 64, 8)]
@@ -121,10 +122,9 @@ COLUMNS = [
 
 
 def plot(rows, path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot(str(path))
+    if plt is None:
+        return
 
     train = [r for r in rows if r["kind"] == "train" and "error" not in r]
     labels = sorted({(r["P"], r["C"], r["G"]) for r in train})

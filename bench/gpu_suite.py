@@ -1,255 +1,155 @@
-"""GPU suite for one NVIDIA H200 (or any CUDA GPU), no network: kernel correctness and speed, one command.
+"""GPU suite for one CUDA GPU (an H200 here) with no network: kernel correctness and speed, one command.
 
-    python -m bench.gpu_suite OUTDIR [--dry-run]
+    bash bench/gpu_suite.sh OUTDIR [--dry-run]        (it runs: python -m bench.gpu_suite OUTDIR [--dry-run])
 
-1. Correctness of the Triton kernels against their PyTorch twins at N=16384, H=4096, V=151,936 in bf16:
-   fused_linear_logprobs (values and gradients) and fused_linear_grpo_loss.
-2. Forward+backward time (triton.testing.do_bench) and max_memory_allocated of the GRPO loss from hidden
-   states: naive torch (full logits), Liger's LigerFusedLinearGRPOLoss (when installed), ours; achieved
-   TFLOP/s against the bf16 dense matmul peak measured in the same run (torch.mm).
-3. Shared-prefix vs unshared training step on a random-init Qwen2.5-0.5B-shaped model.
-4. End to end against TRL (bench.bench_e2e: TRL, TRL + our subclass, grpo-fast sharing off/on; TRL rows only
-   when trl is installed from a wheel), when the time left allows.
-Writes OUTDIR/gpu_suite.json and OUTDIR/report.md. --dry-run: tiny shapes and the torch twins, on CPU, so
-that the suite is exercised by the test suite and does not rot.
+Sections (bench/gpu_sections.py), in order of value, each in its own process so that a CUDA fault or an OOM in
+one cannot poison the next, each bounded by what is left of the suite's BUDGET_S:
+  compile      seconds: every Triton kernel and variant at small shapes vs fp64; on failure Triton rows are
+               skipped and the other rows still run
+  correctness  Triton and the twin vs fp64 at N, H, V = 4096, 4096, 151936, bf16 and fp32, with bias,
+               temperature, entropy, and the loss with old/reference log-probs and beta > 0 (values and
+               d hidden / d weight / d bias), under the flash-attention rule
+  speed        GRPO loss fwd+bwd and log-probs fwd at N, H, V = 16384, 4096, 151936 bf16: naive torch, Liger
+               (when its wheel is there), Triton, the twin; TFLOP/s against the matmul rate measured
+  atomics      the backward's atomic semantics and program order vs the twin's matmuls: what impl="auto"
+               should pick on this GPU
+  prefix       shared vs unshared training step, Qwen2.5-0.5B-shaped
+  generation   HF generate vs generate_groups, Qwen2.5-0.5B-shaped, 8 prompts, G=8, C=512
+  e2e          bench_e2e vs TRL (TRL rows when its wheels are there), with what time is left
+OUTDIR/gpu_suite.json and OUTDIR/report.md are rewritten after every section. Exit status 1 when a section
+errored or timed out. --dry-run: tiny shapes on the CPU, Triton through its interpreter (the test suite runs
+it, in our environment and in a bare one).
 """
 
 import json
+import math
+import subprocess
 import sys
+import tempfile
 import time
-import traceback
 from pathlib import Path
 
-import torch
+BUDGET_S = 470  # the device tool allows 8 minutes a command with room to spare; gpu_suite.sh kills at 470 s
+RESERVE_S = 8  # for the report after the last section
+# name: (seconds it needs to be worth starting, seconds it may take at most)
+SECTIONS = {
+    "compile": (20, 90),
+    "correctness": (30, 100),
+    "speed": (40, 120),
+    "atomics": (40, 110),
+    "prefix": (20, 60),
+    "generation": (30, 90),
+    "e2e": (90, 300),
+}
 
 
-def _bench(fn, dry):
-    """Median milliseconds and peak MiB above the start of one call."""
-    if dry:
-        fn()
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1e3, float("nan")
-    import triton
-
-    fn()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    fn()
-    torch.cuda.synchronize()
-    peak = (torch.cuda.max_memory_allocated() - base) / 2**20
-    return triton.testing.do_bench(fn, warmup=3, rep=20), peak
-
-
-def _problem(N, H, V, dtype, device, seed=0):
-    g = torch.Generator(device=device).manual_seed(seed)
-    T = min(N, 1024)
-    B = N // T
-    hidden = (torch.randn(B, T, H, device=device, generator=g) * 0.5).to(dtype)
-    weight = (torch.randn(V, H, device=device, generator=g) / H**0.5).to(dtype)
-    targets = torch.randint(0, V, (B, T), device=device, generator=g)
-    mask = torch.ones(B, T, device=device)
-    adv = torch.randn(B, device=device, generator=g)
-    return hidden, weight, targets, mask, adv
-
-
-def correctness(shape, dtype, device, impl):
-    from grpo_fast.kernels import fused_linear_grpo_loss, fused_linear_logprobs
-
-    N, H, V = shape
-    hidden, weight, targets, mask, adv = _problem(N, H, V, dtype, device)
-    out = {}
-    grads = {}
-    for which in (impl, "torch"):
-        h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
-        lp = fused_linear_logprobs(h, w, targets, impl=which)
-        lp.float().sum().backward()
-        grads[which] = (lp.detach(), h.grad, w.grad)
-    for name, a, b in zip(("logp", "d hidden", "d weight"), grads[impl], grads["torch"]):
-        out[f"logprobs {name} max abs diff"] = (a.float() - b.float()).abs().max().item()
-    losses = {
-        which: fused_linear_grpo_loss(hidden, weight, targets, mask, adv, impl=which)[0].item()
-        for which in (impl, "torch")
-    }
-    out["loss triton"], out["loss twin"] = losses[impl], losses["torch"]
-    return out
-
-
-def speed(shape, dtype, device, dry):
-    from grpo_fast.kernels import fused_linear_grpo_loss
-
-    N, H, V = shape
-    hidden, weight, targets, mask, adv = _problem(N, H, V, dtype, device)
-    h = hidden.clone().requires_grad_(True)
-    w = weight.clone().requires_grad_(True)
-
-    def naive():
-        logits = (h @ w.T).float()
-        lp = torch.log_softmax(logits, -1).gather(-1, targets[..., None]).squeeze(-1)
-        loss = -(lp * adv[:, None] * mask).sum() / mask.sum()
-        loss.backward()
-        h.grad = w.grad = None
-
-    def ours():
-        fused_linear_grpo_loss(h, w, targets, mask, adv, impl="torch" if dry else "triton")[0].backward()
-        h.grad = w.grad = None
-
-    providers = {"naive torch": naive, "grpo_fast": ours}
+def run_section(name: str, out: Path, tmp: Path, deadline: float, dry: bool, triton_ok: bool) -> dict:
+    need, cap = SECTIONS[name]
+    left = deadline - time.time()
+    if left < need:
+        return {"skipped": f"{left:.0f} s left of the suite's {BUDGET_S} s; it needs {need} s"}
+    end = time.time() + min(cap, left)
+    path = tmp / f"{name}.json"
+    cmd = [sys.executable, "-m", "bench.gpu_sections", name, str(path), str(end), str(out)]
+    cmd += ["--dry-run"] if dry else []
+    cmd += [] if triton_ok else ["--no-triton"]
+    t0 = time.time()
+    print(f"== {name} (at most {end - t0:.0f} s)", flush=True)
     try:
-        from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
-
-        lg = LigerFusedLinearGRPOLoss(beta=0.0, use_ref_model=False, compiled=not dry)
-
-        def liger():
-            lg(h, w, targets, mask, adv)[0].backward()
-            h.grad = w.grad = None
-
-        providers["liger"] = liger
-    except Exception as exc:  # noqa: BLE001 - absent on the GPU machine unless wheels were carried
-        print(f"liger-kernel not available, skipped ({type(exc).__name__}: {exc})", flush=True)
-    rows = []
-    flops = 3 * 2 * N * H * V  # forward logits, d hidden, d weight
-    for name, fn in providers.items():
-        try:
-            ms, peak = _bench(fn, dry)
-            rows.append({"provider": name, "ms": ms, "peak_mib": peak, "tflops": flops / (ms * 1e-3) / 1e12})
-        except Exception as exc:  # noqa: BLE001 - an OOM of the naive path is a result, not a crash
-            rows.append({"provider": name, "error": f"{type(exc).__name__}: {str(exc)[:200]}"})
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    a = torch.randn(8192, 8192, device=device, dtype=dtype)
-    ms, _ = _bench(lambda: a @ a, dry)
-    return rows, 2 * 8192**3 / (ms * 1e-3) / 1e12
+        proc = subprocess.run(cmd, timeout=end - t0 + 5, stderr=subprocess.PIPE, text=True)
+        error = None if proc.returncode == 0 else (proc.stderr.strip()[-3000:] or f"exit {proc.returncode}")
+        sys.stderr.write(proc.stderr[-3000:])
+    except subprocess.TimeoutExpired:
+        error = f"stopped at its limit ({end - t0:.0f} s); rows so far kept"
+    result = json.loads(path.read_text()) if path.is_file() else {"rows": []}
+    result["seconds"] = round(time.time() - t0, 1)
+    if error:
+        result["error"] = error
+    print(f"== {name}: {result['seconds']} s{', ERROR' if error else ''}", flush=True)
+    return result
 
 
-def e2e_prefix(device, dry):
-    from bench.bench_prefix import make_model
-    from grpo_fast.modeling import completion_hidden_states
-
-    # dry: a tiny model on the CPU; else Qwen2.5-0.5B's shape in bf16
-    P, C, G, n = (32, 8, 4, 1) if dry else (512, 128, 8, 2)
-    model = make_model("tiny" if dry else "0.5b").to(
-        device=device, dtype=torch.float32 if dry else torch.bfloat16
-    )
-    cfg = model.config
-    g = torch.Generator(device=device).manual_seed(0)
-    batch = (
-        torch.randint(2, cfg.vocab_size, (n, P), device=device, generator=g),
-        torch.ones(n, P, dtype=torch.long, device=device),
-        torch.randint(2, cfg.vocab_size, (n * G, C), device=device, generator=g),
-        torch.ones(n * G, C, dtype=torch.long, device=device),
-    )
-    rows = []
-    for shared in (False, True):
-
-        def step():
-            completion_hidden_states(model, *batch, share_prefix=shared).float().square().mean().backward()
-            model.zero_grad(set_to_none=True)
-
-        ms, peak = _bench(step, dry)
-        rows.append(
-            {"shared_prefix": shared, "ms": ms, "peak_mib": peak, "P": P, "C": C, "G": G, "prompts": n}
-        )
-    return rows
+def _cell(v) -> str:
+    if isinstance(v, float):
+        if math.isnan(v):
+            return "-"
+        return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
+    return "-" if v is None else str(v).replace("|", "/").replace("\n", " ")
 
 
-E2E_START_BY_S = 270  # the suite must end within 8 minutes: the end-to-end comparison needs about 3
+def report_md(result: dict) -> str:
+    m = result["machine"]
+    lines = [
+        f"# GPU suite{' (dry run, CPU)' if result['dry_run'] else ''}",
+        "",
+        f"Machine: {m.get('gpu', m['cpu'])}; torch {m['versions']['torch']}, "
+        f"triton {m['versions']['triton']}, transformers {m['versions']['transformers']}, "
+        f"trl {m['versions']['trl']}, liger-kernel "
+        f"{m['versions']['liger_kernel']}, Python {m['python']}; commit {m['git_commit']}. "
+        f"Total {result.get('seconds', 0):.0f} s of {BUDGET_S} s.",
+    ]
+    for name in SECTIONS:
+        sec = result["sections"].get(name)
+        if sec is None:
+            continue
+        lines += ["", f"## {name}", ""]
+        if "skipped" in sec:
+            lines.append(f"Skipped: {sec['skipped']}.")
+            continue
+        doc = _section_doc(name)
+        if doc:
+            lines += [doc, ""]
+        lines += [f"- {n}" for n in sec.get("notes", [])]
+        lines.append(f"- {sec['seconds']} s")
+        cols = sec.get("columns") or []
+        if sec.get("rows") and cols:
+            used = [c for c in cols if any(c[0] in r for r in sec["rows"])]
+            lines += ["", "| " + " | ".join(t for _, t in used) + " |", "|" + "---|" * len(used)]
+            lines += ["| " + " | ".join(_cell(r.get(k)) for k, _ in used) + " |" for r in sec["rows"]]
+        if "error" in sec:
+            lines += ["", "**Error:**", "", "```", sec["error"], "```"]
+    return "\n".join(lines) + "\n"
 
 
-def e2e_vs_trl(out: Path, dry: bool, start: float):
-    """bench_e2e's providers in their own processes; rows land in OUTDIR/bench_e2e.{json,md,png}."""
-    if time.time() - start > E2E_START_BY_S:
-        return {"skipped": f"less than {480 - E2E_START_BY_S}s left of the suite's 8 minutes"}
-    from bench import bench_e2e
+def _section_doc(name: str) -> str:
+    from bench import gpu_sections
 
-    argv = ["--out-dir", str(out), "--worker-timeout", "150"]
-    argv += ["--quick", "--providers", "trl,grpo_fast"] if dry else []
-    bench_e2e.main(argv)
-    rows = json.loads((out / ("bench_e2e_quick.json" if dry else "bench_e2e.json")).read_text())["rows"]
-    keys = ("provider", "tokens_per_s", "speedup_vs_trl", "peak_mem_mb", "mem_vs_trl", "skipped", "error")
-    return [{k: r[k] for k in keys if k in r} for r in rows]
+    doc = getattr(gpu_sections, f"section_{name}").__doc__ or ""
+    return " ".join(doc.split())
 
 
-def main(argv=None):
+def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     dry = "--dry-run" in argv
     args = [a for a in argv if not a.startswith("--")]
     out = Path(args[0] if args else "bench/results/h200")
     out.mkdir(parents=True, exist_ok=True)
+    import torch
+
     if not dry and not torch.cuda.is_available():
         raise SystemExit("gpu_suite: no CUDA device (use --dry-run for the CPU smoke run)")
-    device = torch.device("cpu" if dry else "cuda")
-    dtype = torch.float32 if dry else torch.bfloat16
-    shape = (64, 32, 1001) if dry else (16384, 4096, 151936)
     from bench._utils import machine_info
 
-    result = {"machine": machine_info(), "dry_run": dry, "shape_NHV": shape, "dtype": str(dtype)}
     start = time.time()
-    sections = [
-        ("correctness", lambda: correctness(shape, dtype, device, "triton")),
-        ("speed", lambda: speed(shape, dtype, device, dry)),
-        ("e2e_prefix", lambda: e2e_prefix(device, dry)),
-        ("e2e_vs_trl", lambda: e2e_vs_trl(out, dry, start)),
-    ]
-    for name, fn in sections:
-        t0 = time.time()
-        try:
-            result[name] = fn()
-        except Exception:  # noqa: BLE001 - report and go on: one broken section must not hide the others
-            result[name] = {"error": traceback.format_exc()[-2000:]}
-        print(f"{name}: {time.time() - t0:.0f}s", flush=True)
-        (out / "gpu_suite.json").write_text(json.dumps(result, indent=2, default=str))
-    lines = [
-        f"# GPU suite{' (dry run, CPU)' if dry else ''}",
-        "",
-        f"Machine: {json.dumps(result['machine'])}",
-        "",
-        f"Shape N, H, V = {shape}, {dtype}.",
-        "",
-        "## Correctness (Triton vs twin)",
-        "",
-        "```",
-        json.dumps(result["correctness"], indent=2),
-        "```",
-        "",
-        "## Speed (fwd+bwd of the GRPO loss)",
-        "",
-    ]
-    if isinstance(result["speed"], tuple | list) and len(result["speed"]) == 2:
-        rows, peak = result["speed"]
-        lines += [
-            f"bf16 matmul peak measured: {peak:.0f} TFLOP/s",
-            "",
-            "| provider | ms | peak MiB | TFLOP/s |",
-            "|---|---|---|---|",
-        ]
-        lines += [
-            f"| {r['provider']} | {r.get('ms', float('nan')):.2f} | {r.get('peak_mib', float('nan')):.0f} | "
-            f"{r.get('tflops', float('nan')):.1f} |"
-            if "error" not in r
-            else f"| {r['provider']} | {r['error']} |"
-            for r in rows
-        ]
-    else:
-        lines += ["```", str(result["speed"]), "```"]
-    lines += [
-        "",
-        "## Training step, shared prefix vs unshared",
-        "",
-        "```",
-        json.dumps(result["e2e_prefix"], indent=2),
-        "```",
-        "",
-        "## End to end against TRL (bench_e2e.md has the table)",
-        "",
-        "```",
-        json.dumps(result["e2e_vs_trl"], indent=2),
-        "```",
-    ]
-    (out / "report.md").write_text("\n".join(lines) + "\n")
-    print(f"wrote {out}/gpu_suite.json and {out}/report.md")
+    deadline = start + BUDGET_S - RESERVE_S
+    result = {"machine": machine_info(), "dry_run": dry, "budget_s": BUDGET_S, "sections": {}}
+    triton_ok = True
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in SECTIONS:
+            sec = run_section(name, out, Path(tmp), deadline, dry, triton_ok)
+            if name == "compile" and "skipped" not in sec:
+                triton_ok = sec.get("triton_ok", False) and "error" not in sec
+            result["sections"][name] = sec
+            result["seconds"] = time.time() - start
+            result["errored"] = [n for n, s in result["sections"].items() if "error" in s]
+            (out / "gpu_suite.json").write_text(json.dumps(result, indent=1, default=str))
+            (out / "report.md").write_text(report_md(result))
+    print(f"wrote {out}/gpu_suite.json and {out}/report.md in {time.time() - start:.0f} s")
+    if result["errored"]:
+        print(f"gpu_suite: sections with errors: {', '.join(result['errored'])}", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -26,7 +26,7 @@ def _cache_name_of(model_type: type) -> str:
 
 
 def hf_model_of(model: torch.nn.Module) -> torch.nn.Module:
-    """The first transformers `PreTrainedModel` inside `model` (itself, or under PEFT / DDP / FSDP wrappers)."""
+    """The first transformers `PreTrainedModel` in `model` (itself, or under PEFT / DDP / FSDP wrappers)."""
     from transformers import PreTrainedModel
 
     for m in model.modules():

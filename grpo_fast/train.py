@@ -57,6 +57,7 @@ from .modeling import (
     load_model_and_tokenizer,
     load_weights_from_checkpoint,
 )
+from .plotting import pyplot
 from .rewards import load_reward, reward_name, score
 from .shared_prefix import generate_groups
 
@@ -239,11 +240,11 @@ class MetricsLog:
             self.wb.finish()
 
 
-def plot_curves(metrics_path: Path, png: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def plot_curves(metrics_path: Path, png: Path) -> bool:
+    """Reward and held-out accuracy per step into `png`; False when matplotlib is not installed."""
+    plt = pyplot(str(png))
+    if plt is None:
+        return False
 
     recs = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
     train = [r for r in recs if "reward_mean" in r]
@@ -269,6 +270,7 @@ def plot_curves(metrics_path: Path, png: Path) -> None:
     fig.tight_layout()
     fig.savefig(png, dpi=110)
     plt.close(fig)
+    return True
 
 
 def agreed(flags: list[bool], dist: DistInfo) -> list[bool]:
@@ -598,15 +600,15 @@ def train(cfg: GRPOConfig) -> dict:
         **last_eval,
         "checkpoint": str(final),
         "metrics": str(out / "metrics.jsonl"),
-        "plot": str(out / "curves.png"),
     }
     if dist.main:
         log.close()
-        plot_curves(out / "metrics.jsonl", out / "curves.png")
+        drawn = plot_curves(out / "metrics.jsonl", out / "curves.png")
+        summary["plot"] = str(out / "curves.png") if drawn else None
         print(f"done: {json.dumps(summary)}", flush=True)
         print(
-            f"outputs in {out}/: metrics.jsonl (per-step metrics, eval records), curves.png, config.json, "
-            f"{final.name}/",
+            f"outputs in {out}/: metrics.jsonl (per-step metrics, eval records), "
+            f"{'curves.png, ' if drawn else ''}config.json, {final.name}/",
             flush=True,
         )
     policy = ref_policy = model = ref_model = params = optimizer = scheduler = None  # see shutdown()

@@ -7,6 +7,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 from grpo_fast.rollout import generate_groups as plain_generate
 from grpo_fast.shared_prefix import generate_groups, shared_prefix_forward
 
+pytestmark = pytest.mark.transformers_range
+
 V = 97
 
 

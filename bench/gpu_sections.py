@@ -1,0 +1,610 @@
+"""The GPU suite's sections, each run in its own process by bench/gpu_suite.py:
+
+    python -m bench.gpu_sections NAME RESULT_JSON DEADLINE_EPOCH_S OUTDIR [--dry-run] [--no-triton]
+
+A section writes its result ({"rows": [...], "columns": [...], "notes": [...]}) to RESULT_JSON after every
+row, so that a section stopped at its deadline still reports what it measured. --dry-run: tiny shapes on the
+CPU (Triton through its interpreter). --no-triton: the compile check failed, so Triton rows are skipped.
+
+The references here are written out plainly (full logits, log_softmax, TRL's clipped loss) and share no code
+with grpo_fast.kernels.
+"""
+
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+# ---------------------------------------------------------------------------------------------------------
+# Plumbing: one section's context, timing and memory
+# ---------------------------------------------------------------------------------------------------------
+BIG = dict(N=16384, H=4096, V=151936)  # the issue's shape: 16 sequences of 1024 tokens, Qwen's vocabulary
+CHECK = dict(N=4096, H=4096, V=151936)  # correctness against fp64: its logits are 5 GB in fp64
+TINY = dict(N=2 * 37, H=32, V=1001)
+
+
+class Section:
+    def __init__(self, path: Path, deadline: float, out: Path, dry: bool, triton_ok: bool):
+        self.path, self.deadline, self.out, self.dry, self.triton_ok = path, deadline, out, dry, triton_ok
+        self.device = torch.device("cpu" if dry else "cuda")
+        self.result = {"rows": [], "columns": [], "notes": []}
+
+    def left(self) -> float:
+        return self.deadline - time.time()
+
+    def add(self, row: dict) -> None:
+        self.result["rows"].append(row)
+        self.save()
+        shown = {k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in row.items()}
+        print("  " + json.dumps(shown), flush=True)
+
+    def note(self, text: str) -> None:
+        self.result["notes"].append(text)
+        self.save()
+
+    def save(self) -> None:
+        self.path.write_text(json.dumps(self.result, indent=1, default=str))
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def timed(self, fn, budget_s: float = 6.0) -> dict:
+        """One warm-up call (compilation, allocator), then as many timed calls as fit in `budget_s` (at least
+        one, at most 20): median and min in ms, and the peak memory the calls allocated above what was
+        allocated before them (CUDA; NaN on the CPU). A call slower than the budget is timed once."""
+        budget_s = max(0.0, min(budget_s, self.left() - 5))
+        fn()
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated() if cuda else 0
+        times = []
+        start = time.perf_counter()
+        while len(times) < 20:
+            t0 = time.perf_counter()
+            fn()
+            self.sync()
+            times.append((time.perf_counter() - t0) * 1e3)
+            if time.perf_counter() - start + times[0] / 1e3 > budget_s:
+                break
+        peak = (torch.cuda.max_memory_allocated() - base) / 2**20 if cuda else float("nan")
+        return {"ms": statistics.median(times), "min_ms": min(times), "calls": len(times), "peak_mib": peak}
+
+    def peak_mib(self, fn) -> float:
+        """Memory one call allocates above what is allocated before it (CUDA); NaN on the CPU."""
+        if self.device.type != "cuda":
+            fn()
+            return float("nan")
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        fn()
+        torch.cuda.synchronize()
+        return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+    def free(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def _problem(N, H, V, dtype, device, seed=0):
+    """Hidden states (B, T, H) with T <= 1024, an LM head with logits of O(2) (a peaked, not one-hot softmax),
+    a bias, uniform targets, a mask with ~10% padding, advantages."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    T = min(N, 1024)
+    B = N // T
+    hidden = torch.randn(B, T, H, device=device, generator=g).to(dtype)
+    weight = (torch.randn(V, H, device=device, generator=g) * (2 / H**0.5)).to(dtype)
+    bias = (torch.randn(V, device=device, generator=g) * 0.5).to(dtype)
+    targets = torch.randint(0, V, (B, T), device=device, generator=g)
+    mask = (torch.rand(B, T, device=device, generator=g) > 0.1).long()
+    adv = torch.randn(B, device=device, generator=g)
+    return hidden, weight, bias, targets, mask, adv
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Plain references (no grpo_fast code)
+# ---------------------------------------------------------------------------------------------------------
+def ref_logprobs(h, w, b, targets, temperature, mm_dtype, entropy=False):
+    """log_softmax((h @ w.T + b) / T)[targets] with the matmul in `mm_dtype` and the softmax in fp32 (fp64
+    when mm_dtype is fp64): what plain PyTorch computes, or the ground truth."""
+    soft = torch.float64 if mm_dtype == torch.float64 else torch.float32
+    z = h.to(mm_dtype) @ w.to(mm_dtype).T
+    if b is not None:
+        z = z + b.to(mm_dtype)
+    lsm = torch.log_softmax(z.to(soft) / temperature, dim=-1)
+    logp = lsm.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    if not entropy:
+        return (logp,)
+    return logp, -(lsm.exp() * lsm).sum(-1)
+
+
+def ref_grpo_loss(logp, old, ref, adv, mask, beta, eps_low, eps_high):
+    """TRL 1.16's token-level clipped loss with the k3 KL, dapo normalization (sum over active tokens)."""
+    ratio = torch.exp(logp - old)
+    a = adv[:, None]
+    per_token = -torch.min(ratio * a, torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * a)
+    d = ref - logp
+    per_token = per_token + beta * (torch.exp(d) - d - 1)
+    m = mask.to(per_token.dtype)
+    return (per_token * m).sum() / m.sum()
+
+
+def _run(fn, leaves, upstream):
+    """Outputs of fn(*leaves) and the gradients of the leaves under fixed upstream gradients."""
+    leaves = [None if x is None else x.detach().clone().requires_grad_(True) for x in leaves]
+    outs = fn(*leaves)
+    torch.autograd.backward(list(outs), [u.to(o.dtype) for o, u in zip(outs, upstream)])
+    return [o.detach() for o in outs], [None if x is None else x.grad for x in leaves]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Sections
+# ---------------------------------------------------------------------------------------------------------
+CHECK_COLUMNS = [
+    ["variant", "variant"],
+    ["dtype", "dtype"],
+    ["impl", "impl"],
+    ["quantity", "quantity"],
+    ["max_abs_err", "max abs err vs fp64"],
+    ["rel_err", "max err / max |ref|"],
+    ["plain_torch_err", "plain torch err"],
+    ["bound", "bound"],
+    ["ok", "pass"],
+]
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}  # the tests' oracle tolerances, relative to max |ref|
+
+
+def _variants(entropy_too: bool):
+    """(name, kind, bias, temperature, entropy): the public functions with their options."""
+    out = [
+        ("logprobs", "logprobs", False, 1.0, False),
+        ("logprobs bias T=0.7 entropy", "logprobs", True, 0.7, True),
+        ("loss old+ref beta=0.04 bias T=0.7", "loss", True, 0.7, False),
+    ]
+    return out if entropy_too else out[:1] + out[2:]
+
+
+def check_against_fp64(sec: Section, shape: dict, dtypes, impls, entropy_too=True) -> bool:
+    """Rows of the flash-attention rule: err(ours) <= 2 * err(plain torch in that dtype) + tol * max|ref|."""
+    from grpo_fast.kernels import fused_linear_grpo_loss, fused_linear_logprobs
+
+    all_ok = True
+    for dtype in dtypes:
+        hidden, weight, bias, targets, mask, adv = _problem(**shape, dtype=dtype, device=sec.device)
+        g = torch.Generator(device=sec.device).manual_seed(1)
+        up = [
+            torch.randn(targets.shape, device=sec.device, generator=g, dtype=torch.float64) for _ in range(2)
+        ]
+        for name, kind, with_bias, temp, ent in _variants(entropy_too):
+            b = bias if with_bias else None
+            if kind == "logprobs":
+
+                def plain(h, w, bb, mm):
+                    return ref_logprobs(h, w, bb, targets, temp, mm, entropy=ent)
+
+                def ours(h, w, bb, impl):
+                    out = fused_linear_logprobs(
+                        h, w, targets, bias=bb, temperature=temp, return_entropy=ent, impl=impl
+                    )
+                    return out if ent else (out,)
+
+                ups = up[: 2 if ent else 1]
+                names = ["logp", "entropy"][: len(ups)]
+            else:
+                with torch.no_grad():
+                    true = ref_logprobs(hidden, weight, bias, targets, temp, torch.float64)[0].float()
+                # the sampling policy and the reference model near the current one: some ratios clip
+                old = true + 0.1 * torch.randn(true.shape, device=sec.device, generator=g)
+                ref = true + 0.2 * torch.randn(true.shape, device=sec.device, generator=g)
+                loss_kw = dict(beta=0.04, eps_low=0.2, eps_high=0.28)
+
+                def plain(h, w, bb, mm):
+                    lp = ref_logprobs(h, w, bb, targets, temp, mm)[0]
+                    return (
+                        ref_grpo_loss(
+                            lp, old.to(lp.dtype), ref.to(lp.dtype), adv.to(lp.dtype), mask, **loss_kw
+                        ),
+                    )
+
+                def ours(h, w, bb, impl):
+                    loss, _ = fused_linear_grpo_loss(
+                        h, w, targets, mask, adv, bias=bb, temperature=temp, old_logps=old, ref_logps=ref,
+                        beta=0.04, epsilon_low=0.2, epsilon_high=0.28, loss_type="dapo", impl=impl,
+                    )  # fmt: skip
+                    return (loss,)
+
+                ups = [torch.ones((), device=sec.device, dtype=torch.float64)]
+                names = ["loss"]
+            leaves64 = [hidden.double(), weight.double(), None if b is None else b.double()]
+            truth, truth_g = _run(lambda h, w, bb: plain(h, w, bb, torch.float64), leaves64, ups)
+            low, low_g = _run(lambda h, w, bb: plain(h, w, bb, dtype), [hidden, weight, b], ups)
+            for impl in impls:
+                if impl == "triton" and not sec.triton_ok:
+                    sec.add(dict(variant=name, dtype=str(dtype)[6:], impl=impl, ok="skipped (compile check)"))
+                    continue
+                try:
+                    got, got_g = _run(lambda h, w, bb: ours(h, w, bb, impl), [hidden, weight, b], ups)
+                except Exception as exc:  # noqa: BLE001 - a failing variant is a row, the others still run
+                    all_ok = False
+                    sec.add(dict(variant=name, dtype=str(dtype)[6:], impl=impl, ok=f"ERROR {exc!r}"[:300]))
+                    continue
+                quantities = list(zip(names, got, truth, low))
+                quantities += [
+                    (q, x, r, lo)
+                    for q, x, r, lo in zip(("d hidden", "d weight", "d bias"), got_g, truth_g, low_g)
+                    if r is not None
+                ]
+                for q, x, r, lo in quantities:
+                    err = (x.double() - r).abs().max().item()
+                    err_low = (lo.double() - r).abs().max().item()
+                    scale = max(r.abs().max().item(), 1e-30)
+                    bound = 2 * err_low + TOL[dtype] * scale
+                    ok = bool(err <= bound) and bool(torch.isfinite(x).all())
+                    all_ok &= ok
+                    sec.add(
+                        dict(variant=name, dtype=str(dtype)[6:], impl=impl, quantity=q, max_abs_err=err,
+                             rel_err=err / scale, plain_torch_err=err_low, bound=bound,
+                             ok="yes" if ok else "NO")
+                    )  # fmt: skip
+            del truth, truth_g, low, low_g
+            sec.free()
+    return all_ok
+
+
+def section_compile(sec: Section) -> None:
+    """Seconds-long: every Triton kernel in both dtypes with and without bias/entropy at small shapes,
+    compiled, run and checked; a missing C compiler or a tile too large for shared memory shows here."""
+    sec.result["columns"] = CHECK_COLUMNS
+    t0 = time.time()
+    shape = dict(N=2 * 37, H=96, V=1001) if sec.dry else dict(N=1024 + 37, H=256, V=5003)
+    sec.triton_ok = True
+    ok = check_against_fp64(sec, shape, [torch.bfloat16, torch.float32], ["triton"])
+    sec.result["triton_ok"] = ok
+    sec.note(
+        f"compiled and checked every variant at N, H, V = {tuple(shape.values())} in {time.time() - t0:.1f} s"
+    )
+    if not ok:
+        raise SystemExit("compile check failed: later sections skip Triton rows")
+
+
+def section_correctness(sec: Section) -> None:
+    """Triton and the PyTorch twin on this device against fp64, bf16 and fp32 inputs, real vocabulary."""
+    sec.result["columns"] = CHECK_COLUMNS
+    shape = TINY if sec.dry else CHECK
+    sec.note(f"N, H, V = {tuple(shape.values())}; fp32 matmuls in IEEE fp32 (TF32 off), as torch's default")
+    if not check_against_fp64(sec, shape, [torch.bfloat16, torch.float32], ["triton", "torch"]):
+        raise SystemExit("a correctness check failed (see the rows marked NO)")
+
+
+def _loss_providers(sec, h, w, targets, mask, adv):
+    """Forward+backward of the on-policy GRPO loss (beta 0, dapo) from hidden states, per provider."""
+    from grpo_fast.kernels import fused_linear_grpo_loss
+
+    def naive_loss():
+        # plain PyTorch: full logits, fp32 log-softmax; only what autograd saves outlives this function
+        logits = (h @ w.T).float()
+        lp = torch.log_softmax(logits, -1).gather(-1, targets[..., None]).squeeze(-1)
+        ratio = torch.exp(lp - lp.detach())
+        per_token = -(ratio * adv[:, None])
+        return (per_token * mask).sum() / mask.sum()
+
+    def step(loss_fn):
+        def run():
+            loss_fn().backward()
+            h.grad = w.grad = None
+
+        return run
+
+    providers = {"naive torch": step(naive_loss)}
+    for impl, label in (("triton", "grpo_fast triton"), ("torch", "grpo_fast twin")):
+        if impl == "triton" and not sec.triton_ok:
+            providers[label] = "skipped: compile check failed"
+            continue
+        providers[label] = step(
+            lambda impl=impl: fused_linear_grpo_loss(h, w, targets, mask, adv, impl=impl)[0]
+        )
+    try:  # last: its torch.compile takes tens of seconds, and the deadline should cut it rather than ours
+        from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+
+        liger = LigerFusedLinearGRPOLoss(beta=0.0, use_ref_model=False, compiled=not sec.dry)
+        providers["liger"] = step(lambda: liger(h, w, targets, mask, adv)[0])
+    except Exception as exc:  # noqa: BLE001 - absent on a bare GPU machine unless its wheel is carried
+        providers["liger"] = f"skipped: liger-kernel not importable ({type(exc).__name__})"
+    return providers
+
+
+def _measure_row(sec, label, fn, flops, extra):
+    if isinstance(fn, str):
+        sec.add(dict(extra, provider=label, note=fn))
+        return None
+    if sec.left() < 15:
+        sec.add(dict(extra, provider=label, note="skipped: section out of time"))
+        return None
+    try:
+        t = sec.timed(fn)
+        row = dict(extra, provider=label, **t, tflops=flops / (t["ms"] * 1e-3) / 1e12)
+    except Exception as exc:  # noqa: BLE001 - an OOM of the naive path is a result, not a crash
+        row = dict(extra, provider=label, note=f"error: {type(exc).__name__}: {str(exc)[:200]}")
+    sec.free()
+    sec.add(row)
+    return row
+
+
+SPEED_COLUMNS = [
+    ["mode", "mode"],
+    ["provider", "provider"],
+    ["ms", "median ms"],
+    ["min_ms", "min ms"],
+    ["calls", "timed calls"],
+    ["peak_mib", "peak MiB above inputs"],
+    ["tflops", "TFLOP/s"],
+    ["vs_naive", "time / naive"],
+    ["note", "note"],
+]
+
+
+def _matmul_tflops(sec: Section, dtype) -> tuple[float, int]:
+    """The dense matmul rate of this device in `dtype`, measured: (TFLOP/s, matrix size)."""
+    n = 64 if sec.dry else 8192
+    a = torch.randn(n, n, device=sec.device, dtype=dtype)
+    mm = sec.timed(lambda: a @ a, budget_s=2)
+    return 2 * n**3 / (mm["ms"] * 1e-3) / 1e12, n
+
+
+def section_speed(sec: Section) -> None:
+    """Time and peak memory of the GRPO loss from hidden states (fwd+bwd) and of the log-probs alone (fwd, the
+    old/reference pass), bf16, against the bf16 matmul rate measured in the same process."""
+    from grpo_fast.kernels import fused_linear_logprobs
+
+    sec.result["columns"] = SPEED_COLUMNS
+    N, H, V = (TINY if sec.dry else BIG).values()
+    dtype = torch.float32 if sec.dry else torch.bfloat16
+    hidden, weight, _, targets, mask, adv = _problem(N, H, V, dtype, sec.device)
+    h, w = hidden.requires_grad_(True), weight.requires_grad_(True)
+    peak, n_mm = _matmul_tflops(sec, dtype)
+    sec.result["matmul_tflops"] = peak
+    sec.note(f"N, H, V = {N}, {H}, {V}, {str(dtype)[6:]}; {n_mm}^3 matmul measured at {peak:.0f} TFLOP/s")
+    loss = _loss_providers(sec, h, w, targets, mask, adv)
+    liger = loss.pop("liger")
+    for label, fn in loss.items():
+        _measure_row(sec, label, fn, 6 * N * H * V, dict(mode="loss fwd+bwd"))
+
+    def naive_fwd():
+        with torch.no_grad():
+            torch.log_softmax((h @ w.T).float(), -1).gather(-1, targets[..., None])
+
+    fwd = {"naive torch": naive_fwd}
+    for impl, label in (("triton", "grpo_fast triton"), ("torch", "grpo_fast twin")):
+        if impl == "triton" and not sec.triton_ok:
+            fwd[label] = "skipped: compile check failed"
+            continue
+
+        def run(impl=impl):
+            with torch.no_grad():
+                fused_linear_logprobs(h, w, targets, impl=impl)
+
+        fwd[label] = run
+    for label, fn in fwd.items():
+        _measure_row(sec, label, fn, 2 * N * H * V, dict(mode="logprobs fwd"))
+    _measure_row(sec, "liger", liger, 6 * N * H * V, dict(mode="loss fwd+bwd"))
+    for r in sec.result["rows"]:
+        base = next(
+            (x for x in sec.result["rows"] if x["mode"] == r["mode"] and x["provider"] == "naive torch"), None
+        )
+        if base and "ms" in base and "ms" in r:
+            r["vs_naive"] = r["ms"] / base["ms"]
+    sec.save()
+
+
+ATOMIC_COLUMNS = [
+    ["provider", "backward variant"],
+    ["ms", "fwd+bwd median ms"],
+    ["calls", "timed calls"],
+    ["peak_mib", "peak MiB"],
+    ["tflops", "TFLOP/s"],
+    ["d_weight_rel_err", "d weight vs the first row (rel)"],
+    ["note", "note"],
+]
+
+
+def section_atomics(sec: Section) -> None:
+    """fused_linear_logprobs forward+backward with each backward variant: Triton with acq_rel (Triton's
+    default) or relaxed atomics, programs token-block-fastest or grouped; the PyTorch twin (cuBLAS matmuls, no
+    atomics) with its CPU tile and a 4x larger one. At N=4096 (a quarter of the speed section's atomics, so
+    that a slow variant cannot eat the suite); the speed section has the defaults at N=16384."""
+    import grpo_fast.kernels.logprobs as lp
+    from grpo_fast.kernels import fused_linear_logprobs
+
+    sec.result["columns"] = ATOMIC_COLUMNS
+    N, H, V = (TINY if sec.dry else CHECK).values()
+    dtype = torch.float32 if sec.dry else torch.bfloat16
+    hidden, weight, _, targets, _, _ = _problem(N, H, V, dtype, sec.device)
+    h, w = hidden.requires_grad_(True), weight.requires_grad_(True)
+    up = torch.randn(targets.shape, device=sec.device)
+    sec.note(f"N, H, V = {N}, {H}, {V}, {str(dtype)[6:]}; one random upstream gradient")
+    defaults = (lp.BWD_ATOMIC_SEM, lp.BWD_GROUP_N, lp.TWIN_TILE_ELEMS)
+    variants = [  # the most telling first: a variant the deadline cuts off is the least missed
+        ("twin, tile 2^24 (default)", "torch", None, None, 1 << 24),
+        ("triton relaxed, grouped 16 (default)", "triton", "relaxed", 16, None),
+        ("triton acq_rel, token-fastest (before)", "triton", "acq_rel", 0, None),
+        ("triton relaxed, token-fastest", "triton", "relaxed", 0, None),
+        ("triton acq_rel, grouped 16", "triton", "acq_rel", 16, None),
+        ("twin, tile 2^26", "torch", None, None, 1 << 26),
+    ]
+    ref_gw = None
+    for label, impl, sem, group, tile in variants:
+        if impl == "triton" and not sec.triton_ok:
+            sec.add(dict(provider=label, note="skipped: compile check failed"))
+            continue
+        lp.BWD_ATOMIC_SEM = sem or defaults[0]
+        lp.BWD_GROUP_N = defaults[1] if group is None else group
+        lp.TWIN_TILE_ELEMS = tile or defaults[2]
+
+        def step(impl=impl):
+            h.grad = w.grad = None  # the last call's gradient stays for the check below
+            fused_linear_logprobs(h, w, targets, impl=impl).backward(up)
+
+        row = _measure_row(sec, label, step, 6 * N * H * V, {})
+        if row is not None and "ms" in row:
+            gw = w.grad.float()
+            if ref_gw is None:
+                ref_gw = gw
+            row["d_weight_rel_err"] = ((gw - ref_gw).abs().max() / ref_gw.abs().max()).item()
+            sec.save()
+        h.grad = w.grad = None
+        sec.free()
+    lp.BWD_ATOMIC_SEM, lp.BWD_GROUP_N, lp.TWIN_TILE_ELEMS = defaults
+    done = [r for r in sec.result["rows"] if "ms" in r]
+    best = {k: min((r for r in done if r["provider"].startswith(k)), key=lambda r: r["ms"], default=None)
+            for k in ("twin", "triton")}  # fmt: skip
+    if best["twin"] and best["triton"]:
+        pick = "triton" if best["triton"]["ms"] < best["twin"]["ms"] else "torch"
+        sec.result["auto_should_pick"] = pick
+        sec.note(
+            f"fastest Triton: {best['triton']['provider']} {best['triton']['ms']:.1f} ms; fastest twin: "
+            f"{best['twin']['provider']} {best['twin']['ms']:.1f} ms -> impl='auto' should pick {pick!r} here"
+        )
+
+
+def section_prefix(sec: Section) -> None:
+    """Training step (hidden states forward+backward) with each prompt once per group vs repeated G times,
+    on a random-init Qwen2.5-0.5B-shaped model in bf16."""
+    from bench.bench_prefix import make_model
+    from grpo_fast.modeling import completion_hidden_states
+
+    sec.result["columns"] = [["shared_prefix", "shared prefix"], ["P", "P"], ["C", "C"], ["G", "G"],
+                             ["prompts", "prompts"], ["ms", "median ms"], ["peak_mib", "peak MiB"],
+                             ["speedup", "speedup"], ["note", "note"]]  # fmt: skip
+    P, C, G, n = (32, 8, 4, 1) if sec.dry else (512, 128, 8, 2)
+    dtype = torch.float32 if sec.dry else torch.bfloat16
+    model = make_model("tiny" if sec.dry else "0.5b").to(device=sec.device, dtype=dtype)
+    V = model.config.vocab_size
+    g = torch.Generator(device=sec.device).manual_seed(0)
+    batch = (
+        torch.randint(2, V, (n, P), device=sec.device, generator=g),
+        torch.ones(n, P, dtype=torch.long, device=sec.device),
+        torch.randint(2, V, (n * G, C), device=sec.device, generator=g),
+        torch.ones(n * G, C, dtype=torch.long, device=sec.device),
+    )
+    for shared in (False, True):
+
+        def step(shared=shared):
+            completion_hidden_states(model, *batch, share_prefix=shared).float().square().mean().backward()
+            model.zero_grad(set_to_none=True)
+
+        _measure_row(
+            sec,
+            "shared" if shared else "unshared",
+            step,
+            0,
+            dict(shared_prefix=shared, P=P, C=C, G=G, prompts=n),
+        )
+    rows = sec.result["rows"]
+    if all("ms" in r for r in rows):
+        rows[1]["speedup"] = rows[0]["ms"] / rows[1]["ms"]
+        sec.save()
+
+
+def section_generation(sec: Section) -> None:
+    """Completion tokens/s of HF `generate(num_return_sequences=G)` and of `generate_groups` (shared prefix
+    and plain) on a random-init Qwen2.5-0.5B-shaped model in bf16: the baseline the rollout engine must beat.
+    No EOS (a random model), so every sample runs C tokens."""
+    from bench.bench_prefix import make_model
+    from grpo_fast.shared_prefix import generate_groups
+
+    sec.result["columns"] = [["provider", "provider"], ["prompts", "prompts"], ["P", "P"], ["G", "G"],
+                             ["C", "C"], ["ms", "ms"], ["tokens_per_s", "completion tokens/s"],
+                             ["vs_hf", "vs HF generate"],
+                             ["peak_mib", "peak MiB"], ["note", "note"]]  # fmt: skip
+    n, P, G, C = (2, 8, 4, 8) if sec.dry else (8, 128, 8, 512)
+    dtype = torch.float32 if sec.dry else torch.bfloat16
+    model = make_model("tiny" if sec.dry else "0.5b").to(device=sec.device, dtype=dtype).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    V = model.config.vocab_size
+    g = torch.Generator(device=sec.device).manual_seed(0)
+    ids = torch.randint(2, V, (n, P), device=sec.device, generator=g)
+    mask = torch.ones_like(ids)
+
+    def hf(c):
+        with torch.no_grad():
+            model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0,
+                           top_p=1.0, max_new_tokens=c, num_return_sequences=G)  # fmt: skip
+
+    def ours(c, shared):
+        generate_groups(model, ids, mask, G, c, temperature=1.0, eos_token_id=None, share_prefix=shared)
+
+    for label, fn in (
+        ("HF generate", hf),
+        ("generate_groups, shared prefix", lambda c: ours(c, True)),
+        ("generate_groups, plain", lambda c: ours(c, False)),
+    ):
+        if sec.left() < 20:
+            sec.add(dict(provider=label, note="skipped: section out of time"))
+            continue
+        fn(8)  # warm-up: kernels, allocator
+        t = {}
+
+        def timed_run(fn=fn):
+            t0 = time.perf_counter()
+            fn(C)
+            sec.sync()
+            t["ms"] = (time.perf_counter() - t0) * 1e3
+
+        peak = sec.peak_mib(timed_run)  # one full run, timed and its peak taken
+        ms = t["ms"]
+        sec.add(dict(provider=label, prompts=n, P=P, G=G, C=C, ms=ms, tokens_per_s=n * G * C / (ms / 1e3),
+                     peak_mib=peak))  # fmt: skip
+    rows = sec.result["rows"]
+    if rows and "ms" in rows[0]:
+        for r in rows:
+            if "ms" in r:
+                r["vs_hf"] = r["tokens_per_s"] / rows[0]["tokens_per_s"]
+        sec.save()
+
+
+def section_e2e(sec: Section) -> None:
+    """bench_e2e (TRL, TRL + our subclass, grpo-fast sharing off/on) within the section's deadline; its own
+    bench_e2e.{json,md,png} land beside the report."""
+    from bench import bench_e2e
+
+    out = sec.out
+    argv = ["--out-dir", str(out), "--deadline", str(sec.deadline - 5)]
+    argv += ["--quick", "--providers", "trl,grpo_fast"] if sec.dry else []
+    bench_e2e.main(argv)
+    rows = json.loads((out / ("bench_e2e_quick.json" if sec.dry else "bench_e2e.json")).read_text())["rows"]
+    keys = ("provider", "step_s", "generate_s", "train_s", "tokens_per_s", "speedup_vs_trl", "peak_mem_mb",
+            "mem_vs_trl", "skipped", "error")  # fmt: skip
+    sec.result["columns"] = [[k, k] for k in keys]
+    for r in rows:
+        sec.add({k: r[k] for k in keys if k in r})
+
+
+SECTIONS = {
+    "compile": section_compile,
+    "correctness": section_correctness,
+    "speed": section_speed,
+    "atomics": section_atomics,
+    "prefix": section_prefix,
+    "generation": section_generation,
+    "e2e": section_e2e,
+}
+
+
+def main(argv) -> None:
+    name, path, deadline, out = argv[0], Path(argv[1]), float(argv[2]), Path(argv[3])
+    sec = Section(path, deadline, out, "--dry-run" in argv, "--no-triton" not in argv)
+    sec.save()
+    SECTIONS[name](sec)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
