@@ -1,6 +1,6 @@
 """GPU suite for one CUDA GPU (an H200 here) with no network: kernel correctness and speed, one command.
 
-    bash bench/gpu_suite.sh OUTDIR [--dry-run]        (it runs: python -m bench.gpu_suite OUTDIR [--dry-run])
+    bash bench/gpu_suite.sh OUTDIR [--dry-run] [--sections a,b]    (runs python -m bench.gpu_suite, same args)
 
 Sections (bench/gpu_sections.py), in order of value, each in its own process so that a CUDA fault or an OOM in
 one cannot poison the next, each bounded by what is left of the suite's BUDGET_S:
@@ -13,6 +13,7 @@ one cannot poison the next, each bounded by what is left of the suite's BUDGET_S
                (when its wheel is there), Triton, the twin; TFLOP/s against the matmul rate measured
   atomics      the backward's atomic semantics and program order vs the twin's matmuls: what impl="auto"
                should pick on this GPU
+  tiles        tile sizes and launch options of the forward and backward kernels
   prefix       shared vs unshared training step, Qwen2.5-0.5B-shaped
   generation   HF generate vs generate_groups, Qwen2.5-0.5B-shaped, 8 prompts, G=8, C=512
   e2e          bench_e2e vs TRL (TRL rows when its wheels are there), with what time is left
@@ -37,6 +38,7 @@ SECTIONS = {
     "correctness": (30, 100),
     "speed": (40, 120),
     "atomics": (40, 110),
+    "tiles": (30, 100),
     "prefix": (20, 60),
     "generation": (30, 90),
     "e2e": (90, 300),
@@ -121,6 +123,16 @@ def _section_doc(name: str) -> str:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     dry = "--dry-run" in argv
+    chosen = list(SECTIONS)
+    if "--sections" in argv:
+        i = argv.index("--sections")
+        chosen = argv[i + 1].split(",") if i + 1 < len(argv) else []
+        argv = argv[:i] + argv[i + 2 :]
+        unknown = [s for s in chosen if s not in SECTIONS]
+        if unknown or not chosen:
+            raise SystemExit(
+                f"--sections: expected a comma-separated subset of {', '.join(SECTIONS)}, got {unknown}"
+            )
     args = [a for a in argv if not a.startswith("--")]
     out = Path(args[0] if args else "bench/results/h200")
     out.mkdir(parents=True, exist_ok=True)
@@ -135,7 +147,7 @@ def main(argv=None) -> int:
     result = {"machine": machine_info(), "dry_run": dry, "budget_s": BUDGET_S, "sections": {}}
     triton_ok = True
     with tempfile.TemporaryDirectory() as tmp:
-        for name in SECTIONS:
+        for name in chosen:
             sec = run_section(name, out, Path(tmp), deadline, dry, triton_ok)
             if name == "compile" and "skipped" not in sec:
                 triton_ok = sec.get("triton_ok", False) and "error" not in sec

@@ -22,10 +22,11 @@ from ._common import INTERPRET, check_positive, check_tensor, resolve_impl
 TWIN_TILE_ELEMS = 1 << 24
 TWIN_MAX_ROWS = 2048  # forward-only blocks: tokens per block, the vocabulary sliced to fit the tile
 
-# Triton tiles. 64 x 128 logits per program with 64-wide K steps is the usual sweet spot for a bf16
-# tl.dot on Hopper/Ampere (register budget of 8 warps); one configuration, not yet measured on a GPU
-# (bench/gpu_suite.sh measures it), and no autotuning: the interpreter cannot run several configurations.
-BLOCK_N, BLOCK_V, BLOCK_H = 64, 128, 64
+# Triton tiles: (BLOCK_N tokens x BLOCK_V vocabulary) logits per program, K steps of BLOCK_H, launch options.
+# One configuration per kernel, no autotuning (the interpreter cannot run several configurations); module
+# constants so that bench/gpu_suite.py's "tiles" section can time the alternatives on a GPU.
+FWD_TILES = dict(BLOCK_N=64, BLOCK_V=128, BLOCK_H=64, num_warps=8)
+BWD_TILES = dict(BLOCK_N=64, BLOCK_V=128, BLOCK_H=64, num_warps=8)
 
 # The backward adds each (token block x vocab block) tile's share of d hidden and d weight with fp32 atomics
 # (~2.4e11 adds at N=16k, H=4096, V=152k). Their order is irrelevant to a sum, so they are "relaxed" (Triton's
@@ -297,15 +298,15 @@ def _num_splits(n_blocks: int, V: int, device: torch.device) -> int:
     if device.type != "cuda":
         return 1
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(triton.cdiv(4 * sms, n_blocks), triton.cdiv(V, 8 * BLOCK_V)))
+    return max(1, min(triton.cdiv(4 * sms, n_blocks), triton.cdiv(V, 8 * FWD_TILES["BLOCK_V"])))
 
 
 def _logprob_fwd(hidden, weight, bias, targets, inv_t, with_entropy):
     N, H = hidden.shape
     V = weight.shape[0]
-    n_blocks = triton.cdiv(N, BLOCK_N)
+    n_blocks = triton.cdiv(N, FWD_TILES["BLOCK_N"])
     splits = _num_splits(n_blocks, V, hidden.device)
-    v_per_split = triton.cdiv(triton.cdiv(V, splits), BLOCK_V) * BLOCK_V
+    v_per_split = triton.cdiv(triton.cdiv(V, splits), FWD_TILES["BLOCK_V"]) * FWD_TILES["BLOCK_V"]
     splits = triton.cdiv(V, v_per_split)
     stats = torch.zeros(4, splits, N, dtype=torch.float32, device=hidden.device)
     if N == 0:
@@ -329,10 +330,7 @@ def _logprob_fwd(hidden, weight, bias, targets, inv_t, with_entropy):
         WITH_ENTROPY=with_entropy,
         UPCAST=INTERPRET,
         PRECISION=_precision(hidden.dtype),
-        BLOCK_N=BLOCK_N,
-        BLOCK_V=BLOCK_V,
-        BLOCK_H=BLOCK_H,
-        num_warps=8,
+        **FWD_TILES,
     )
     # 3. merge the splits' partial logsumexps (a few floats per token)
     m, s, zt, sz = stats
@@ -356,7 +354,8 @@ def _logprob_bwd(hidden, weight, bias, targets, inv_t, lse, g_logp, g_ent, ez):
     with_entropy = g_ent is not None
     if N == 0:
         return gh, gw, gb
-    _logprob_bwd_kernel[(triton.cdiv(N, BLOCK_N) * triton.cdiv(V, BLOCK_V),)](
+    grid = (triton.cdiv(N, BWD_TILES["BLOCK_N"]) * triton.cdiv(V, BWD_TILES["BLOCK_V"]),)
+    _logprob_bwd_kernel[grid](
         hidden,
         weight,
         bias,
@@ -379,10 +378,7 @@ def _logprob_bwd(hidden, weight, bias, targets, inv_t, lse, g_logp, g_ent, ez):
         PRECISION=_precision(hidden.dtype),
         SEM=BWD_ATOMIC_SEM,
         GROUP_N=BWD_GROUP_N,
-        BLOCK_N=BLOCK_N,
-        BLOCK_V=BLOCK_V,
-        BLOCK_H=BLOCK_H,
-        num_warps=8,
+        **BWD_TILES,
     )
     return gh, gw, gb
 
@@ -455,7 +451,7 @@ def _twin_fwd(hidden, weight, bias, targets, inv_t, with_entropy):
     logp, lse = torch.empty(N, **f32), torch.empty(N, **f32)
     ent, ez = (torch.empty(N, **f32), torch.empty(N, **f32)) if with_entropy else (None, None)
     rows = max(1, min(N, TWIN_MAX_ROWS))
-    vc = min(V, max(BLOCK_V, TWIN_TILE_ELEMS // rows))
+    vc = min(V, max(128, TWIN_TILE_ELEMS // rows))
     buf = torch.empty(rows * vc, **f32)
     for i in range(0, N, rows):
         h, t = hidden[i : i + rows], targets[i : i + rows]
