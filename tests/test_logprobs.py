@@ -132,5 +132,5 @@ def test_triton_backward_default_group_spans_token_blocks():
     # N over one full group of BWD_GROUP_N token blocks plus a ragged one
     import grpo_fast.kernels.logprobs as lp_mod
 
-    N = (lp_mod.BWD_GROUP_N + 2) * lp_mod.BWD_TILES["BLOCK_N"] + 7
+    N = (lp_mod.BWD_GROUP_N + 2) * lp_mod.BWD_TILES[32]["BLOCK_N"] + 7
     _check("triton", torch.float32, (N,), 16, 300, bias=True, temperature=0.7, entropy=False)
