@@ -11,6 +11,8 @@ import inspect
 
 import torch
 
+from .model_parts import hf_model_of
+
 
 @functools.lru_cache(maxsize=None)
 def _cache_name_of(model_type: type) -> str:
@@ -23,16 +25,6 @@ def _cache_name_of(model_type: type) -> str:
         f"{model_type.__name__}.forward takes neither `cache` nor `past_key_values`: not a transformers "
         "causal LM with a KV cache"
     )
-
-
-def hf_model_of(model: torch.nn.Module) -> torch.nn.Module:
-    """The first transformers `PreTrainedModel` in `model` (itself, or under PEFT / DDP / FSDP wrappers)."""
-    from transformers import PreTrainedModel
-
-    for m in model.modules():
-        if isinstance(m, PreTrainedModel):
-            return m
-    raise TypeError(f"{type(model).__name__} holds no transformers PreTrainedModel")
 
 
 def cache_kwargs(model: torch.nn.Module, cache) -> dict:

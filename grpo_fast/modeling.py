@@ -10,7 +10,8 @@ from pathlib import Path
 import torch
 
 from . import default_task
-from .rollout import position_ids_from_mask
+from .model_parts import decoder_of, position_ids_from_mask
+from .shared_prefix import shared_prefix_forward
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -112,20 +113,6 @@ def apply_liger_kernels(model, device) -> None:
     )
 
 
-def _causal_lm(model):
-    """The transformers CausalLM inside a PEFT wrapper (or the model itself)."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
-def lm_head_of(model) -> torch.nn.Linear:
-    return _causal_lm(model).get_output_embeddings()
-
-
-def decoder_of(model):
-    lm = _causal_lm(model)
-    return lm.get_decoder() if hasattr(lm, "get_decoder") else getattr(lm, lm.base_model_prefix)
-
-
 def completion_hidden_states(
     model, prompt_ids, prompt_mask, completion_ids, completion_mask, share_prefix=True
 ):
@@ -134,8 +121,6 @@ def completion_hidden_states(
     Prompts are (n, P), completions (n * G, C) with sample s answering prompt s // G. With share_prefix each
     prompt runs once per group (grpo_fast.shared_prefix); otherwise it is repeated for each sample."""
     if share_prefix:
-        from .shared_prefix import shared_prefix_forward
-
         return shared_prefix_forward(model, prompt_ids, prompt_mask, completion_ids, completion_mask)
     G = completion_ids.shape[0] // prompt_ids.shape[0]
     ids = torch.cat([prompt_ids.repeat_interleave(G, 0), completion_ids], dim=1)

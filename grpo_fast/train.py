@@ -51,15 +51,11 @@ from .distributed import (
     wrap,
 )
 from .kernels import fused_linear_grpo_loss, fused_linear_logprobs, group_advantages
-from .modeling import (
-    completion_hidden_states,
-    lm_head_of,
-    load_model_and_tokenizer,
-    load_weights_from_checkpoint,
-)
+from .model_parts import lm_head_of
+from .modeling import completion_hidden_states, load_model_and_tokenizer, load_weights_from_checkpoint
 from .plotting import pyplot
 from .rewards import load_reward, reward_name, score
-from .shared_prefix import generate_groups
+from .rollout import generate_groups
 
 # --------------------------------------------------------------------------------------------------------
 # Pieces of one step

@@ -172,7 +172,8 @@ def test_trainer_steps_agree_triton_vs_torch():
     from transformers import AutoModelForCausalLM
 
     from grpo_fast import default_task
-    from grpo_fast.modeling import completion_hidden_states, lm_head_of
+    from grpo_fast.model_parts import lm_head_of
+    from grpo_fast.modeling import completion_hidden_states
 
     g = torch.Generator().manual_seed(0)
     prompt_ids = torch.randint(5, 100, (2, 6), generator=g)

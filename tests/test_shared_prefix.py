@@ -1,11 +1,13 @@
-"""Shared-prefix generation and training forward equal the plain per-sample computation."""
+"""The reference engine's shared-prefix generation and the shared-prefix training forward equal the plain
+per-sample computation."""
 
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from grpo_fast.rollout import generate_groups as plain_generate
-from grpo_fast.shared_prefix import generate_groups, shared_prefix_forward
+from grpo_fast.rollout.reference import generate_plain as plain_generate
+from grpo_fast.rollout.reference import generate_shared
+from grpo_fast.shared_prefix import shared_prefix_forward
 
 pytestmark = pytest.mark.transformers_range
 
@@ -87,9 +89,7 @@ def test_shared_prefix_forward_equals_plain_forward_and_gradients(kind, attentio
 def test_greedy_generation_identical_shared_and_unshared(kind):
     model = _model(kind)
     prompt_ids, prompt_mask, _, _, G = _batch()
-    a = generate_groups(
-        model, prompt_ids, prompt_mask, G, 10, temperature=0.0, eos_token_id=1, share_prefix=True
-    )
+    a = generate_shared(model, prompt_ids, prompt_mask, G, 10, temperature=0.0, eos_token_id=1)
     b = plain_generate(model, prompt_ids, prompt_mask, G, 10, temperature=0.0, eos_token_id=1)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
     # greedy groups are G copies of one completion, and equal HF's own greedy decoding of each prompt
@@ -107,15 +107,8 @@ def test_sampled_generation_matches_with_a_fixed_generator(kind):
     model = _model(kind)
     prompt_ids, prompt_mask, _, _, G = _batch()
     kw = dict(temperature=1.0, top_p=0.9, top_k=20, eos_token_id=1)
-    a = generate_groups(
-        model,
-        prompt_ids,
-        prompt_mask,
-        G,
-        12,
-        share_prefix=True,
-        generator=torch.Generator().manual_seed(3),
-        **kw,
+    a = generate_shared(
+        model, prompt_ids, prompt_mask, G, 12, generator=torch.Generator().manual_seed(3), **kw
     )
     b = plain_generate(
         model, prompt_ids, prompt_mask, G, 12, generator=torch.Generator().manual_seed(3), **kw

@@ -26,7 +26,7 @@ import torch
 import trl
 
 from ..kernels import fused_linear_grpo_loss, fused_linear_logprobs
-from ..modeling import decoder_of, lm_head_of
+from ..model_parts import decoder_of, lm_head_of
 from ..shared_prefix import shared_prefix_forward
 
 FUSED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")

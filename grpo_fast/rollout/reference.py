@@ -1,36 +1,16 @@
-"""Rollouts: G sampled completions per prompt from a Hugging Face causal LM, with a KV cache.
+"""The reference engine: the model's own forward, eager, with a transformers cache, one token at a time.
 
-Prompts are left-padded; sample s belongs to prompt s // G. Sampling follows the usual order (temperature,
-then top-k, then top-p) and stops per sample at EOS; tokens after EOS are padding with mask 0.
+Plain: every prompt repeated G times and prefilled per sample. Shared: each prompt prefilled once and its KV
+kept once, the samples decoding through `shared_attention`. Exact and simple; the native engine is tested
+against it and falls back to it for what it does not cover.
 """
 
 import torch
 
-from .hf_compat import cache_kwargs, cache_of
-
-
-def position_ids_from_mask(mask: torch.Tensor) -> torch.Tensor:
-    """RoPE positions that ignore left padding: the first real token is position 0."""
-    return (mask.long().cumsum(-1) - 1).clamp(min=0)
-
-
-def sample_next(logits, temperature, top_p, top_k, generator):
-    """One token per row from (rows, V) logits; temperature 0 is greedy."""
-    if temperature == 0:
-        return logits.argmax(-1)
-    logits = logits.float() / temperature
-    if top_k and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
-        probs = torch.softmax(sorted_logits, -1)
-        # drop a token when the tokens before it already hold top_p of the mass (the first always stays)
-        drop = probs.cumsum(-1) - probs > top_p
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
-    probs = torch.softmax(logits, -1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+from ..hf_compat import cache_kwargs, cache_of
+from ..model_parts import position_ids_from_mask
+from .sampling import check_counts, sample_next
+from .shared_attention import shared_prefix_attention_over
 
 
 def decode(
@@ -62,15 +42,8 @@ def decode(
     return out[:, :width], (torch.arange(width, device=device)[None, :] < lengths[:, None]).long()
 
 
-def check_counts(num_generations: int, max_new_tokens: int) -> None:
-    if num_generations < 1 or max_new_tokens < 1:
-        raise ValueError(
-            f"num_generations and max_new_tokens must be >= 1, got {num_generations}, {max_new_tokens}"
-        )
-
-
 @torch.no_grad()
-def generate_groups(
+def generate_plain(
     model,
     prompt_ids,
     prompt_mask,
@@ -84,8 +57,7 @@ def generate_groups(
     generator=None,
     all_done=None,
 ):
-    """`grpo_fast.generate_groups` with share_prefix=False (its docstring has the arguments): every prompt is
-    repeated G times and prefilled once per sample, the plain way and the reference for the shared one."""
+    """`generate_groups` (grpo_fast.rollout) with every prompt repeated G times and prefilled per sample."""
     check_counts(num_generations, max_new_tokens)
     ids = prompt_ids.repeat_interleave(num_generations, 0)
     mask = prompt_mask.repeat_interleave(num_generations, 0).long()
@@ -116,3 +88,49 @@ def generate_groups(
         generator=generator,
         all_done=all_done,
     )
+
+
+@torch.no_grad()
+def generate_shared(
+    model,
+    prompt_ids,
+    prompt_mask,
+    num_generations,
+    max_new_tokens,
+    *,
+    temperature=1.0,
+    top_p=1.0,
+    top_k=0,
+    eos_token_id=None,
+    generator=None,
+    all_done=None,
+):
+    """`generate_groups` (grpo_fast.rollout) with each prompt prefilled once and its KV kept once."""
+    kw = dict(
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        eos_token_id=eos_token_id,
+        generator=generator,
+        all_done=all_done,
+    )
+    check_counts(num_generations, max_new_tokens)
+    G = num_generations
+    # 1. prefill each prompt once; its KV stays (n, kvh, P, d), shared by the group
+    pos = position_ids_from_mask(prompt_mask)
+    res = model(
+        input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=pos, use_cache=True, logits_to_keep=1
+    )
+    cache = cache_of(res)
+    keys, values = [layer.keys for layer in cache.layers], [layer.values for layer in cache.layers]
+    state = {"cache": None, "pos": (pos[:, -1:] + 1).repeat_interleave(G, 0)}
+
+    # 2. decode: every sample reads the shared prompt KV and its own completion KV
+    def step(tok):
+        extra = cache_kwargs(model, state["cache"])
+        out = model(input_ids=tok[:, None], position_ids=state["pos"], use_cache=True, **extra)
+        state["cache"], state["pos"] = cache_of(out), state["pos"] + 1
+        return out.logits[:, -1]
+
+    with shared_prefix_attention_over(model, keys, values, prompt_mask, G):
+        return decode(step, res.logits[:, -1].repeat_interleave(G, 0), max_new_tokens, **kw)

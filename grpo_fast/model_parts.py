@@ -1,0 +1,49 @@
+"""Where things are inside a Hugging Face causal LM (plain, under PEFT, DDP or FSDP wrappers), and the model
+inputs every path builds the same way."""
+
+from contextlib import contextmanager
+
+import torch
+
+
+def hf_model_of(model: torch.nn.Module) -> torch.nn.Module:
+    """The first transformers `PreTrainedModel` in `model` (itself, or under PEFT / DDP / FSDP wrappers)."""
+    from transformers import PreTrainedModel
+
+    for m in model.modules():
+        if isinstance(m, PreTrainedModel):
+            return m
+    raise TypeError(f"{type(model).__name__} holds no transformers PreTrainedModel")
+
+
+def causal_lm(model):
+    """The transformers CausalLM inside a PEFT wrapper (or the model itself)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def lm_head_of(model) -> torch.nn.Linear:
+    return causal_lm(model).get_output_embeddings()
+
+
+def decoder_of(model):
+    lm = causal_lm(model)
+    return lm.get_decoder() if hasattr(lm, "get_decoder") else getattr(lm, lm.base_model_prefix)
+
+
+def position_ids_from_mask(mask: torch.Tensor) -> torch.Tensor:
+    """RoPE positions that ignore left padding: the first real token is position 0."""
+    return (mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+@contextmanager
+def attention_implementation(model, name):
+    """Temporarily route every attention module of `model` through the implementation `name`."""
+    configs = {id(m.config): m.config for m in model.modules() if hasattr(m, "config")}.values()
+    saved = [(c, c._attn_implementation) for c in configs]
+    for c, _ in saved:
+        c._attn_implementation = name
+    try:
+        yield
+    finally:
+        for c, impl in saved:
+            c._attn_implementation = impl

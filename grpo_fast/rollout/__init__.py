@@ -1,0 +1,93 @@
+"""Rollouts: G sampled completions per prompt, behind one interface, `generate_groups`, whatever engine runs it.
+
+Engines: "native" (grpo_fast.rollout.native: static KV cache, compiled fixed-shape decode step, no host sync per
+token) for Llama / Qwen2 / Qwen3 / Mistral-style models; "reference" (grpo_fast.rollout.reference: the model's
+own forward, eager, token by token), which is exact for any transformers causal LM and what the native engine
+is tested against. "auto" takes the native engine when it supports the model, else the reference one with a
+one-line reason. Prompts are left-padded; sample s belongs to prompt s // G; sampling applies temperature, then
+top-k, then top-p; a sample stops at EOS (kept, mask 1) and later tokens are padding (mask 0).
+"""
+
+import torch
+
+from . import native, reference
+from .sampling import check_counts
+
+ENGINES = ("auto", "native", "reference")
+_said: set = set()  # fallback reasons already printed
+
+
+def resolve_engine(model, engine: str) -> tuple[str, str | None]:
+    """("native" | "reference", why not native or None)."""
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
+    if engine == "reference":
+        return "reference", "asked for"
+    reason = native.unsupported_reason(model)
+    if reason and engine == "native":
+        raise ValueError(f"engine='native' cannot run this model: {reason}")
+    return ("reference", reason) if reason else ("native", None)
+
+
+@torch.no_grad()
+def generate_groups(
+    model,
+    prompt_ids,
+    prompt_mask,
+    num_generations,
+    max_new_tokens,
+    *,
+    temperature=1.0,
+    top_p=1.0,
+    top_k=0,
+    eos_token_id=None,
+    share_prefix=True,
+    generator=None,
+    all_done=None,
+    engine="auto",
+    compile="auto",
+    return_logprobs=False,
+):
+    """G sampled completions per prompt; sample s belongs to prompt s // G.
+
+    Args:
+        model: a Hugging Face causal LM (plain or PEFT-wrapped).
+        prompt_ids, prompt_mask: (n_prompts, P) left-padded prompts and their attention mask.
+        num_generations: G. max_new_tokens: C, the longest completion.
+        temperature, top_p, top_k: sampling (temperature 0 = greedy).
+        eos_token_id: int or list of ints ending a completion (kept, mask 1).
+        share_prefix: prefill each prompt once and keep its KV once (True), or repeat it G times (False).
+        generator: torch.Generator for reproducible sampling.
+        all_done: optional `f(local_done) -> bool` deciding when decoding stops (distributed: every rank
+            steps until all are done, so that a sharded model's collectives match).
+        engine: "auto", "native" or "reference" (see the module docstring).
+        compile: native engine only: "auto" (compile the decode step; eager with a one-line reason when that
+            fails), True (fail if it fails) or False.
+        return_logprobs: native engine only: also return the (n_prompts * G, C') fp32 log-probs of the
+            sampled tokens under softmax(logits / T) (T = 1 when greedy), 0 on padding.
+
+    Returns:
+        (completion_ids, completion_mask), (n_prompts * G, C') with C' <= C the longest completion.
+    """
+    check_counts(num_generations, max_new_tokens)
+    kind, reason = resolve_engine(model, engine)
+    kw = dict(temperature=temperature, top_p=top_p, top_k=top_k, eos_token_id=eos_token_id)
+    if kind == "native":
+        eng = native.engine_for(model, compile)
+        return eng.generate(
+            prompt_ids, prompt_mask, num_generations, max_new_tokens, share_prefix=share_prefix,
+            generator=generator, all_done=all_done, return_logprobs=return_logprobs, **kw,
+        )  # fmt: skip
+    if return_logprobs:
+        raise ValueError(f"return_logprobs needs the native engine, which cannot run this model: {reason}")
+    if engine == "auto" and reason not in _said:
+        _said.add(reason)
+        print(f"grpo-fast rollout: reference engine ({reason})", flush=True)
+    gen = reference.generate_shared if share_prefix else reference.generate_plain
+    return gen(
+        model, prompt_ids, prompt_mask, num_generations, max_new_tokens, generator=generator,
+        all_done=all_done, **kw,
+    )  # fmt: skip
+
+
+__all__ = ["generate_groups", "resolve_engine", "ENGINES"]

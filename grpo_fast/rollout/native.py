@@ -1,0 +1,347 @@
+"""The native rollout engine: a static KV cache and one fixed-shape, compiled decode step, no host sync per token.
+
+For Llama / Qwen2 / Qwen3 / Mistral-style models. The prompts are prefilled once by the model's own forward;
+their KV stays one copy per group (shared prefix) or one per sample (plain), and each sample gets a completion
+KV of fixed capacity, allocated once per call and written in place. Every decode step runs the same shapes over
+static buffers: embedding, the decoder layers (the model's own norm / projection / MLP modules, called on their
+live weights, so an optimizer step between calls is seen), the last position's logits, the draw, and the
+bookkeeping (EOS, lengths, output), so it compiles once (Inductor on CPU; CUDA graphs on CUDA) and the host
+never waits on the device inside a window of `SYNC_EVERY` tokens. Rows that finished are dropped (the batch is
+compacted, group by group) once at most half of them are still running, so a long tail does not cost the full
+batch.
+
+Attention of a decoding row: one partial softmax over its group's prompt KV (the group's rows and GQA's query
+heads as rows of one product: the prompt KV is read once per group) and one over its own completion KV (masked
+beyond the current position), merged through their log-sum-exps, in fp32.
+
+Draws: inverse CDF of softmax(logits / T) after top-k and top-p, with one uniform per row and token made up
+front from the caller's generator, so the step itself holds no RNG state (CUDA graphs replay it).
+"""
+
+import time
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from ..model_parts import causal_lm, position_ids_from_mask
+
+SUPPORTED_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+SYNC_EVERY = 16  # tokens between host checks of "all done" (and compaction)
+COMPACT_AT = 0.5  # compact when the rows still running fill at most this share of the batch
+CAPACITY_STEP = 64  # completion KV capacity is rounded up to this, so that nearby lengths reuse a compile
+
+
+def unsupported_reason(model) -> str | None:
+    """Why the native engine cannot run `model`, or None when it can."""
+    from torch.distributed.tensor import DTensor
+
+    try:
+        lm = causal_lm(model)
+        cfg = lm.config
+        base = lm.model
+    except AttributeError:
+        return f"{type(model).__name__} is not a transformers causal LM"
+    if cfg.model_type not in SUPPORTED_TYPES:
+        return f"model type {cfg.model_type!r} is not one of {', '.join(SUPPORTED_TYPES)}"
+    for name in ("embed_tokens", "layers", "norm", "rotary_emb"):
+        if not hasattr(base, name):
+            return f"{cfg.model_type} model without `{name}`"
+    if any(isinstance(p, DTensor) for p in lm.parameters()):
+        return "sharded (FSDP) parameters"
+    window = getattr(cfg, "sliding_window", None)
+    if window and (cfg.model_type == "mistral" or getattr(cfg, "use_sliding_window", False)):
+        return f"sliding-window attention (window {window})"
+    if getattr(cfg, "layer_types", None) and any(t != "full_attention" for t in cfg.layer_types):
+        return "layers other than full attention"
+    return None
+
+
+@dataclass
+class _Buffers:
+    """One call's decode state: every tensor the step reads or writes, at fixed addresses."""
+
+    prompt_k: list  # per layer (n, kvh, P, d): the prompts' KV, one copy per group
+    prompt_v: list
+    prompt_bias: torch.Tensor  # (n, 1, 1, P) 0 or -inf (left padding), fp32
+    comp_k: list  # per layer (R, kvh, Cap, d): each row's completion KV
+    comp_v: list
+    plen: torch.Tensor  # (R,) real prompt tokens: the RoPE position of completion token j is plen + j
+    out: torch.Tensor  # (R, C) sampled tokens
+    logp: torch.Tensor  # (R, C) fp32 log-probs of the sampled tokens under softmax(logits / T)
+    done: torch.Tensor  # (R,) bool
+    lengths: torch.Tensor  # (R,) long
+    t: torch.Tensor  # (1,) long: the completion position being fed
+    noise: torch.Tensor  # (C, R) uniforms for the draws
+    G: int
+
+    def tensors(self):
+        return [
+            *self.prompt_k, *self.prompt_v, self.prompt_bias, *self.comp_k, *self.comp_v, self.plen,
+            self.out, self.logp, self.done, self.lengths, self.t, self.noise,
+        ]  # fmt: skip
+
+
+def _rope(x, cos, sin):
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def _merge_attention(q, pk, pv, pbias, ck, cv, own_bias, G, scaling):
+    """q (R, h, d) over its group's prompt KV (n, kvh, P, d) and its own completion KV (R, kvh, Cap, d)."""
+    R, h, d = q.shape
+    n, kvh = pk.shape[0], pk.shape[1]
+    rep = h // kvh
+    # 1. prefix: the group's G rows x rep heads are the rows of one product with the prompt's keys
+    qg = q.view(n, G, kvh, rep, d).permute(0, 2, 1, 3, 4).reshape(n, kvh, G * rep, d)
+    s = torch.matmul(qg, pk.transpose(-1, -2)).float() * scaling + pbias
+    lse_p = torch.logsumexp(s, dim=-1, keepdim=True)
+    o_p = torch.matmul(torch.exp(s - lse_p).to(pv.dtype), pv)  # (n, kvh, G*rep, d)
+    o_p = o_p.view(n, kvh, G, rep, d).permute(0, 2, 1, 3, 4).reshape(R, kvh, rep, d)
+    lse_p = lse_p.view(n, kvh, G, rep, 1).permute(0, 2, 1, 3, 4).reshape(R, kvh, rep, 1)
+    # 2. own completion up to the current position
+    qo = q.view(R, kvh, rep, d)
+    s = torch.matmul(qo, ck.transpose(-1, -2)).float() * scaling + own_bias
+    lse_o = torch.logsumexp(s, dim=-1, keepdim=True)
+    o_o = torch.matmul(torch.exp(s - lse_o).to(cv.dtype), cv)
+    # 3. merge the two softmaxes
+    lse = torch.logaddexp(lse_p, lse_o)
+    out = o_p.float() * torch.exp(lse_p - lse) + o_o.float() * torch.exp(lse_o - lse)
+    return out.to(q.dtype).reshape(R, h * d)
+
+
+def draw(logits, u, temperature: float, top_k: int, top_p: float):
+    """(tokens, log-probs) from (R, V) logits: temperature, top-k, top-p, then the inverse CDF at u (R,); the
+    log-prob is of softmax(logits / T) (T = 1 when greedy), before top-k / top-p, as training computes it."""
+    logits = logits.float()
+    scaled = logits / temperature if temperature > 0 else logits
+    logp_all = torch.log_softmax(scaled, dim=-1)
+    if temperature == 0:
+        tok = logits.argmax(-1)
+    else:
+        z = scaled
+        if top_k and top_k < z.shape[-1]:
+            kth = torch.topk(z, top_k, dim=-1).values[:, -1:]
+            z = z.masked_fill(z < kth, float("-inf"))
+        if top_p < 1.0:
+            sz, order = torch.sort(z, descending=True, dim=-1)
+            p = torch.softmax(sz, -1)
+            sz = sz.masked_fill(p.cumsum(-1) - p > top_p, float("-inf"))
+            z = torch.full_like(z, float("-inf")).scatter(-1, order, sz)
+        cdf = torch.softmax(z, -1).cumsum(-1)
+        x = (u * cdf[:, -1]).unsqueeze(-1)
+        tok = torch.searchsorted(cdf, x, right=True).squeeze(-1).clamp(max=z.shape[-1] - 1)
+    return tok, logp_all.gather(-1, tok[:, None]).squeeze(-1)
+
+
+class NativeEngine:
+    """One per model; `generate` is `generate_groups`' contract. `compile`: "auto" (compile; eager with a
+    one-line reason when compiling fails), True, or False."""
+
+    def __init__(self, model, compile="auto"):
+        lm = causal_lm(model)
+        self.lm, self.base = lm, lm.model
+        attn = self.base.layers[0].self_attn
+        self.n_heads = lm.config.num_attention_heads
+        self.n_kv = lm.config.num_key_value_heads
+        self.head_dim = attn.head_dim
+        self.scaling = attn.scaling
+        self.qk_norm = hasattr(attn, "q_norm")
+        self.compile_mode = compile
+        self._compiled = None
+        self.stats = {"compile_s": 0.0, "compiled": False, "eager_reason": None, "calls": 0}
+
+    # ---------------------------------------------------------------------------------------------------
+    # The decode step: one token per row, every shape fixed by the buffers
+    # ---------------------------------------------------------------------------------------------------
+    def _step(self, b: _Buffers, eos, pad: int, temperature: float, top_k: int, top_p: float):
+        R, cap = b.out.shape[0], b.comp_k[0].shape[2]
+        tok = b.out.index_select(1, b.t).squeeze(1)
+        pos = (b.plen + b.t).unsqueeze(1)  # (R, 1)
+        x = self.base.embed_tokens(tok)  # (R, H)
+        cos, sin = self.base.rotary_emb(x[:, None, :], pos)  # (R, 1, d)
+        own_bias = torch.where(torch.arange(cap, device=x.device) <= b.t, 0.0, float("-inf"))
+        for i, layer in enumerate(self.base.layers):
+            attn = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = attn.q_proj(h).view(R, self.n_heads, self.head_dim)
+            k = attn.k_proj(h).view(R, self.n_kv, self.head_dim)
+            v = attn.v_proj(h).view(R, self.n_kv, self.head_dim)
+            if self.qk_norm:
+                q, k = attn.q_norm(q), attn.k_norm(k)
+            q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+            b.comp_k[i].index_copy_(2, b.t, k.unsqueeze(2))
+            b.comp_v[i].index_copy_(2, b.t, v.unsqueeze(2))
+            o = _merge_attention(
+                q, b.prompt_k[i], b.prompt_v[i], b.prompt_bias, b.comp_k[i], b.comp_v[i], own_bias, b.G,
+                self.scaling,
+            )  # fmt: skip
+            x = x + attn.o_proj(o)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        logits = self.lm.lm_head(self.base.norm(x))
+        nxt, logp = draw(logits, b.noise.index_select(0, b.t + 1).squeeze(0), temperature, top_k, top_p)
+        # bookkeeping on the device: rows already done emit padding and stop counting
+        nxt = torch.where(b.done, pad, nxt)
+        b.out.index_copy_(1, b.t + 1, nxt.unsqueeze(1))
+        b.logp.index_copy_(1, b.t + 1, torch.where(b.done, 0.0, logp).unsqueeze(1))
+        b.lengths.add_((~b.done).long())
+        b.done.logical_or_(torch.isin(nxt, eos))
+        b.t.add_(1)
+
+    def _run_step(self, b, *args):
+        if self.compile_mode is False or self.stats["eager_reason"]:
+            return self._step(b, *args)
+        if self._compiled is None:
+            mode = "reduce-overhead" if b.out.is_cuda else None
+            self._compiled = torch.compile(self._step, mode=mode, fullgraph=True)
+        t0 = time.perf_counter()
+        try:
+            self._compiled(b, *args)
+        except Exception as exc:  # noqa: BLE001 - compiling is an optimization: say why, then run eager
+            if self.compile_mode is True:
+                raise
+            reason = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}" if str(exc) else type(exc).__name__
+            self.stats["eager_reason"] = reason
+            print(f"grpo-fast native rollout: decode step not compiled, running eager ({reason})", flush=True)
+            return self._step(b, *args)
+        if not self.stats["compiled"]:
+            self.stats["compiled"] = True
+            self.stats["compile_s"] += time.perf_counter() - t0
+
+    # ---------------------------------------------------------------------------------------------------
+    # One call
+    # ---------------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(
+        self, prompt_ids, prompt_mask, G, max_new_tokens, *, temperature, top_p, top_k, eos_token_id,
+        share_prefix, generator, all_done, return_logprobs,
+    ):  # fmt: skip
+        n = prompt_ids.shape[0]
+        if not share_prefix:  # one prompt copy per sample: groups of one
+            prompt_ids = prompt_ids.repeat_interleave(G, 0)
+            prompt_mask = prompt_mask.repeat_interleave(G, 0)
+        Gb = G if share_prefix else 1
+        device = prompt_ids.device
+        R, C = n * G, max_new_tokens
+        eos = torch.tensor(
+            [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or []),
+            dtype=torch.long, device=device,
+        )  # fmt: skip
+        pad = int(eos[0]) if eos.numel() else 0
+        # 1. prefill: the model's own forward, once per prompt (per sample when not shared)
+        pos = position_ids_from_mask(prompt_mask)
+        res = self.lm(
+            input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=pos, use_cache=True,
+            logits_to_keep=1,
+        )  # fmt: skip
+        from ..hf_compat import cache_of
+
+        cache = cache_of(res)
+        pk = [layer.keys for layer in cache.layers]
+        pv = [layer.values for layer in cache.layers]
+        # 2. buffers
+        cap = max(1, -(-(C - 1) // CAPACITY_STEP) * CAPACITY_STEP)
+        dtype = pk[0].dtype
+        kv_shape = (R, self.n_kv, cap, self.head_dim)
+        plen = prompt_mask.long().sum(1)
+        plen = plen.repeat_interleave(G, 0) if share_prefix else plen
+        noise = torch.rand(C, R, generator=generator, device=device) if temperature > 0 else None
+        b = _Buffers(
+            prompt_k=pk, prompt_v=pv,
+            prompt_bias=torch.where(prompt_mask.bool(), 0.0, float("-inf"))[:, None, None, :].float(),
+            comp_k=[torch.zeros(kv_shape, dtype=dtype, device=device) for _ in pk],
+            comp_v=[torch.zeros(kv_shape, dtype=dtype, device=device) for _ in pk],
+            plen=plen, out=torch.full((R, C), pad, dtype=torch.long, device=device),
+            logp=torch.zeros(R, C, device=device), done=torch.zeros(R, dtype=torch.bool, device=device),
+            lengths=torch.ones(R, dtype=torch.long, device=device),
+            t=torch.zeros(1, dtype=torch.long, device=device),
+            noise=noise if noise is not None else torch.zeros(C, R, device=device), G=Gb,
+        )  # fmt: skip
+        # 3. the first token, from the prefill's last logits
+        first = res.logits[:, -1]
+        first = first.repeat_interleave(G, 0) if share_prefix else first
+        tok, lp = draw(first, b.noise[0], temperature, top_k, top_p)
+        b.out[:, 0], b.logp[:, 0] = tok, lp
+        b.done |= torch.isin(tok, eos)
+        args = (eos, pad, float(temperature), int(top_k or 0), float(top_p))
+        # 4. decode in windows: no host sync inside one; between them "all done?" and compaction
+        final = _Final(R, C, pad, device)
+        rows = torch.arange(R, device=device)  # original row of each buffer row (-1: filler)
+        produced = 1
+        while produced < C:
+            for _ in range(min(SYNC_EVERY, C - produced)):
+                self._run_step(b, *args)
+                produced += 1
+            running = ~b.done
+            local_done = not bool(running.any())
+            if (all_done(local_done) if all_done else local_done) or produced >= C:
+                break
+            if int(running.sum()) <= COMPACT_AT * b.out.shape[0]:
+                b, rows = _compact(b, rows, final, produced)
+        final.take(b, rows)
+        self.stats["calls"] += 1
+        return final.result(return_logprobs)
+
+
+class _Final:
+    """The (R, C) results by original row, filled as rows leave the buffers (compaction) and at the end."""
+
+    def __init__(self, R, C, pad, device):
+        self.out = torch.full((R, C), pad, dtype=torch.long, device=device)
+        self.logp = torch.zeros(R, C, device=device)
+        self.lengths = torch.zeros(R, dtype=torch.long, device=device)
+
+    def take(self, b: _Buffers, rows):
+        real = rows >= 0
+        idx = rows[real]
+        self.out[idx] = b.out[real]
+        self.logp[idx] = b.logp[real]
+        self.lengths[idx] = b.lengths[real]
+
+    def result(self, with_logprobs):
+        width = int(self.lengths.max()) if self.lengths.numel() else 0
+        mask = (torch.arange(width, device=self.out.device)[None, :] < self.lengths[:, None]).long()
+        ids = self.out[:, :width]  # padding (EOS, or 0 without one) after each row's end
+        if with_logprobs:
+            return ids, mask, self.logp[:, :width] * mask
+        return ids, mask
+
+
+def _compact(b: _Buffers, rows, final: _Final, produced: int):
+    """Drop finished rows: keep the groups that still run, each with as many rows as its busiest group runs
+    (the others padded with finished filler rows), and their prompt KV once. Returns the new buffers and
+    original-row map; rows that leave are copied to `final` first."""
+    final.take(b, rows)
+    n, G = b.prompt_bias.shape[0], b.G
+    running = (~b.done).view(n, G)
+    per_group = running.sum(1)
+    keep_groups = per_group.nonzero().squeeze(1)
+    G2 = int(per_group.max())
+    # rows of kept groups: running ones first, then fillers (finished rows of the same group)
+    order = torch.sort((~running[keep_groups]).to(torch.int8), dim=1, stable=True).indices[:, :G2]
+    src = (keep_groups[:, None] * G + order).reshape(-1)
+    filler = ~running[keep_groups].gather(1, order).reshape(-1)
+    new_rows = torch.where(filler, -1, rows[src])
+    take = lambda x: x.index_select(0, src)  # noqa: E731
+    gi = keep_groups
+    nb = _Buffers(
+        prompt_k=[x.index_select(0, gi) for x in b.prompt_k], prompt_v=[x.index_select(0, gi) for x in b.prompt_v],
+        prompt_bias=b.prompt_bias.index_select(0, gi), comp_k=[take(x) for x in b.comp_k],
+        comp_v=[take(x) for x in b.comp_v], plen=take(b.plen), out=take(b.out), logp=take(b.logp),
+        done=take(b.done) | filler, lengths=take(b.lengths), t=b.t.clone(), noise=b.noise.index_select(1, src),
+        G=G2,
+    )  # fmt: skip
+    return nb, new_rows
+
+
+_ENGINES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def engine_for(model, compile="auto") -> NativeEngine:
+    """The engine of this model (built once: its compiled step is reused by every later call)."""
+    lm = causal_lm(model)
+    eng = _ENGINES.get(lm)
+    if eng is None or eng.compile_mode != compile:
+        eng = _ENGINES[lm] = NativeEngine(model, compile)
+    return eng
