@@ -39,7 +39,8 @@ smollm2: setup
 test: setup setup-bare smollm2
 	$(VPY) -m ruff check kernels grpo_fast tests bench scripts
 	GRPO_FAST_BARE_PYTHON=$(CURDIR)/$(BARE)/bin/python $(VPY) -m pytest tests
-	$(BARE)/bin/python -m pytest -m transformers_range tests/test_shared_prefix.py tests/test_real_model.py
+	$(BARE)/bin/python -m pytest -m transformers_range tests/test_shared_prefix.py tests/test_real_model.py \
+		tests/test_rollout.py
 
 demo: setup
 	$(VPY) -m grpo_fast.train --output-dir runs/demo --overwrite-output-dir

@@ -6,9 +6,10 @@ once garbled every completion silently."""
 import pytest
 import torch
 
-from grpo_fast.shared_prefix import generate_groups
+from grpo_fast.rollout import generate_groups
 
 pytestmark = pytest.mark.transformers_range
+ENGINES = ["native", "reference"]
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -40,8 +41,9 @@ def _chat_batch(tok):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("share_prefix", [True, False])
-def test_greedy_chat_completions_equal_hf_generate(smollm2, share_prefix):
+def test_greedy_chat_completions_equal_hf_generate(smollm2, share_prefix, engine):
     model, tok = smollm2
     enc = _chat_batch(tok)
     lengths = enc.attention_mask.sum(1)
@@ -56,6 +58,8 @@ def test_greedy_chat_completions_equal_hf_generate(smollm2, share_prefix):
         temperature=0.0,
         eos_token_id=tok.eos_token_id,
         share_prefix=share_prefix,
+        engine=engine,
+        compile=False,
     )
     ended = 0
     for i in range(len(QUESTIONS)):

@@ -1,11 +1,13 @@
-"""Rollouts: G sampled completions per prompt, behind one interface, `generate_groups`, whatever engine runs it.
+"""Rollouts: G sampled completions per prompt, behind one interface, `generate_groups`, whatever engine runs
+it.
 
-Engines: "native" (grpo_fast.rollout.native: static KV cache, compiled fixed-shape decode step, no host sync per
-token) for Llama / Qwen2 / Qwen3 / Mistral-style models; "reference" (grpo_fast.rollout.reference: the model's
-own forward, eager, token by token), which is exact for any transformers causal LM and what the native engine
-is tested against. "auto" takes the native engine when it supports the model, else the reference one with a
-one-line reason. Prompts are left-padded; sample s belongs to prompt s // G; sampling applies temperature, then
-top-k, then top-p; a sample stops at EOS (kept, mask 1) and later tokens are padding (mask 0).
+Engines: "native" (grpo_fast.rollout.native: static KV cache, compiled fixed-shape decode step, no host sync
+per token) for Llama / Qwen2 / Qwen3 / Mistral-style models; "reference" (grpo_fast.rollout.reference: the
+model's own forward, eager, token by token), which is exact for any transformers causal LM and what the native
+engine is tested against. "auto" takes the native engine when it supports the model, else the reference one
+with a one-line reason. Prompts are left-padded; sample s belongs to prompt s // G; sampling applies
+temperature, then top-k, then top-p; a sample stops at EOS (kept, mask 1) and later tokens are padding (mask
+0).
 """
 
 import torch
@@ -73,10 +75,9 @@ def generate_groups(
     kind, reason = resolve_engine(model, engine)
     kw = dict(temperature=temperature, top_p=top_p, top_k=top_k, eos_token_id=eos_token_id)
     if kind == "native":
-        eng = native.engine_for(model, compile)
-        return eng.generate(
+        return native.engine_for(model).generate(
             prompt_ids, prompt_mask, num_generations, max_new_tokens, share_prefix=share_prefix,
-            generator=generator, all_done=all_done, return_logprobs=return_logprobs, **kw,
+            generator=generator, all_done=all_done, return_logprobs=return_logprobs, compile=compile, **kw,
         )  # fmt: skip
     if return_logprobs:
         raise ValueError(f"return_logprobs needs the native engine, which cannot run this model: {reason}")

@@ -1,9 +1,9 @@
 """Decode-time attention of G samples over their prompt's one KV copy and their own completion's KV.
 
 An attention function registered with transformers' `AttentionInterface`: a partial attention over the group's
-shared prompt KV (the G samples and GQA's query heads as rows of one product, so the prompt KV is read once per
-group and never copied per sample) and one over the sample's own completion KV, merged through their
-log-sum-exps (as Hydragen and cascade attention do). The reference engine's shared path decodes through it.
+shared prompt KV (the G samples and GQA's query heads as rows of one product, so the prompt KV is read once
+per group and never copied per sample) and one over the sample's own completion KV, merged through their log-
+sum-exps (as Hydragen and cascade attention do). The reference engine's shared path decodes through it.
 """
 
 import threading
@@ -68,7 +68,6 @@ def no_mask(*args, **kwargs):
 
 AttentionInterface.register(ATTN_NAME, shared_prefix_attention)
 AttentionMaskInterface.register(ATTN_NAME, no_mask)
-
 
 
 @contextmanager

@@ -1,0 +1,188 @@
+"""The native rollout engine against independent references: HF `generate` and the reference engine (greedy,
+token for token), the softmax (sampling, statistically), the training forward (log-probs of its samples)."""
+
+import math
+
+import pytest
+import torch
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+import grpo_fast.rollout.native as native
+from grpo_fast.kernels import fused_linear_logprobs
+from grpo_fast.model_parts import lm_head_of
+from grpo_fast.rollout import generate_groups
+from grpo_fast.rollout.native import draw
+from grpo_fast.rollout.reference import generate_plain
+from grpo_fast.shared_prefix import shared_prefix_forward
+
+pytestmark = pytest.mark.transformers_range
+V, EOS = 97, 1
+
+
+def _model(kind, seed=0):
+    torch.manual_seed(seed)
+    common = dict(
+        vocab_size=V,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        pad_token_id=0,
+        eos_token_id=EOS,
+    )
+    cls = {
+        "llama": (LlamaConfig, LlamaForCausalLM),
+        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+        "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+    }[kind]
+    extra = dict(head_dim=8) if kind == "qwen3" else {}
+    model = cls[1](cls[0](**common, **extra)).eval()
+    with torch.no_grad():  # make EOS likely enough that completions end at different lengths
+        lm_head_of(model).weight[EOS] *= 4
+    return model
+
+
+def _prompts(n=3, P=7):
+    g = torch.Generator().manual_seed(1)
+    lengths = torch.tensor([7, 4, 1, 5][:n])  # ragged, left-padded
+    mask = (torch.arange(P)[None, :] >= P - lengths[:, None]).long()
+    return torch.randint(2, V, (n, P), generator=g) * mask, mask
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("share_prefix", [True, False])
+def test_greedy_equals_hf_generate_and_the_reference_engine(kind, share_prefix, monkeypatch):
+    monkeypatch.setattr(native, "SYNC_EVERY", 3)  # windows and compaction happen within 30 tokens
+    model = _model(kind)
+    ids, mask = _prompts()
+    G, C = 4, 30
+    got = generate_groups(
+        model, ids, mask, G, C, temperature=0.0, eos_token_id=EOS, share_prefix=share_prefix, engine="native"
+    )
+    ref = generate_plain(model, ids, mask, G, C, temperature=0.0, eos_token_id=EOS)
+    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+    lengths = got[1].sum(1)
+    assert len(set(lengths.tolist())) > 1 and int(lengths.min()) < C  # EOS at different points
+    for i in range(ids.shape[0]):
+        p = ids[i][mask[i].bool()][None]
+        hf = model.generate(p, max_new_tokens=C, do_sample=False, eos_token_id=EOS, pad_token_id=EOS)
+        hf = hf[0, p.shape[1] :]
+        assert torch.equal(got[0][i * G, : len(hf)], hf)
+        assert int(got[1][i * G].sum()) == len(hf)
+
+
+def test_sampled_tokens_follow_the_softmax():
+    # one draw per row from known logits: frequencies against softmax(logits / T) restricted to top-k / top-p
+    torch.manual_seed(0)
+    logits = torch.randn(1, 40) * 2
+    N = 100_000
+    for T, k, p in ((1.0, 0, 1.0), (0.7, 10, 1.0), (1.3, 0, 0.8)):
+        tok, logp = draw(logits.expand(N, -1), torch.rand(N), T, k, p)
+        z = logits[0].double() / T
+        keep = torch.ones_like(z, dtype=torch.bool)
+        if k:
+            keep &= z >= torch.topk(z, k).values[-1]
+        if p < 1.0:
+            order = torch.argsort(z, descending=True)
+            probs = torch.softmax(z[order], 0)
+            drop = probs.cumsum(0) - probs > p
+            keep[order[drop]] = False
+        expected = torch.softmax(z.masked_fill(~keep, -math.inf), 0)
+        freq = torch.bincount(tok, minlength=40).double() / N
+        assert freq[~keep].sum() == 0
+        # 5 standard errors per token, plus a chi-square over the kept tokens (40 dof: p ~ 1e-4 at 80)
+        se = (expected * (1 - expected) / N).sqrt()
+        assert ((freq - expected).abs() <= 5 * se + 1e-9).all()
+        chi2 = (N * (freq - expected)[keep] ** 2 / expected[keep]).sum()
+        assert chi2 < 80, chi2
+        # the reported log-prob is the unfiltered softmax(logits / T)
+        assert torch.allclose(logp, torch.log_softmax(logits[0] / T, 0)[tok], atol=1e-6)
+
+
+@pytest.mark.parametrize("share_prefix", [True, False])
+def test_sampled_completions_logprobs_equal_the_training_forward(share_prefix):
+    model = _model("qwen2")
+    ids, mask = _prompts()
+    G, T = 4, 0.8
+    c_ids, c_mask, logp = generate_groups(
+        model, ids, mask, G, 20, temperature=T, eos_token_id=EOS, share_prefix=share_prefix,
+        generator=torch.Generator().manual_seed(0), engine="native", return_logprobs=True,
+    )  # fmt: skip
+    assert len({tuple(r.tolist()) for r in c_ids[:G]}) > 1  # the samples of a group differ
+    with torch.no_grad():
+        hidden = shared_prefix_forward(model, ids, mask, c_ids, c_mask)
+        ref = fused_linear_logprobs(hidden, lm_head_of(model).weight, c_ids, temperature=T)
+    assert torch.allclose(logp, ref * c_mask, atol=1e-5), (logp - ref * c_mask).abs().max()
+
+
+def test_sampling_is_reproducible_with_a_generator():
+    model = _model("llama")
+    ids, mask = _prompts()
+    runs = [
+        generate_groups(
+            model, ids, mask, 4, 16, temperature=1.0, top_p=0.9, top_k=20, eos_token_id=EOS,
+            generator=torch.Generator().manual_seed(5), engine="native",
+        )  # fmt: skip
+        for _ in range(2)
+    ]
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
+
+
+@pytest.mark.slow
+def test_compiled_step_matches_eager_and_sees_updated_weights():
+    # one compile of a 2-layer step (tens of seconds on 2 CPU cores), then an in-place weight update
+    model = _model("qwen2")
+    ids, mask = _prompts()
+    kw = dict(temperature=0.0, eos_token_id=EOS, engine="native")
+    compiled = generate_groups(model, ids, mask, 4, 20, compile=True, **kw)
+    eager = generate_groups(model, ids, mask, 4, 20, compile=False, **kw)
+    assert torch.equal(compiled[0], eager[0]) and torch.equal(compiled[1], eager[1])
+    eng = native.engine_for(model)
+    assert eng.stats["compiled"] and eng.stats["compile_s"] > 0
+    with torch.no_grad():  # what an optimizer step does: the same tensors, new values
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    after = generate_groups(model, ids, mask, 4, 20, compile=True, **kw)
+    ref = generate_plain(model, ids, mask, 4, 20, temperature=0.0, eos_token_id=EOS)
+    assert torch.equal(after[0], ref[0]) and not torch.equal(after[0], compiled[0])
+
+
+def test_lora_model_generates_through_its_adapters():
+    peft = pytest.importorskip("peft")  # not in the bare environment
+    LoraConfig, get_peft_model = peft.LoraConfig, peft.get_peft_model
+
+    model = get_peft_model(_model("llama"), LoraConfig(r=4, target_modules=["q_proj", "v_proj", "up_proj"]))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)  # adapters that change the outputs
+    ids, mask = _prompts()
+    got = generate_groups(model, ids, mask, 2, 12, temperature=0.0, eos_token_id=EOS, engine="native")
+    ref = generate_plain(model, ids, mask, 2, 12, temperature=0.0, eos_token_id=EOS)
+    assert torch.equal(got[0], ref[0])
+    with model.disable_adapter():
+        base = generate_plain(model, ids, mask, 2, 12, temperature=0.0, eos_token_id=EOS)
+    assert not torch.equal(got[0], base[0])
+
+
+def test_other_models_fall_back_with_a_reason(capsys):
+    torch.manual_seed(0)
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=V, n_embd=32, n_layer=1, n_head=2, n_positions=64)).eval()
+    ids, mask = _prompts()
+    out = generate_groups(gpt2, ids, mask, 2, 5, temperature=0.0, eos_token_id=EOS)
+    assert out[0].shape[0] == 6 and "reference engine (model type 'gpt2'" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="engine='native' cannot run this model: model type 'gpt2'"):
+        generate_groups(gpt2, ids, mask, 2, 5, engine="native")
+    with pytest.raises(ValueError, match="engine must be one of"):
+        generate_groups(gpt2, ids, mask, 2, 5, engine="vllm-ish")
