@@ -54,6 +54,17 @@ class GRPOConfig:
     share_prefix: bool = _f(
         True, "prefill and train each prompt once per group (exact; see shared_prefix.py)"
     )
+    rollout: str = _f(
+        "auto",
+        "generation engine: native (static KV cache, fixed-shape decode step; Llama/Qwen2/Qwen3/Mistral), "
+        "reference (the model's own forward, token by token), auto (native when it supports the model)",
+        choices=("auto", "native", "reference"),
+    )
+    rollout_compile: str = _f(
+        "auto",
+        "compile the native engine's decode step: auto (on CUDA, with CUDA graphs), on, off",
+        choices=("auto", "on", "off"),
+    )
     # --- GRPO ---
     beta: float = _f(0.0, "KL coefficient (k3 estimator against the reference model)")
     epsilon: float = _f(0.2, "lower clip epsilon")
@@ -186,6 +197,11 @@ def validate(cfg: GRPOConfig) -> GRPOConfig:
     for name in positive:
         if getattr(cfg, name) < 1:
             raise ValueError(f"{name} must be >= 1, got {getattr(cfg, name)}")
+    if cfg.num_generations < 2:
+        raise ValueError(
+            f"num_generations must be >= 2, got {cfg.num_generations}: advantages are relative to the group, "
+            "so with one completion per prompt every advantage is 0 and nothing is learned"
+        )
     if cfg.prompts_per_step % cfg.gradient_accumulation_steps:
         raise ValueError(
             f"prompts_per_step ({cfg.prompts_per_step}) must be divisible by "

@@ -94,6 +94,11 @@ def advantages_of(rewards: torch.Tensor, G: int, scale: str) -> torch.Tensor:
     return adv.masked_fill(nan.to(adv.device), 0.0)
 
 
+def engine_options(cfg: GRPOConfig) -> dict:
+    """The rollout engine and its compile setting, as `generate_groups` takes them."""
+    return {"engine": cfg.rollout, "compile": {"auto": "auto", "on": True, "off": False}[cfg.rollout_compile]}
+
+
 @torch.no_grad()
 def sequence_logps(model, batch, cfg: GRPOConfig):
     """Per-token log-probs (no grad) of the completions, through the fused kernel (old / reference)."""
@@ -150,6 +155,7 @@ def evaluate(policy, tokenizer, rows, reward_funcs, cfg, device, dist: DistInfo 
             eos_token_id=tokenizer.eos_token_id,
             share_prefix=False,
             all_done=(lambda done: all_done(done, dist)) if dist.on else None,
+            **engine_options(cfg),
         )
         completions = tokenizer.batch_decode(comp * cmask, skip_special_tokens=True)
         cols = reward_columns(chunk, 1, comp, cmask)
@@ -470,6 +476,7 @@ def train(cfg: GRPOConfig) -> dict:
                     share_prefix=cfg.share_prefix,
                     generator=generator,
                     all_done=finished,
+                    **engine_options(cfg),
                 )
             t1 = clock(device)
             # 2. rewards, then group advantages over the global batch (rewards all-gathered)

@@ -152,28 +152,26 @@ def _rope(x, cos, sin):
     return x * cos + rotated * sin
 
 
-def _merge_attention(q, pk, pv, pbias, ck, cv, own_bias, scaling):
-    """q (R, h, d) over its group's prompt KV (n, kvh, P, d) and its own completion KV (R, kvh, Cap, d)."""
+def _merge_attention(q, pk, pv, ck, cv, bias, scaling):
+    """q (R, h, d) over its group's prompt KV (n, kvh, P, d) and its own completion KV (R, kvh, Cap, d), one
+    softmax over both (fp32); `bias` (n, G, 1, 1, P + Cap) holds 0 / -inf for padding and unwritten slots."""
     R, h, d = q.shape
-    n, kvh = pk.shape[0], pk.shape[1]
-    G = R // n
-    rep = h // kvh
-    # 1. prefix: the group's G rows x rep heads are the rows of one product with the prompt's keys
+    n, kvh, P = pk.shape[0], pk.shape[1], pk.shape[2]
+    G, rep, cap = R // n, h // kvh, ck.shape[2]
+    q = q * scaling
+    # 1. scores over the prompt: the group's G rows x rep heads are the rows of one product with its keys,
+    #    so the prompt KV is read once per group and never copied per sample
     qg = q.view(n, G, kvh, rep, d).permute(0, 2, 1, 3, 4).reshape(n, kvh, G * rep, d)
-    s = torch.matmul(qg, pk.transpose(-1, -2)).float() * scaling + pbias
-    lse_p = torch.logsumexp(s, dim=-1, keepdim=True)
-    o_p = torch.matmul(torch.exp(s - lse_p).to(pv.dtype), pv)  # (n, kvh, G*rep, d)
-    o_p = o_p.view(n, kvh, G, rep, d).permute(0, 2, 1, 3, 4).reshape(R, kvh, rep, d)
-    lse_p = lse_p.view(n, kvh, G, rep, 1).permute(0, 2, 1, 3, 4).reshape(R, kvh, rep, 1)
-    # 2. own completion up to the current position
-    qo = q.view(R, kvh, rep, d)
-    s = torch.matmul(qo, ck.transpose(-1, -2)).float() * scaling + own_bias
-    lse_o = torch.logsumexp(s, dim=-1, keepdim=True)
-    o_o = torch.matmul(torch.exp(s - lse_o).to(cv.dtype), cv)
-    # 3. merge the two softmaxes
-    lse = torch.logaddexp(lse_p, lse_o)
-    out = o_p.float() * torch.exp(lse_p - lse) + o_o.float() * torch.exp(lse_o - lse)
-    return out.to(q.dtype).reshape(R, h * d)
+    s_p = torch.matmul(qg, pk.transpose(-1, -2)).view(n, kvh, G, rep, P).permute(0, 2, 1, 3, 4)
+    # 2. scores over its own completion, then one softmax over both
+    q5 = q.view(n, G, kvh, rep, d)
+    s_o = torch.matmul(q5, ck.view(n, G, kvh, cap, d).transpose(-1, -2))
+    p = torch.softmax(torch.cat([s_p, s_o], dim=-1).float() + bias, dim=-1).to(pv.dtype)
+    # 3. the two value products, summed
+    p_p = p[..., :P].permute(0, 2, 1, 3, 4).reshape(n, kvh, G * rep, P)
+    o = torch.matmul(p_p, pv).view(n, kvh, G, rep, d).permute(0, 2, 1, 3, 4)
+    o = o + torch.matmul(p[..., P:], cv.view(n, G, kvh, cap, d))
+    return o.reshape(R, h * d)
 
 
 def draw(logits, u, temperature: float, top_k: int, top_p: float):
@@ -231,6 +229,14 @@ class NativeEngine:
         x = self.base.embed_tokens(tok)  # (R, H)
         cos, sin = self.base.rotary_emb(x[:, None, :], pos)  # (R, 1, d)
         own_bias = torch.where(torch.arange(cap, device=x.device) <= b.t, 0.0, float("-inf"))
+        n, P = b.prompt_bias.shape[0], b.prompt_bias.shape[-1]
+        bias = torch.cat(
+            [
+                b.prompt_bias.view(n, 1, 1, 1, P).expand(n, R // n, 1, 1, P),
+                own_bias.expand(n, R // n, 1, 1, cap),
+            ],
+            dim=-1,
+        )
         for i, ly in enumerate(layers):
             qkv = ly.qkv(ly.norm1(x))
             qk = qkv[:, : (nh + kvh) * d].view(R, nh + kvh, d)
@@ -242,9 +248,8 @@ class NativeEngine:
             b.comp_k[i].index_copy_(2, b.t, k.unsqueeze(2))
             b.comp_v[i].index_copy_(2, b.t, v.unsqueeze(2))
             o = _merge_attention(
-                q, b.prompt_k[i], b.prompt_v[i], b.prompt_bias, b.comp_k[i], b.comp_v[i], own_bias,
-                self.scaling,
-            )  # fmt: skip
+                q, b.prompt_k[i], b.prompt_v[i], b.comp_k[i], b.comp_v[i], bias, self.scaling
+            )
             x = x + ly.o(o)
             h = ly.norm2(x)
             if ly.gate_up is None:

@@ -1,0 +1,203 @@
+"""Rollout speed: completion tokens/s and peak memory of G samples per prompt, per engine, each in its own
+process.
+
+    python -m bench.bench_generate [--quick] [--workloads bench,real,demo] [--repeats 2]
+
+Providers (same prompts, same sampling: T=1, no top-k / top-p, EOS ends a sample):
+  hf          HF `model.generate(num_return_sequences=G, do_sample=True)`: every prompt repeated G times
+  reference   `generate_groups(engine="reference")`: our previous path (shared prompt KV, eager, per token)
+  native      `generate_groups(engine="native")`: static KV cache, packed weights, no per-token host sync
+  native_compiled   the same with the decode step compiled (demo workload only on a CPU: compiling a 10- or
+              30-layer step takes minutes here; it is the default on CUDA)
+Workloads:
+  bench   the end-to-end bench model (random-init ~45M Qwen2 shape), 2 prompts of P=512, G=8, C=128
+  real    SmolLM2-135M-Instruct (grpo_fast.smollm2), chat prompts of different lengths, G=8, C=256; 2 and 8
+          prompts
+  demo    the embedded demo model and task, 16 prompts, G=8, C=20 (the demo's own settings)
+Each measurement: one short warm-up call, then `repeats` calls with seeds 0.. (different samples per seed,
+the same seeds for every provider); tokens/s = completion tokens / seconds over those calls. Sampled lengths
+differ between providers (another random stream), so a run's tokens/s, not its seconds, is compared.
+
+"""
+
+import argparse
+import sys
+import time
+
+import torch
+
+from bench._utils import (
+    _release_memory,
+    _rss_kib,
+    machine_info,
+    markdown_table,
+    run_worker,
+    worker_main,
+    write_results,
+)
+
+PROVIDERS = ["hf", "reference", "native", "native_compiled"]
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about autumn leaves.",
+    "Explain in two sentences why the sky is blue.",
+    "List three prime numbers greater than 50.",
+    "Translate 'good morning, my friend' into Spanish.",
+    "What is 17 times 23? Show your work.",
+    "Give me a short tip for learning to play the guitar.",
+    "Name a famous painting by Vincent van Gogh and describe it briefly.",
+]
+WORKLOADS = {
+    "bench": dict(prompts=2, G=8, C=128, P=512),
+    "real": dict(prompts=2, G=8, C=256),
+    "real8": dict(prompts=8, G=8, C=256),
+    "demo": dict(prompts=16, G=8, C=20),
+}
+QUICK = {"bench": dict(prompts=2, G=4, C=8, P=24), "demo": dict(prompts=4, G=4, C=8)}
+
+
+def _work(name: str, a: dict):
+    """(model, prompt ids, prompt mask, eos id) for a workload."""
+    if name == "bench":
+        from bench.bench_prefix import make_model
+
+        model = make_model("tiny" if a["quick"] else "50m").eval()
+        g = torch.Generator().manual_seed(0)
+        ids = torch.randint(2, model.config.vocab_size, (a["prompts"], a["P"]), generator=g)
+        return model, ids, torch.ones_like(ids), 1
+    if name.startswith("real"):
+        from transformers import AutoModelForCausalLM
+
+        from grpo_fast.modeling import load_tokenizer
+        from grpo_fast.smollm2 import build
+
+        path = build()
+        tok = load_tokenizer(str(path))
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        texts = [
+            tok.apply_chat_template(
+                [{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True
+            )
+            for q in QUESTIONS[: a["prompts"]]
+        ]
+        tok.padding_side = "left"
+        enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        return model, enc.input_ids, enc.attention_mask, tok.eos_token_id
+    from grpo_fast import default_task
+    from grpo_fast.config import parse_config
+    from grpo_fast.data import train_and_eval_rows
+    from grpo_fast.modeling import load_model_and_tokenizer
+    from grpo_fast.train import encode_prompts
+
+    cfg = parse_config([])
+    model, tok, _ = load_model_and_tokenizer(cfg, torch.device("cpu"))
+    rows = train_and_eval_rows(cfg)[0][: a["prompts"]]
+    _, ids, mask = encode_prompts(rows, tok, cfg.max_prompt_length, "cpu")
+    assert default_task.ASSET_DIR
+    return model.eval(), ids, mask, tok.eos_token_id
+
+
+def _hf(model, ids, mask, G, C, eos, seed):
+    torch.manual_seed(seed)
+    out = model.generate(
+        input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+        max_new_tokens=C, num_return_sequences=G, eos_token_id=eos, pad_token_id=eos,
+    )[:, ids.shape[1] :]  # fmt: skip
+    ended = (out == eos).long().cumsum(1)
+    return int(((ended == 0) | ((ended == 1) & (out == eos))).sum())  # tokens up to and including EOS
+
+
+def measure_one(a: dict) -> dict:
+    from grpo_fast.rollout import generate_groups
+
+    torch.set_num_threads(torch.get_num_threads())
+    model, ids, mask, eos = _work(a["workload"], a)
+    G, C, p = a["G"], a["C"], a["provider"]
+
+    def call(c, seed):
+        if p == "hf":
+            return _hf(model, ids, mask, G, c, eos, seed)
+        engine = "reference" if p == "reference" else "native"
+        _, m = generate_groups(
+            model, ids, mask, G, c, temperature=1.0, eos_token_id=eos, engine=engine,
+            compile=True if p == "native_compiled" else False, generator=torch.Generator().manual_seed(seed),
+        )  # fmt: skip
+        return int(m.sum())
+
+    with torch.no_grad():
+        t0 = time.perf_counter()
+        call(min(C, 8), 99)  # warm-up: allocator, kernels; the compiled provider compiles here
+        warm = time.perf_counter() - t0
+        if p == "native_compiled":
+            call(C, 98)  # the full-length shapes compile too
+            warm = time.perf_counter() - t0
+        _release_memory()
+        base = _rss_kib("VmRSS")
+        open("/proc/self/clear_refs", "w").write("5")
+        tokens, secs = 0, 0.0
+        for seed in range(a["repeats"]):
+            t0 = time.perf_counter()
+            tokens += call(C, seed)
+            secs += time.perf_counter() - t0
+        peak = (_rss_kib("VmHWM") - base) / 1024
+    return dict(tokens=tokens, seconds=secs, tokens_per_s=tokens / secs, peak_mem_mb=peak, warmup_s=warm)
+
+
+COLUMNS = [
+    ("workload", "workload"),
+    ("shape", "prompts x G, C"),
+    ("provider", "provider"),
+    ("tokens", "completion tokens"),
+    ("seconds", "seconds"),
+    ("tokens_per_s", "tokens/s"),
+    ("vs_hf", "vs HF generate"),
+    ("peak_mem_mb", "peak MiB"),
+    ("warmup_s", "warm-up s (compile)"),
+    ("error", "note"),
+]
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="tiny shapes (a smoke run)")
+    ap.add_argument("--workloads", default="bench,real,real8,demo")
+    ap.add_argument("--providers", default=",".join(PROVIDERS))
+    ap.add_argument("--repeats", type=int, default=2)
+    args = ap.parse_args(argv)
+    rows = []
+    for w in args.workloads.split(","):
+        shape = dict(WORKLOADS[w], **(QUICK.get(w, {}) if args.quick else {}))
+        if args.quick and w not in QUICK:
+            continue
+        for p in args.providers.split(","):
+            if p == "native_compiled" and w != "demo" and not torch.cuda.is_available():
+                continue
+            job = dict(shape, workload=w, provider=p, quick=args.quick, repeats=args.repeats)
+            t0 = time.time()
+            res = run_worker("bench_generate", job, timeout=1800)
+            row = dict(job, shape=f"{shape['prompts']} x {shape['G']}, {shape['C']}", **res)
+            rows.append(row)
+            shown = res.get("error") or f"{res['tokens_per_s']:.0f} tok/s, peak {res['peak_mem_mb']:.0f} MiB"
+            print(f"  {w:<6} {p:<16} {shown}   ({time.time() - t0:.0f}s)", flush=True)
+    for r in rows:
+        hf = next((x for x in rows if x["workload"] == r["workload"] and x["provider"] == "hf"), None)
+        if hf and "tokens_per_s" in hf and "tokens_per_s" in r:
+            r["vs_hf"] = r["tokens_per_s"] / hf["tokens_per_s"]
+    info = machine_info()
+    md = (
+        "# Rollout engines: completion tokens/s (T=1, EOS ends a sample)\n\n"
+        f"Machine: {info['cpu']} ({info['cores']} cores), torch {info['versions']['torch']}, transformers "
+        f"{info['versions']['transformers']}, commit {info['git_commit']}; {args.repeats} timed call(s) per "
+        "row after a warm-up call, each provider in its own process.\n\n"
+        + markdown_table(rows, COLUMNS)
+        + "\n"
+    )
+    name = "bench_generate" + ("_quick" if args.quick else "")
+    out = write_results(name, {"machine": info, "rows": rows, "repeats": args.repeats}, md)
+    print(md)
+    print(f"wrote {out}/{name}.{{json,md}}")
+
+
+if __name__ == "__main__":
+    if not worker_main(measure_one):
+        main(sys.argv[1:])
