@@ -35,10 +35,14 @@ from bench._utils import machine_info, markdown_table, run_worker, worker_main, 
 from grpo_fast.plotting import pyplot
 
 PROVIDERS = ["trl", "trl_liger", "trl_grpo_fast", "grpo_fast_unshared", "grpo_fast"]
+REAL_PROVIDERS = ["trl", "trl_static_cache", "trl_grpo_fast", "trl_grpo_fast_native", "grpo_fast"]
 LABELS = {
     "trl": "TRL GRPOTrainer",
     "trl_liger": "TRL + use_liger_kernel",
+    "trl_static_cache": "TRL + cache_implementation='static'",
+    "trl_continuous_batching": "TRL + use_transformers_continuous_batching",
     "trl_grpo_fast": "TRL + grpo_fast subclass",
+    "trl_grpo_fast_native": "TRL + grpo_fast subclass, rollout='native'",
     "grpo_fast_unshared": "grpo-fast, sharing off",
     "grpo_fast": "grpo-fast, sharing on",
 }
@@ -48,7 +52,37 @@ MIN_WORKER_S = 20  # a provider is not started with less time than this before -
 SHAPES = {
     "full": dict(P=512, C=128, G=8, prompts_per_step=2),
     "quick": dict(P=24, C=8, G=4, prompts_per_step=2),
+    "real": dict(P=128, C=256, G=8, prompts_per_step=2),  # P: the longest chat prompt allowed
 }
+
+
+def real_reward(completions, answer, **kwargs):
+    """Accuracy: 1 when the completion states the answer as a number, else 0 (chat or plain completions)."""
+    import re
+
+    texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+    return [float(str(a) in re.findall(r"-?\d+", t)) for t, a in zip(texts, answer)]
+
+
+def build_real_work(out: Path, n_prompts: int) -> tuple[Path, Path, int]:
+    """SmolLM2-135M-Instruct (grpo_fast.smollm2) and chat prompts with answers: small arithmetic questions,
+    phrased a few ways so that prompt lengths differ."""
+    from grpo_fast.smollm2 import build
+
+    model_dir = build()
+    g = torch.Generator().manual_seed(0)
+    forms = [
+        "What is {a} + {b}?",
+        "Compute {a} plus {b}. Explain briefly, then give the result.",
+        "A shop had {a} apples and received {b} more. How many apples does it have now? Think step by step.",
+    ]
+    data = out / "real_prompts.jsonl"
+    with data.open("w") as f:
+        for i in range(n_prompts):
+            a, b = torch.randint(10, 99, (2,), generator=g).tolist()
+            q = forms[i % len(forms)].format(a=a, b=b)
+            f.write(json.dumps({"prompt": [{"role": "user", "content": q}], "answer": a + b}) + "\n")
+    return model_dir, data, 134_515_008
 
 
 def bench_reward(completions, **kwargs):
@@ -138,7 +172,7 @@ def run_trl(a: dict) -> dict:
             import liger_kernel  # noqa: F401
         except ImportError:
             return {"skipped": "liger-kernel is not installed"}
-    base = OurTRL if a["provider"] == "trl_grpo_fast" else trl.GRPOTrainer
+    base = OurTRL if a["provider"].startswith("trl_grpo_fast") else trl.GRPOTrainer
     timings = {"gen": 0.0, "score": 0.0, "tokens": 0}
 
     class Timed(base):
@@ -199,16 +233,19 @@ def run_trl(a: dict) -> dict:
         use_cpu=device.type == "cpu",
         gradient_checkpointing=False,
         use_liger_kernel=a["provider"] == "trl_liger",
+        use_transformers_continuous_batching=a["provider"] == "trl_continuous_batching",
+        cache_implementation="static" if a["provider"] == "trl_static_cache" else None,
         disable_tqdm=True,
         seed=0,
     )
     trainer = Timed(
         model=model,
-        reward_funcs=bench_reward,
+        reward_funcs=real_reward if a.get("workload") == "real" else bench_reward,
         args=config,
         train_dataset=Dataset.from_list(rows),
         processing_class=tok,
         callbacks=[StepClock()],
+        **({"rollout": "native"} if a["provider"] == "trl_grpo_fast_native" else {}),
     )
     trainer.train()
     return {"steps": steps[a["warmup"] :], "peak_mem_mb": _peak_mib(device) - base_mib}
@@ -230,7 +267,9 @@ def run_grpo_fast(a: dict) -> dict:
     cfg = GRPOConfig(
         model=a["model_dir"],
         dataset=a["data"],
-        reward=[f"{Path(__file__).resolve()}:bench_reward"],
+        reward=[
+            f"{Path(__file__).resolve()}:{'real_reward' if a.get('workload') == 'real' else 'bench_reward'}"
+        ],
         num_generations=a["G"],
         prompts_per_step=a["prompts_per_step"],
         max_prompt_length=a["P"],
@@ -358,7 +397,8 @@ def plot_e2e(rows: list[dict], path: Path, title: str) -> None:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="tiny model and shapes (a smoke run)")
-    ap.add_argument("--providers", default=",".join(PROVIDERS))
+    ap.add_argument("--workload", default="synthetic", choices=("synthetic", "real"))
+    ap.add_argument("--providers", default=None, help="comma-separated (default: the workload's list)")
     ap.add_argument("--warmup", type=int, default=1, help="steps not counted")
     ap.add_argument("--steps", type=int, default=2, help="steps measured")
     ap.add_argument("--out-dir", default=None, help="results folder (default bench/results/<machine>)")
@@ -367,11 +407,16 @@ def main(argv=None) -> None:
         "--deadline", type=float, default=None, help="epoch seconds by which every provider must be done"
     )
     args = ap.parse_args(argv)
-    shape = SHAPES["quick" if args.quick else "full"]
+    real = args.workload == "real"
+    shape = SHAPES["real" if real else "quick" if args.quick else "full"]
+    providers = args.providers or ",".join(REAL_PROVIDERS if real else PROVIDERS)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         n_prompts = shape["prompts_per_step"] * (args.warmup + args.steps)
-        model_dir, data, model_params = build_work(Path(tmp), args.quick, shape["P"], n_prompts)
+        if real:
+            model_dir, data, model_params = build_real_work(Path(tmp), n_prompts)
+        else:
+            model_dir, data, model_params = build_work(Path(tmp), args.quick, shape["P"], n_prompts)
         base = dict(
             shape,
             model_dir=str(model_dir),
@@ -379,9 +424,10 @@ def main(argv=None) -> None:
             warmup=args.warmup,
             steps=args.steps,
             quick=args.quick,
+            workload=args.workload,
         )
         print(f"bench_e2e: {json.dumps(shape)}, warmup {args.warmup}, measured {args.steps}", flush=True)
-        for p in args.providers.split(","):
+        for p in providers.split(","):
             t0 = time.time()
             timeout = args.worker_timeout
             if args.deadline is not None:
@@ -411,10 +457,15 @@ def main(argv=None) -> None:
         if "error" in r:
             r["skipped"] = "error: " + r["error"]
     info = machine_info()
+    what = (
+        "SmolLM2-135M-Instruct, chat prompts (arithmetic questions) with answers, an accuracy reward"
+        if real
+        else "Random-init Qwen2-shaped model"
+    )
     md = (
-        f"# End-to-end GRPO step vs TRL (P={shape['P']}, C={shape['C']}, G={shape['G']}, "
-        f"{shape['prompts_per_step']} prompts/step)\n\n"
-        f"Random-init Qwen2-shaped model, {model_params / 1e6:.1f}M parameters, fp32, beta 0, loss dapo; "
+        f"# End-to-end GRPO step vs TRL ({'' if real else 'P=' + str(shape['P']) + ', '}C={shape['C']}, "
+        f"G={shape['G']}, {shape['prompts_per_step']} prompts/step)\n\n"
+        f"{what}, {model_params / 1e6:.1f}M parameters, fp32, beta 0, loss dapo; "
         f"{args.warmup} warm-up step(s), then the mean of {args.steps}. Machine: {info['cpu']} "
         f"({info['cores']} cores){', ' + info['gpu'] if 'gpu' in info else ''}, "
         f"torch {info['versions']['torch']}, "
@@ -422,7 +473,7 @@ def main(argv=None) -> None:
         + markdown_table(rows, COLUMNS)
         + "\n"
     )
-    name = "bench_e2e" + ("_quick" if args.quick else "")
+    name = "bench_e2e" + ("_real" if real else "_quick" if args.quick else "")
     out_dir = Path(args.out_dir) if args.out_dir else None
     payload = {"machine": info, "config": dict(shape, warmup=args.warmup, steps=args.steps), "rows": rows}
     payload["config"]["model_params"] = model_params

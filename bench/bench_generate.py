@@ -18,6 +18,7 @@ Each measurement: one short warm-up call, then `repeats` calls with seeds 0.. (d
 the same seeds for every provider); tokens/s = completion tokens / seconds over those calls. Sampled lengths
 differ between providers (another random stream), so a run's tokens/s, not its seconds, is compared.
 
+
 """
 
 import argparse

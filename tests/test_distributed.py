@@ -57,10 +57,11 @@ def _worker(rank, world, port, cfg):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world))
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
+    import grpo_fast.step as S
     import grpo_fast.train as T
     from grpo_fast.config import GRPOConfig
 
-    T.generate_groups = _fixed_completions
+    S.generate_groups = _fixed_completions
     T.train(GRPOConfig(**cfg))
 
 

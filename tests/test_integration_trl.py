@@ -29,7 +29,7 @@ def _reward(completions, **kwargs):
     return torch.rand(len(completions), generator=_RNG).tolist()
 
 
-def _trainer(cls, model, tmp_path, **overrides):
+def _trainer(cls, model, tmp_path, trainer_kwargs=None, **overrides):
     tok = AutoTokenizer.from_pretrained(default_task.ASSET_DIR)
     args = dict(
         output_dir=str(tmp_path / cls.__module__),
@@ -55,6 +55,7 @@ def _trainer(cls, model, tmp_path, **overrides):
             args=trl.GRPOConfig(**args),
             train_dataset=data,
             processing_class=tok,
+            **(trainer_kwargs or {}),
         )
     trainer.current_gradient_accumulation_steps = 1  # set by the training loop; _compute_loss reads it
     return trainer
@@ -171,3 +172,29 @@ def test_three_training_steps_run(base_model, tmp_path):
     losses = [r["loss"] for r in trainer.state.log_history if "loss" in r]
     assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses)))
     assert any((p.detach() - before[n]).abs().max() > 0 for n, p in model.named_parameters())
+
+
+def test_native_rollout_opt_in_generates_what_trl_generates(tmp_path):
+    # near-greedy sampling (a temperature so low that the softmax is one-hot): the native engine's completions
+    # for TRL's batch (each prompt repeated for its samples) equal TRL's own `model.generate` ones
+    model = AutoModelForCausalLM.from_pretrained(default_task.ASSET_DIR)
+    trl_gen = _trainer(integ.GRPOTrainer, model, tmp_path, temperature=1e-4)
+    native = _trainer(integ.GRPOTrainer, model, tmp_path / "n", {"rollout": "native"}, temperature=1e-4)
+    tok = trl_gen._tokenizer
+    texts = [r["prompt"] for r in default_task.dataset_rows("train")[:3]]
+    prompts = [tok(t, add_special_tokens=False).input_ids for t in texts for _ in range(2)]
+    calls = []
+    orig = integ.generate_groups
+    integ.generate_groups = lambda *a, **k: calls.append(k) or orig(*a, **k)
+    try:
+        got, _ = native._generate_single_turn(prompts, None, {}, 2)
+    finally:
+        integ.generate_groups = orig
+    ref, _ = trl_gen._generate_single_turn(prompts, None, {}, 2)
+    assert calls and calls[0]["share_prefix"] is True and calls[0]["engine"] == "native"
+    assert got == ref and len({len(c) for c in got}) >= 1
+    # and it trains: two steps through TRL's loop with our generation
+    native.train()
+    assert native.state.global_step == 3
+    with pytest.raises(ValueError, match="rollout must be 'trl'"):
+        integ.GRPOTrainer(model=model, reward_funcs=_reward, rollout="vllm")

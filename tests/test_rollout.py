@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+from grpo_fast.kernels import fused_linear_logprobs
 from transformers import (
     GPT2Config,
     GPT2LMHeadModel,
@@ -17,7 +18,6 @@ from transformers import (
 )
 
 import grpo_fast.rollout.native as native
-from grpo_fast.kernels import fused_linear_logprobs
 from grpo_fast.model_parts import lm_head_of
 from grpo_fast.rollout import generate_groups
 from grpo_fast.rollout.native import draw
@@ -131,8 +131,17 @@ def test_sampling_is_reproducible_with_a_generator():
     ids, mask = _prompts()
     runs = [
         generate_groups(
-            model, ids, mask, 4, 16, temperature=1.0, top_p=0.9, top_k=20, eos_token_id=EOS,
-            generator=torch.Generator().manual_seed(5), engine="native",
+            model,
+            ids,
+            mask,
+            4,
+            16,
+            temperature=1.0,
+            top_p=0.9,
+            top_k=20,
+            eos_token_id=EOS,
+            generator=torch.Generator().manual_seed(5),
+            engine="native",
         )  # fmt: skip
         for _ in range(2)
     ]

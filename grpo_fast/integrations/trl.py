@@ -11,9 +11,15 @@ What changes (TRL 1.16):
   left padding does not move anything);
 - reference and old log-probs come from `fused_linear_logprobs` on the same hidden states.
 
-What does not change: generation, rewards, advantages, logging, checkpoints, accelerate. Anything this path
-does not cover (loss types beyond grpo/bnpo/dr_grpo/dapo, entropy masking or bonus, delta clipping, the
-off-policy mask, vLLM importance-sampling correction, MoE aux losses, multimodal inputs, logit scaling or
+Opt-in: `GRPOTrainer(..., rollout="native")` generates with grpo-fast's native engine (static KV cache, each
+prompt prefilled once per group, no per-token host sync; `grpo_fast.rollout`) instead of TRL's
+`model.generate`; what it does not cover (vLLM, continuous batching, multimodal prompts or tools, min_p,
+repetition penalty, a model it does not support, a distributed wrapper) keeps TRL's generation, with a
+warning saying why.
+
+What does not change: generation (by default), rewards, advantages, logging, checkpoints, accelerate. Anything
+this path does not cover (loss types beyond grpo/bnpo/dr_grpo/dapo, entropy masking or bonus, delta clipping,
+the off-policy mask, vLLM importance-sampling correction, MoE aux losses, multimodal inputs, logit scaling or
 soft-capping, a model wrapped or sharded for distributed training: DDP, FSDP, ZeRO-3) runs TRL's own code,
 with a one-line warning saying why. Metrics: kl and clip_ratio/{low,high,region}_mean as TRL's; `entropy`,
 clip_ratio/low_min and clip_ratio/high_max are not logged on the fused path (entropy would cost one more pass
@@ -27,6 +33,7 @@ import trl
 
 from ..kernels import fused_linear_grpo_loss, fused_linear_logprobs
 from ..model_parts import decoder_of, lm_head_of
+from ..rollout import generate_groups, native
 from ..shared_prefix import shared_prefix_forward
 
 FUSED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
@@ -60,8 +67,13 @@ def equal_groups(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor):
 class GRPOTrainer(trl.GRPOTrainer):
     __doc__ = (trl.GRPOTrainer.__doc__ or "") + "\n\n(grpo-fast: " + __doc__.split("\n\n")[1] + ")"
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, rollout: str = "trl", **kwargs):
+        if rollout not in ("trl", "native"):
+            raise ValueError(
+                f"rollout must be 'trl' (TRL's generation) or 'native' (grpo-fast's), got {rollout!r}"
+            )
         super().__init__(*args, **kwargs)
+        self.grpo_fast_rollout = rollout
         self.fused_fallback_reason = self._config_fallback_reason()
         self._fallback_warned = set()
         if self.fused_fallback_reason:
@@ -123,6 +135,56 @@ class GRPOTrainer(trl.GRPOTrainer):
         if why not in self._fallback_warned:
             self._fallback_warned.add(why)
             warnings.warn(f"grpo_fast GRPOTrainer: TRL's own loss path runs because of {why}", stacklevel=3)
+
+    # ---------------------------------------------------------------------------------------------------
+    # Generation with the native engine (opt-in)
+    # ---------------------------------------------------------------------------------------------------
+    def _native_rollout_reason(self, images, multimodal_fields, has_tool_images) -> str | None:
+        model = self.accelerator.unwrap_model(self.model)
+        checks = [
+            (self.use_vllm, "vLLM generation"),
+            (self.use_transformers_continuous_batching, "continuous batching"),
+            (bool(images) or bool(multimodal_fields) or has_tool_images, "multimodal prompts"),
+            (self.min_p is not None, "min_p"),
+            (self.repetition_penalty not in (None, 1.0), "a repetition penalty"),
+            (model is not self.model or self._sharded_reason(model) is not None, "a distributed wrapper"),
+        ]
+        why = next((why for bad, why in checks if bad), None)
+        return why or native.unsupported_reason(model)
+
+    def _generate_single_turn(
+        self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False
+    ):
+        if self.grpo_fast_rollout != "native":
+            return super()._generate_single_turn(
+                prompt_ids, images, multimodal_fields, num_generations, has_tool_images
+            )
+        why = self._native_rollout_reason(images, multimodal_fields, has_tool_images)
+        if why:
+            if why not in self._fallback_warned:
+                self._fallback_warned.add(why)
+                warnings.warn(f"grpo_fast GRPOTrainer: TRL's generation runs because of {why}", stacklevel=2)
+            return super()._generate_single_turn(
+                prompt_ids, images, multimodal_fields, num_generations, has_tool_images
+            )
+        device = self.accelerator.device
+        # TRL repeats each prompt for its samples, consecutively: runs of equal rows are one group
+        G = 1
+        while G < len(prompt_ids) and prompt_ids[G] == prompt_ids[0]:
+            G += 1
+        if len(prompt_ids) % G or any(prompt_ids[i] != prompt_ids[i - i % G] for i in range(len(prompt_ids))):
+            G = 1
+        unique = prompt_ids[::G]
+        P = max(len(p) for p in unique)
+        pad = self._tokenizer.pad_token_id or 0
+        ids = torch.tensor([[pad] * (P - len(p)) + list(p) for p in unique], device=device)
+        mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in unique], device=device)
+        completion, cmask = generate_groups(
+            self.accelerator.unwrap_model(self.model), ids, mask, G, self.max_completion_length,
+            temperature=self.temperature, top_p=self.top_p if self.top_p is not None else 1.0,
+            top_k=self.top_k or 0, eos_token_id=list(self.eos_token_ids), share_prefix=G > 1, engine="native",
+        )  # fmt: skip
+        return [c[m.bool()].tolist() for c, m in zip(completion.cpu(), cmask.cpu())], None
 
     # ---------------------------------------------------------------------------------------------------
     # Hidden states and log-probs without logits

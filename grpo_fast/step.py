@@ -1,0 +1,307 @@
+"""One GRPO step in its phases: rollout -> rewards and group advantages -> optimization -> its log record.
+
+Each phase is a function of the run (grpo_fast.train.Run) and the previous phase's result; `grpo_fast.train`
+calls them in order. Distributed (torchrun), each rank runs them on its share of the global batch: rewards are
+all-gathered so that advantages are the global batch's, and the dapo token count is all-reduced.
+"""
+
+import math
+import resource
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+
+from .config import GRPOConfig
+from .data import render_prompt
+from .distributed import DistInfo, all_done, all_gather_rows, all_sum, full_tensor, gradient_sync
+from .kernels import fused_linear_grpo_loss, fused_linear_logprobs, group_advantages
+from .model_parts import lm_head_of
+from .modeling import completion_hidden_states
+from .rewards import score
+from .rollout import generate_groups
+
+
+@dataclass
+class Rollout:
+    texts: list  # the prompts as rendered (chat template applied)
+    prompt_ids: torch.Tensor  # (n, P) left-padded
+    prompt_mask: torch.Tensor
+    completion_ids: torch.Tensor  # (n * G, C)
+    completion_mask: torch.Tensor
+
+
+@dataclass
+class Scored:
+    scores: object  # rewards.Scores of this rank's completions
+    all_rewards: torch.Tensor  # (global n * G,) weighted rewards, NaN where no function scored
+    advantages: torch.Tensor  # (n * G,) this rank's
+    loss_mask: torch.Tensor  # (n * G, C) completion mask minus failed / truncated samples
+
+
+# --------------------------------------------------------------------------------------------------------
+# 1. rollout
+# --------------------------------------------------------------------------------------------------------
+def encode_prompts(rows, tokenizer, max_prompt_length, device):
+    texts = [render_prompt(r["prompt"], tokenizer) for r in rows]
+    tokenizer.padding_side, tokenizer.truncation_side = "left", "left"
+    enc = tokenizer(
+        texts,
+        return_tensors="pt",
+        padding=True,
+        truncation=True,
+        max_length=max_prompt_length,
+        add_special_tokens=False,
+    )
+    return texts, enc.input_ids.to(device), enc.attention_mask.to(device)
+
+
+def engine_options(cfg: GRPOConfig) -> dict:
+    """The rollout engine and its compile setting, as `generate_groups` takes them."""
+    return {"engine": cfg.rollout, "compile": {"auto": "auto", "on": True, "off": False}[cfg.rollout_compile]}
+
+
+def rollout(run, rows) -> Rollout:
+    """G completions for each of `rows`' prompts, sampled by the policy (eval mode, no grad)."""
+    cfg = run.cfg
+    texts, p_ids, p_mask = encode_prompts(rows, run.tokenizer, cfg.max_prompt_length, run.device)
+    run.policy.eval()
+    with torch.no_grad():
+        c_ids, c_mask = run.policy(
+            generate_groups,
+            p_ids,
+            p_mask,
+            cfg.num_generations,
+            cfg.max_completion_length,
+            temperature=cfg.temperature,
+            top_p=cfg.top_p,
+            top_k=cfg.top_k,
+            eos_token_id=run.tokenizer.eos_token_id,
+            share_prefix=cfg.share_prefix,
+            generator=run.generator,
+            all_done=(lambda done: all_done(done, run.dist)) if run.dist.on else None,
+            **engine_options(cfg),
+        )
+    return Rollout(texts, p_ids, p_mask, c_ids, c_mask)
+
+
+# --------------------------------------------------------------------------------------------------------
+# 2. rewards and advantages
+# --------------------------------------------------------------------------------------------------------
+def reward_columns(rows, G, completion_ids, completion_mask):
+    """Every dataset column but `prompt`, repeated per completion, plus the completions' token ids."""
+    cols = {k: [r[k] for r in rows for _ in range(G)] for k in rows[0] if k != "prompt"}
+    cols["completion_ids"] = [ids[m.bool()].tolist() for ids, m in zip(completion_ids, completion_mask)]
+    return cols
+
+
+def advantages_of(rewards: torch.Tensor, G: int, scale: str) -> torch.Tensor:
+    """Group advantages; samples no reward function scored (NaN) get 0 and do not move their group."""
+    nan = rewards.isnan()
+    if nan.any():
+        groups = rewards.view(-1, G)
+        fill = torch.nan_to_num(groups.nanmean(dim=1, keepdim=True), nan=0.0).expand_as(groups)
+        rewards = torch.where(groups.isnan(), fill, groups).reshape(-1)
+    adv = group_advantages(rewards, G, scale=scale)
+    return adv.masked_fill(nan.to(adv.device), 0.0)
+
+
+def score_rollout(run, rows, ro: Rollout) -> Scored:
+    """Rewards of this rank's completions, group advantages over the global batch, the loss mask."""
+    cfg, G, dist = run.cfg, run.cfg.num_generations, run.dist
+    completions = run.tokenizer.batch_decode(ro.completion_ids * ro.completion_mask, skip_special_tokens=True)
+    scores = score(
+        run.reward_funcs,
+        run.reward_weights,
+        [t for t in ro.texts for _ in range(G)],
+        completions,
+        reward_columns(rows, G, ro.completion_ids, ro.completion_mask),
+        on_error=cfg.on_reward_error,
+    )
+    all_rewards = all_gather_rows(scores.rewards.to(run.device), dist)
+    mine = slice(dist.rank * len(completions), (dist.rank + 1) * len(completions))
+    advantages = advantages_of(all_rewards, G, cfg.scale_rewards)[mine]
+    loss_mask = ro.completion_mask.clone()
+    loss_mask[scores.failed.to(run.device)] = 0
+    if cfg.mask_truncated_completions:
+        ended = (ro.completion_ids == run.tokenizer.eos_token_id) & ro.completion_mask.bool()
+        loss_mask[~ended.any(dim=1)] = 0
+    return Scored(scores, all_rewards, advantages, loss_mask)
+
+
+# --------------------------------------------------------------------------------------------------------
+# 3. optimization
+# --------------------------------------------------------------------------------------------------------
+@torch.no_grad()
+def sequence_logps(model, batch, cfg: GRPOConfig):
+    """Per-token log-probs (no grad) of the completions, through the fused kernel (old / reference)."""
+    hidden = completion_hidden_states(model, *batch, share_prefix=cfg.share_prefix)
+    head = lm_head_of(model)
+    return fused_linear_logprobs(hidden, head.weight, batch[2], bias=head.bias, temperature=cfg.temperature)
+
+
+def policy_loss(model, batch, loss_mask, advantages, old_logps, ref_logps, cfg: GRPOConfig, n_items):
+    """The GRPO loss of one micro-batch, from the policy's last hidden states through the fused kernel."""
+    hidden = completion_hidden_states(model, *batch, share_prefix=cfg.share_prefix)
+    head = lm_head_of(model)
+    return fused_linear_grpo_loss(
+        hidden,
+        head.weight,
+        batch[2],
+        loss_mask,
+        advantages,
+        bias=head.bias,
+        temperature=cfg.temperature,
+        old_logps=old_logps,
+        ref_logps=ref_logps,
+        beta=cfg.beta,
+        epsilon_low=cfg.epsilon,
+        epsilon_high=cfg.epsilon_high,
+        loss_type=cfg.loss_type,
+        importance_sampling_level=cfg.importance_sampling_level,
+        max_completion_length=cfg.max_completion_length,
+        num_items_in_batch=n_items,
+    )
+
+
+def optimize(run, ro: Rollout, sc: Scored) -> tuple[dict, float]:
+    """`num_iterations` optimizer steps on the clipped loss; old / reference log-probs only when needed.
+    Returns the step's metrics (summed over micro-batches) and the last gradient norm."""
+    cfg, G, dist, device = run.cfg, run.cfg.num_generations, run.dist, run.device
+    # dapo divides by the active tokens of all ranks; DDP / FSDP average the ranks' gradients: / world
+    n_items = all_sum(sc.loss_mask.sum().float(), dist).clamp(min=1) / dist.world
+    # micro-batches of whole groups: (prompts, their G completions each)
+    n = ro.prompt_ids.shape[0]
+    micro_prompts = torch.arange(n, device=device).chunk(cfg.gradient_accumulation_steps)
+    micro = [(pi[:, None] * G + torch.arange(G, device=device)).reshape(-1) for pi in micro_prompts]
+    batches = [
+        (ro.prompt_ids[pi], ro.prompt_mask[pi], ro.completion_ids[i], ro.completion_mask[i])
+        for pi, i in zip(micro_prompts, micro)
+    ]
+    with torch.no_grad():
+        old = [run.policy(sequence_logps, b, cfg) for b in batches] if cfg.num_iterations > 1 else None
+        ref = None
+        if cfg.beta != 0.0:
+            ctx = run.model.disable_adapter() if run.info["lora"] else nullcontext()
+            with ctx:
+                ref = [(run.ref_policy or run.policy)(sequence_logps, b, cfg) for b in batches]
+    run.policy.train()
+    dapo = cfg.loss_type == "dapo"  # already normalized over the whole step; the others average micro-batches
+    for _ in range(cfg.num_iterations):
+        metrics = {}
+        for k, (i, b) in enumerate(zip(micro, batches)):
+            with gradient_sync(run.policy, k == len(micro) - 1):
+                loss, m = run.policy(
+                    policy_loss,
+                    b,
+                    sc.loss_mask[i],
+                    sc.advantages[i],
+                    old[k] if old else None,
+                    ref[k] if ref else None,
+                    cfg,
+                    n_items,
+                )
+                (loss if dapo else loss / len(micro)).backward()
+            metrics["loss"] = metrics.get("loss", 0.0) + loss.detach() * (1 if dapo else 1 / len(micro))
+            for key, v in m.items():
+                metrics[key] = metrics.get(key, 0.0) + v.detach() / len(micro)
+        grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(run.params, cfg.max_grad_norm)).item()
+        run.optimizer.step()
+        run.scheduler.step()
+        run.optimizer.zero_grad(set_to_none=True)
+        run.step += 1
+    return metrics, grad_norm
+
+
+# --------------------------------------------------------------------------------------------------------
+# 4. the step's record
+# --------------------------------------------------------------------------------------------------------
+def reduce_metrics(metrics: dict, n_active, dist: DistInfo) -> dict:
+    """One value per metric for the global batch: the loss is already a share of the global loss (mean over
+    ranks, as the gradients); per-token metrics (kl, clip ratios) are weighted by each rank's active
+    tokens."""
+    keys = sorted(metrics)
+    vals = torch.stack([torch.as_tensor(metrics[k], dtype=torch.float32) for k in keys]).to(n_active.device)
+    is_loss = torch.tensor([k == "loss" for k in keys], device=vals.device)
+    weights = torch.where(is_loss, 1.0, n_active.float())
+    totals = all_sum(torch.cat([vals * weights, weights]), dist)
+    return dict(zip(keys, (totals[: len(keys)] / totals[len(keys) :].clamp(min=1e-12)).tolist()))
+
+
+def peak_mem_mb(device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def step_record(run, ro: Rollout, sc: Scored, metrics: dict, grad_norm: float, times) -> dict:
+    """The metrics.jsonl record of a step: the loss summed over ranks' shares, token metrics weighted by each
+    rank's active tokens, rewards and tokens of the global batch. `times`: clock at start, after rollout,
+    after scoring, at the end."""
+    t0, t1, t2, t3 = times
+    dist, G = run.dist, run.cfg.num_generations
+    metrics = reduce_metrics(metrics, sc.loss_mask.sum(), dist)
+    all_scores = all_gather_rows(sc.scores.per_func.to(run.device), dist).cpu()
+    counts = all_sum(
+        torch.stack([ro.prompt_mask.sum() * G + ro.completion_mask.sum(), ro.completion_mask.sum()]).float(),
+        dist,
+    )
+    n_tokens, n_completion_tokens = counts.tolist()  # tokens as if unshared: comparable across modes
+    rewards = sc.all_rewards
+    valid = rewards[~rewards.isnan()]
+    return {
+        "step": run.step,
+        "reward_mean": float(rewards.nanmean()),
+        "reward_std": float(valid.std()) if len(valid) > 1 else 0.0,
+        **{f"rewards/{n}_mean": float(all_scores[:, j].nanmean()) for j, n in enumerate(run.reward_names)},
+        "kl": metrics.get("kl", 0.0),
+        "clip_ratio": metrics["clip_ratio"],
+        "loss": metrics["loss"],
+        "grad_norm": grad_norm,
+        "completion_len_mean": n_completion_tokens / len(rewards),
+        "tokens_per_s": n_tokens / (t3 - t0),
+        "peak_mem_mb": peak_mem_mb(run.device),
+        "lr": run.scheduler.get_last_lr()[0],
+        "time_generate_s": t1 - t0,
+        "time_reward_s": t2 - t1,
+        "time_train_s": t3 - t2,
+        "elapsed_s": run.elapsed_train,
+    }
+
+
+# --------------------------------------------------------------------------------------------------------
+# Held-out evaluation
+# --------------------------------------------------------------------------------------------------------
+@torch.no_grad()
+def evaluate(policy, tokenizer, rows, reward_funcs, cfg, device, dist: DistInfo | None = None) -> dict:
+    """Greedy accuracy on held-out prompts: the share whose first reward function pays its full 1.0.
+    Distributed, each rank takes every world-th prompt; all ranks run the same number of chunks."""
+    dist = dist or DistInfo()
+    policy.eval()
+    mine = rows[dist.rank :: dist.world]
+    n_chunks = math.ceil(len(rows) / (64 * dist.world))
+    hits = total = 0
+    for k in range(n_chunks):
+        chunk = mine[k * 64 : (k + 1) * 64]
+        counted = len(chunk)
+        chunk = chunk or rows[:1]  # a rank with nothing left still steps with the others (FSDP)
+        texts, ids, mask = encode_prompts(chunk, tokenizer, cfg.max_prompt_length, device)
+        comp, cmask = policy(
+            generate_groups,
+            ids,
+            mask,
+            1,
+            cfg.max_completion_length,
+            temperature=0.0,
+            eos_token_id=tokenizer.eos_token_id,
+            share_prefix=False,
+            all_done=(lambda done: all_done(done, dist)) if dist.on else None,
+            **engine_options(cfg),
+        )
+        completions = tokenizer.batch_decode(comp * cmask, skip_special_tokens=True)
+        cols = reward_columns(chunk, 1, comp, cmask)
+        values = score(reward_funcs[:1], [1.0], texts, completions, cols, on_error="skip").per_func[:, 0]
+        hits += int((values[:counted] >= 1.0 - 1e-6).sum())
+        total += counted
+    hits, total = all_sum(torch.tensor([hits, total], device=device), dist).tolist()
+    return {"eval_accuracy": hits / max(1, total), "eval_samples": int(total)}
