@@ -49,6 +49,54 @@ def group_layout(prompt_mask, completion_mask, G):
     return pos, mask[:, None]
 
 
+def packed_group_layout(prompt_mask, completion_mask, G):
+    """The grouped layout with real tokens only: per group its prompt's tokens, then each completion's,
+    padded at the end to the longest group (completions of one batch vary a lot in length: on SmolLM2 chat
+    rollouts, 60% of a batch-padded layout was padding).
+
+    Returns (src, pos, mask, pred): `src` (n, L) indices into the flat token pool [prompt_ids (n * P);
+    completion_ids (n * G * C)] (0 on padding), RoPE positions (n, L), the 4D boolean mask (n, 1, L, L), and
+    `pred` (n * G, C) indices into the flat (n * L) hidden states of the state predicting each completion
+    token (0 beyond a completion's end)."""
+    n, P = prompt_mask.shape
+    C = completion_mask.shape[1]
+    device = prompt_mask.device
+    lens = completion_mask.long().sum(1).tolist()
+    groups = []
+    for i in range(n):
+        p_idx = torch.nonzero(prompt_mask[i]).squeeze(1)
+        p_len = len(p_idx)
+        src, pos, seg = [i * P + p_idx], [torch.arange(p_len, device=device)], [torch.full((p_len,), -1)]
+        for g in range(G):
+            s = i * G + g
+            src.append(n * P + s * C + torch.arange(lens[s], device=device))
+            pos.append(p_len + torch.arange(lens[s], device=device))
+            seg.append(torch.full((lens[s],), g))
+        groups.append((torch.cat(src), torch.cat(pos), torch.cat(seg).to(device), p_len))
+    L = max(len(x[0]) for x in groups)
+    src = torch.zeros(n, L, dtype=torch.long, device=device)
+    pos = torch.zeros(n, L, dtype=torch.long, device=device)
+    seg = torch.full((n, L), -2, dtype=torch.long, device=device)  # -2: padding
+    pred = torch.zeros(n * G, C, dtype=torch.long, device=device)
+    for i, (s_i, p_i, g_i, p_len) in enumerate(groups):
+        k = len(s_i)
+        src[i, :k], pos[i, :k], seg[i, :k] = s_i, p_i, g_i
+        start = p_len
+        for g in range(G):
+            s, ln = i * G + g, lens[i * G + g]
+            if ln:  # token 0 is predicted by the prompt's last state, token j by completion token j - 1
+                pred[s, :ln] = i * L + torch.cat(
+                    [torch.tensor([p_len - 1], device=device), start + torch.arange(ln - 1, device=device)]
+                )
+            start += ln
+    idx = torch.arange(L, device=device)
+    causal = idx[None, :] <= idx[:, None]
+    same_or_prompt = (seg[:, None, :] == seg[:, :, None]) | (seg[:, None, :] == -1)
+    mask = causal[None] & same_or_prompt & (seg[:, None, :] != -2)
+    mask = mask | torch.eye(L, dtype=torch.bool, device=device)[None]  # padding rows see themselves
+    return src, pos, mask[:, None], pred
+
+
 def _varlen_attention_reference(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=None, causal=True):
     """flash_attn_varlen_func's contract in PyTorch: packed q (total_q, h, d), k/v (total_k, kvh, d), causal
     aligned bottom-right (query i of a sequence sees keys up to len_k - len_q + i). The CPU path and the
@@ -140,16 +188,24 @@ def shared_prefix_forward(model, prompt_ids, prompt_mask, completion_ids, comple
     if attention not in ("auto", "mask", "varlen"):
         raise ValueError(f"attention must be 'auto', 'mask' or 'varlen', got {attention!r}")
     G = rows // n
-    ids = torch.cat([prompt_ids, completion_ids.reshape(n, G * C)], dim=1)
-    pos, mask = group_layout(prompt_mask, completion_mask, G)
     impl = getattr(model.config, "_attn_implementation", "sdpa")
     if attention == "auto":
         attention = "varlen" if str(impl).startswith("flash_attention") else "mask"
+    if attention == "mask":  # real tokens only, each group one row (see packed_group_layout)
+        src, pos, mask, pred = packed_group_layout(prompt_mask, completion_mask, G)
+        pool = torch.cat([prompt_ids.reshape(-1), completion_ids.reshape(-1)])
+        ctx = attention_implementation(model, "sdpa") if impl not in ("sdpa", "eager") else nullcontext()
+        with ctx:
+            out = decoder_of(model)(
+                input_ids=pool[src], attention_mask=mask, position_ids=pos, use_cache=False
+            )
+        hidden = out.last_hidden_state.reshape(-1, out.last_hidden_state.shape[-1])
+        return hidden[pred.reshape(-1)].view(n * G, C, -1)
+    ids = torch.cat([prompt_ids, completion_ids.reshape(n, G * C)], dim=1)
+    pos, mask = group_layout(prompt_mask, completion_mask, G)
     if attention == "varlen":
         _state.grouped = _grouped_packing(prompt_mask, G, C)
         ctx, mask = attention_implementation(model, GROUPED_ATTN_NAME), None
-    else:  # a 4D mask: eager and SDPA take one
-        ctx = attention_implementation(model, "sdpa") if impl not in ("sdpa", "eager") else nullcontext()
     try:
         with ctx:
             hidden = decoder_of(model)(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False)

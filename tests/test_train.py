@@ -297,6 +297,7 @@ def test_unreadable_model_path(tmp_path):
         (["--loss-type", "ppo"], "argument --loss-type: invalid choice: 'ppo'"),
         (["--num-generations", "two"], "argument --num-generations: invalid int value"),
         (["--scale-rewards", "global"], "argument --scale-rewards: invalid choice"),
+        (["--rollout", "vllm-ish"], "argument --rollout: invalid choice: 'vllm-ish'"),
         (["--no-such-flag", "1"], "unrecognized arguments: --no-such-flag"),
     ],
 )
@@ -315,6 +316,7 @@ def test_unknown_flag_values(argv, words, capsys):
         (["--reward", "format", "--reward-weights", "1", "2"], "reward_weights has 2 values for 1"),
         (["--reward", "nonsense"], "--reward 'nonsense': expected a built-in"),
         (["--dist-timeout-s", "0"], "dist_timeout_s must be > 0"),
+        (["--num-generations", "1"], "num_generations must be >= 2, got 1: .*every advantage is 0"),
     ]
     + ([] if torch.cuda.is_available() else [(["--liger-kernels"], "--liger-kernels: .* need a CUDA")]),
 )
