@@ -45,20 +45,26 @@ test: setup setup-bare smollm2
 demo: setup
 	$(VPY) -m grpo_fast.train --output-dir runs/demo --overwrite-output-dir
 
-# about 17 minutes on a 2-core CPU: kernels at one size, two shared-prefix points, end to end vs TRL, report
-bench: setup
+# under 20 minutes on a 2-core CPU: kernels at one size, one shared-prefix point, the rollout engines on three
+# workloads, end to end vs TRL on the synthetic and the real (SmolLM2) workload, report
+bench: setup smollm2
 	$(VPY) -m bench.bench_loss --ns 1024 --repeats 1
 	$(VPY) -m bench.bench_logprobs --ns 1024 --repeats 1
-	$(VPY) -m bench.bench_prefix --points 512:64:8,2048:64:8 --repeats 1
-	$(VPY) -m bench.bench_e2e
+	$(VPY) -m bench.bench_prefix --points 512:64:8 --repeats 1
+	$(VPY) -m bench.bench_generate --workloads bench,real,demo --repeats 1
+	$(VPY) -m bench.bench_e2e --providers trl,trl_grpo_fast,grpo_fast_unshared,grpo_fast --steps 1
+	$(VPY) -m bench.bench_e2e --workload real --providers trl,grpo_fast --steps 1
 	$(VPY) -m bench.report
 
 # the whole grids (an hour or more on a CPU)
-bench-full: setup
+bench-full: setup smollm2
 	$(VPY) -m bench.bench_loss
 	$(VPY) -m bench.bench_logprobs
 	$(VPY) -m bench.bench_prefix --full
+	$(VPY) -m bench.bench_generate
 	$(VPY) -m bench.bench_e2e --steps 3
+	$(VPY) -m bench.bench_e2e --workload real \
+		--providers trl,trl_static_cache,trl_continuous_batching,trl_grpo_fast,trl_grpo_fast_native,grpo_fast
 	$(VPY) -m bench.report
 
 # Wheels the GPU suite installs on the bare GPU machine (Python 3.12, no network) for its TRL and Liger rows:
