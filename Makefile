@@ -20,6 +20,10 @@ $(STAMP): pyproject.toml
 	$(VPY) -m pip install -q --upgrade pip
 	$(VPY) -m pip install -q torch==2.13.0
 	$(VPY) -m pip install -q -e ".[test,bench]"
+	@# the code reward's OS sandbox (bubblewrap), where this machine lets us install it
+	command -v bwrap >/dev/null || apt-get install -y -q bubblewrap >/dev/null 2>&1 \
+		|| (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q bubblewrap >/dev/null 2>&1) \
+		|| echo "note: bubblewrap is not installed: code rewards need it (or --allow-unsandboxed-code)"
 	touch $(STAMP)
 
 setup-bare: $(BARE_STAMP)
@@ -38,21 +42,21 @@ smollm2: setup
 
 test: setup setup-bare smollm2
 	$(VPY) -m ruff check kernels grpo_fast tests bench scripts
-	GRPO_FAST_BARE_PYTHON=$(CURDIR)/$(BARE)/bin/python $(VPY) -m pytest tests
+	GRPO_FAST_BARE_PYTHON=$(CURDIR)/$(BARE)/bin/python GRPO_FAST_REQUIRE_SANDBOX=1 $(VPY) -m pytest tests
 	$(BARE)/bin/python -m pytest -m transformers_range tests/test_shared_prefix.py tests/test_real_model.py \
 		tests/test_rollout.py
 
 demo: setup
 	$(VPY) -m grpo_fast.train --output-dir runs/demo --overwrite-output-dir
 
-# under 20 minutes on a 2-core CPU: kernels at one size, one shared-prefix point, the rollout engines on three
-# workloads, end to end vs TRL on the synthetic and the real (SmolLM2) workload, report
+# under 20 minutes on a 2-core CPU: the kernels against their main alternatives at one size, the rollout
+# engines on three workloads, end to end vs TRL on the synthetic and the real (SmolLM2) workload, report.
+# bench-full has every provider, the shared-prefix grid and more steps (over an hour).
 bench: setup smollm2
-	$(VPY) -m bench.bench_loss --ns 1024 --repeats 1
-	$(VPY) -m bench.bench_logprobs --ns 1024 --repeats 1
-	$(VPY) -m bench.bench_prefix --points 512:64:8 --repeats 1
+	$(VPY) -m bench.bench_loss --ns 1024 --repeats 1 --providers naive,liger,grpo_fast
+	$(VPY) -m bench.bench_logprobs --ns 1024 --repeats 1 --providers naive,cce_torch_compile,grpo_fast
 	$(VPY) -m bench.bench_generate --workloads bench,real,demo --repeats 1
-	$(VPY) -m bench.bench_e2e --providers trl,trl_grpo_fast,grpo_fast_unshared,grpo_fast --steps 1
+	$(VPY) -m bench.bench_e2e --providers trl,grpo_fast --steps 1
 	$(VPY) -m bench.bench_e2e --workload real --providers trl,grpo_fast --steps 1
 	$(VPY) -m bench.report
 
