@@ -69,7 +69,9 @@ def git_commit() -> str | None:
     try:
         git = dict(cwd=ROOT, capture_output=True, text=True, check=True)
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], **git).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], **git).stdout.strip()
+        # results the benchmarks themselves rewrite do not make the measured code dirty
+        status = ["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":!bench/results"]
+        dirty = subprocess.run(status, **git).stdout.strip()
         return head + ("-dirty" if dirty else "")
     except Exception:  # noqa: BLE001 - no git, or not a checkout
         return None

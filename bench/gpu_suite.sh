@@ -10,7 +10,7 @@ repo="$(cd "$(dirname "$0")/.." && pwd)"
 out="$(mkdir -p "${1:-$repo/bench/results/h200}" && cd "${1:-$repo/bench/results/h200}" && pwd)"
 shift || true
 if [ -z "${GRPO_FAST_GIT_COMMIT:-}" ] && head="$(git -C "$repo" rev-parse --short HEAD 2>/dev/null)"; then
-  dirty="$(git -C "$repo" status --porcelain --untracked-files=no 2>/dev/null)"
+  dirty="$(git -C "$repo" status --porcelain --untracked-files=no -- . ':!bench/results' 2>/dev/null)"
   GRPO_FAST_GIT_COMMIT="$head${dirty:+-dirty}"
 fi
 export GRPO_FAST_GIT_COMMIT="${GRPO_FAST_GIT_COMMIT:-unknown}"

@@ -39,6 +39,9 @@ class GRPOConfig:
         None, "reward function: built-in name or path/file.py:func (repeatable)", action="append"
     )
     reward_weights: list = _f(None, "one weight per reward function (default 1 each)", nargs="+", type=float)
+    allow_unsandboxed_code: bool = _f(
+        False, "run the code reward without its OS sandbox (bubblewrap) when that is missing: limits only"
+    )
     on_reward_error: str = _f(
         "raise",
         "a failing reward function stops training, or its samples are dropped",

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from .sandbox import SandboxLimits, run_tests
+from .sandbox import SandboxLimits, SandboxUnavailable, check_available, run_many
 
 
 class RewardError(ValueError):
@@ -149,14 +149,24 @@ def extract_code(completion: str) -> str:
     return blocks[-1] if blocks else text
 
 
-def code_reward(prompts, completions, tests, limits: SandboxLimits = SandboxLimits(), **_):
-    """Fraction of the sample's `tests` (a list of assert snippets, or one string) passed by the completion's
-    code, run in the sandbox; tests without any `assert` pay nothing."""
-    out = []
-    for comp, t in zip(completions, tests):
-        t_list = [t] if isinstance(t, str) else list(t or [])
-        out.append(run_tests(extract_code(_to_text(comp)), t_list, limits))
-    return out
+def _test_list(t) -> list:
+    """A sample's `tests` as a list: assert snippets, or stdin/stdout cases ({"input", "output"}); also one
+    snippet as a string, or {"inputs": [...], "outputs": [...]} (competitive-programming data sets)."""
+    if isinstance(t, str):
+        return [t]
+    if isinstance(t, dict) and "inputs" in t and "outputs" in t:
+        return [{"input": i, "output": o} for i, o in zip(t["inputs"], t["outputs"])]
+    return list(t or [])
+
+
+def code_reward(
+    prompts, completions, tests, limits: SandboxLimits = SandboxLimits(), allow_unsandboxed=False, **_
+):
+    """Fraction of the sample's `tests` passed by the completion's code (its last fenced Python block), run
+    in the OS sandbox (grpo_fast/sandbox.py: completions in parallel, verdicts decided outside); tests that
+    cannot fail pay nothing."""
+    jobs = [(extract_code(_to_text(c)), _test_list(t)) for c, t in zip(completions, tests)]
+    return run_many(jobs, limits, allow_unsandboxed=allow_unsandboxed)
 
 
 def shop_answer_reward(prompts, completions, answer, **kw):
@@ -175,9 +185,21 @@ BUILTINS = {
 }
 
 
-def load_reward(spec: str, max_completion_length: int = 256):
+def load_reward(spec: str, max_completion_length: int = 256, allow_unsandboxed_code: bool = False):
     """A built-in by name ("accuracy", "format", "partial", "code", "shop_answer", "overlong[:CACHE]") or
-    a user function as "path/to/file.py:function"."""
+    a user function as "path/to/file.py:function". "code" checks here that its OS sandbox can run."""
+    if spec == "code":
+        try:
+            kind = check_available(allow_unsandboxed_code)
+        except SandboxUnavailable as exc:
+            raise ValueError(f"--reward code: {exc}") from exc
+        if kind != "bwrap":
+            print("grpo-fast: code rewards run WITHOUT the OS sandbox (--allow-unsandboxed-code)", flush=True)
+
+        def code(prompts, completions, tests, **kw):
+            return code_reward(prompts, completions, tests, allow_unsandboxed=allow_unsandboxed_code, **kw)
+
+        return code
     if spec in BUILTINS:
         return BUILTINS[spec]
     if spec.startswith("overlong"):

@@ -231,7 +231,7 @@ def setup(cfg: GRPOConfig) -> Run:
     if cfg.beta != 0.0 and not info["lora"]:
         ref_model = copy.deepcopy(model).eval().requires_grad_(False)
     train_rows, eval_rows = train_and_eval_rows(cfg)
-    reward_funcs = [load_reward(s, cfg.max_completion_length) for s in cfg.reward]
+    reward_funcs = [load_reward(s, cfg.max_completion_length, cfg.allow_unsandboxed_code) for s in cfg.reward]
     sampler = PromptSampler(train_rows, cfg.prompts_per_step, cfg.seed)  # the global batch, on every rank
     generator = torch.Generator(device=device).manual_seed(cfg.seed + dist.rank)
     resume_from = prepare_output_dir(cfg, out, dist, device)

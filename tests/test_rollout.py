@@ -6,22 +6,14 @@ import math
 import pytest
 import torch
 from grpo_fast.kernels import fused_linear_logprobs
-from transformers import (
-    GPT2Config,
-    GPT2LMHeadModel,
-    LlamaConfig,
-    LlamaForCausalLM,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-    Qwen3Config,
-    Qwen3ForCausalLM,
-)
+from tiny_models import tiny_lm
+from transformers import GPT2Config, GPT2LMHeadModel
 
 import grpo_fast.rollout.native as native
 from grpo_fast.model_parts import lm_head_of
 from grpo_fast.rollout import generate_groups
-from grpo_fast.rollout.native import draw
 from grpo_fast.rollout.reference import generate_plain
+from grpo_fast.rollout.sampling import draw
 from grpo_fast.shared_prefix import shared_prefix_forward
 
 pytestmark = pytest.mark.transformers_range
@@ -29,25 +21,7 @@ V, EOS = 97, 1
 
 
 def _model(kind, seed=0):
-    torch.manual_seed(seed)
-    common = dict(
-        vocab_size=V,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        pad_token_id=0,
-        eos_token_id=EOS,
-    )
-    cls = {
-        "llama": (LlamaConfig, LlamaForCausalLM),
-        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-        "qwen3": (Qwen3Config, Qwen3ForCausalLM),
-    }[kind]
-    extra = dict(head_dim=8) if kind == "qwen3" else {}
-    model = cls[1](cls[0](**common, **extra)).eval()
+    model = tiny_lm(kind, V, EOS, seed)
     with torch.no_grad():  # make EOS likely enough that completions end at different lengths
         lm_head_of(model).weight[EOS] *= 4
     return model

@@ -3,7 +3,7 @@ per-sample computation."""
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from tiny_models import tiny_lm
 
 from grpo_fast.rollout.reference import generate_plain as plain_generate
 from grpo_fast.rollout.reference import generate_shared
@@ -15,21 +15,7 @@ V = 97
 
 
 def _model(kind):
-    torch.manual_seed(0)
-    common = dict(
-        vocab_size=V,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        pad_token_id=0,
-        eos_token_id=1,
-    )
-    if kind == "qwen2":
-        return Qwen2ForCausalLM(Qwen2Config(**common)).eval()
-    return LlamaForCausalLM(LlamaConfig(**common)).eval()
+    return tiny_lm(kind, V)
 
 
 def _batch(n=3, P=7, G=4, C=6):

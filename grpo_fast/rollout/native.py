@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from ..model_parts import causal_lm, position_ids_from_mask
+from .sampling import draw
 
 SUPPORTED_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 SYNC_EVERY = 16  # tokens between host checks of "all done" (and compaction)
@@ -172,30 +173,6 @@ def _merge_attention(q, pk, pv, ck, cv, bias, scaling):
     o = torch.matmul(p_p, pv).view(n, kvh, G, rep, d).permute(0, 2, 1, 3, 4)
     o = o + torch.matmul(p[..., P:], cv.view(n, G, kvh, cap, d))
     return o.reshape(R, h * d)
-
-
-def draw(logits, u, temperature: float, top_k: int, top_p: float):
-    """(tokens, log-probs) from (R, V) logits: temperature, top-k, top-p, then the inverse CDF at u (R,); the
-    log-prob is of softmax(logits / T) (T = 1 when greedy), before top-k / top-p, as training computes it."""
-    logits = logits.float()
-    scaled = logits / temperature if temperature > 0 else logits
-    logp_all = torch.log_softmax(scaled, dim=-1)
-    if temperature == 0:
-        tok = logits.argmax(-1)
-    else:
-        z = scaled
-        if top_k and top_k < z.shape[-1]:
-            kth = torch.topk(z, top_k, dim=-1).values[:, -1:]
-            z = z.masked_fill(z < kth, float("-inf"))
-        if top_p < 1.0:
-            sz, order = torch.sort(z, descending=True, dim=-1)
-            p = torch.softmax(sz, -1)
-            sz = sz.masked_fill(p.cumsum(-1) - p > top_p, float("-inf"))
-            z = torch.full_like(z, float("-inf")).scatter(-1, order, sz)
-        cdf = torch.softmax(z, -1).cumsum(-1)
-        x = (u * cdf[:, -1]).unsqueeze(-1)
-        tok = torch.searchsorted(cdf, x, right=True).squeeze(-1).clamp(max=z.shape[-1] - 1)
-    return tok, logp_all.gather(-1, tok[:, None]).squeeze(-1)
 
 
 class NativeEngine:
