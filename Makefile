@@ -55,7 +55,7 @@ demo: setup
 bench: setup smollm2
 	$(VPY) -m bench.bench_loss --ns 1024 --repeats 1 --providers naive,liger,grpo_fast
 	$(VPY) -m bench.bench_logprobs --ns 1024 --repeats 1 --providers naive,cce_torch_compile,grpo_fast
-	$(VPY) -m bench.bench_generate --workloads bench,real,demo --repeats 1
+	$(VPY) -m bench.bench_generate --workloads bench,real,demo --repeats 2
 	$(VPY) -m bench.bench_e2e --providers trl,grpo_fast --steps 1
 	$(VPY) -m bench.bench_e2e --workload real --providers trl,grpo_fast --steps 1
 	$(VPY) -m bench.report

@@ -37,7 +37,8 @@ def _prompts(n=3, P=7):
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("share_prefix", [True, False])
 def test_greedy_equals_hf_generate_and_the_reference_engine(kind, share_prefix, monkeypatch):
-    monkeypatch.setattr(native, "SYNC_EVERY", 3)  # windows and compaction happen within 30 tokens
+    for name in ("SYNC_EVERY", "SYNC_EVERY_CPU"):  # windows of several tokens, compaction within 30 tokens
+        monkeypatch.setattr(native, name, 3)
     model = _model(kind)
     ids, mask = _prompts()
     G, C = 4, 30

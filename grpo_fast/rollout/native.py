@@ -29,7 +29,8 @@ from ..model_parts import causal_lm, position_ids_from_mask
 from .sampling import draw
 
 SUPPORTED_TYPES = ("llama", "qwen2", "qwen3", "mistral")
-SYNC_EVERY = 16  # tokens between host checks of "all done" (and compaction)
+SYNC_EVERY = 16  # tokens between host checks of "all done" (and compaction) on CUDA
+SYNC_EVERY_CPU = 1  # on the CPU a check waits for nothing: stop as soon as every row is done
 COMPACT_AT = 0.5  # compact when the rows still running fill at most this share of the batch
 DYNAMIC = True
 CAPACITY_STEP = 64
@@ -349,7 +350,7 @@ class NativeEngine:
         rows = torch.arange(R, device=device)  # original row of each buffer row (-1: filler)
         produced = 1
         while produced < C:
-            for _ in range(min(SYNC_EVERY, C - produced)):
+            for _ in range(min(SYNC_EVERY if device.type == "cuda" else SYNC_EVERY_CPU, C - produced)):
                 self._run_step(b, *args)
                 produced += 1
             running = ~b.done
