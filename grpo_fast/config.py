@@ -60,14 +60,19 @@ class GRPOConfig:
     rollout: str = _f(
         "auto",
         "generation engine: native (static KV cache, fixed-shape decode step; Llama/Qwen2/Qwen3/Mistral), "
-        "reference (the model's own forward, token by token), auto (native when it supports the model)",
-        choices=("auto", "native", "reference"),
+        "reference (the model's own forward, token by token), vllm (vLLM in this process, weights pushed "
+        "each step; make setup-vllm), auto (native when it supports the model)",
+        choices=("auto", "native", "reference", "vllm"),
     )
     rollout_compile: str = _f(
         "auto",
         "compile the native engine's decode step: auto (on CUDA, with CUDA graphs), on, off",
         choices=("auto", "on", "off"),
     )
+    vllm_gpu_memory_utilization: float = _f(
+        0.3, "--rollout vllm on CUDA: the share of GPU memory vLLM takes for its weights and KV cache"
+    )
+    vllm_kv_cache_gb: float = _f(2.0, "--rollout vllm on CPU: vLLM's KV cache space in GiB (whole GiB)")
     # --- GRPO ---
     beta: float = _f(0.0, "KL coefficient (k3 estimator against the reference model)")
     epsilon: float = _f(0.2, "lower clip epsilon")
@@ -221,6 +226,12 @@ def validate(cfg: GRPOConfig) -> GRPOConfig:
             f"reward_weights has {len(cfg.reward_weights)} values for {len(cfg.reward or [])} "
             "reward functions"
         )
+    if not 0 < cfg.vllm_gpu_memory_utilization <= 1:
+        raise ValueError(
+            f"vllm_gpu_memory_utilization must be in (0, 1], got {cfg.vllm_gpu_memory_utilization}"
+        )
+    if cfg.vllm_kv_cache_gb < 1:
+        raise ValueError(f"vllm_kv_cache_gb must be >= 1 (whole GiB), got {cfg.vllm_kv_cache_gb}")
     if cfg.dist_timeout_s <= 0:
         raise ValueError(f"dist_timeout_s must be > 0, got {cfg.dist_timeout_s}")
     if not cfg.reward:

@@ -57,8 +57,15 @@ def encode_prompts(rows, tokenizer, max_prompt_length, device):
 
 
 def engine_options(cfg: GRPOConfig) -> dict:
-    """The rollout engine and its compile setting, as `generate_groups` takes them."""
-    return {"engine": cfg.rollout, "compile": {"auto": "auto", "on": True, "off": False}[cfg.rollout_compile]}
+    """The rollout engine and its settings, as `generate_groups` takes them."""
+    opts = {"engine": cfg.rollout, "compile": {"auto": "auto", "on": True, "off": False}[cfg.rollout_compile]}
+    if cfg.rollout == "vllm":
+        opts["vllm_options"] = {
+            "max_model_len": cfg.max_prompt_length + cfg.max_completion_length,
+            "gpu_memory_utilization": cfg.vllm_gpu_memory_utilization,
+            "kv_cache_gb": cfg.vllm_kv_cache_gb,
+        }
+    return opts
 
 
 def rollout(run, rows) -> Rollout:

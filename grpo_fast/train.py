@@ -269,6 +269,11 @@ def check_distributed(cfg: GRPOConfig, dist: DistInfo) -> None:
         raise ValueError(
             "--distributed fsdp with --lora-r > 0 is not supported: use --distributed ddp for LoRA"
         )
+    if dist.on and cfg.rollout == "vllm":
+        raise ValueError(
+            "--rollout vllm under torchrun is not supported yet (vLLM sets up its own process group in each "
+            "trainer process): use --rollout native (or auto) with torchrun, or --rollout vllm in one process"
+        )
 
 
 def prepare_output_dir(cfg: GRPOConfig, out: Path, dist: DistInfo, device) -> Path | None:

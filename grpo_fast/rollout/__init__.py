@@ -4,25 +4,28 @@ it.
 Engines: "native" (grpo_fast.rollout.native: static KV cache, compiled fixed-shape decode step, no host sync
 per token) for Llama / Qwen2 / Qwen3 / Mistral-style models; "reference" (grpo_fast.rollout.reference: the
 model's own forward, eager, token by token), which is exact for any transformers causal LM and what the native
-engine is tested against. "auto" takes the native engine when it supports the model, else the reference one
-with a one-line reason. Prompts are left-padded; sample s belongs to prompt s // G; sampling applies
-temperature, then top-k, then top-p; a sample stops at EOS (kept, mask 1) and later tokens are padding (mask
-0).
+engine is tested against; "vllm" (grpo_fast.rollout.vllm_engine: vLLM in this process, the policy's weights
+pushed whenever they changed; an optional install). "auto" takes the native engine when it supports the model,
+else the reference one with a one-line reason. Prompts are left-padded; sample s belongs to prompt s // G;
+sampling applies temperature, then top-k, then top-p; a sample stops at EOS (kept, mask 1) and later tokens
+are padding (mask 0).
 """
 
 import torch
 
-from . import native, reference
+from . import native, reference, vllm_engine
 from .sampling import check_counts
 
-ENGINES = ("auto", "native", "reference")
+ENGINES = ("auto", "native", "reference", "vllm")
 _said: set = set()  # fallback reasons already printed
 
 
 def resolve_engine(model, engine: str) -> tuple[str, str | None]:
-    """("native" | "reference", why not native or None)."""
+    """("native" | "reference" | "vllm", why not native or None)."""
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
+    if engine == "vllm":
+        return "vllm", "asked for"
     if engine == "reference":
         return "reference", "asked for"
     reason = native.unsupported_reason(model)
@@ -49,6 +52,7 @@ def generate_groups(
     engine="auto",
     compile="auto",
     return_logprobs=False,
+    vllm_options=None,
 ):
     """G sampled completions per prompt; sample s belongs to prompt s // G.
 
@@ -62,10 +66,12 @@ def generate_groups(
         generator: torch.Generator for reproducible sampling.
         all_done: optional `f(local_done) -> bool` deciding when decoding stops (distributed: every rank
             steps until all are done, so that a sharded model's collectives match).
-        engine: "auto", "native" or "reference" (see the module docstring).
+        engine: "auto", "native", "reference" or "vllm" (see the module docstring).
         compile: native engine only: "auto" (compile the decode step; eager with a one-line reason when that
             fails), True (fail if it fails) or False.
-        return_logprobs: native engine only: also return the (n_prompts * G, C') fp32 log-probs of the
+        vllm_options: vllm engine only, used when it is built (the first call for this model): max_model_len
+            (default: the model's max_position_embeddings), gpu_memory_utilization, kv_cache_gb, threads.
+        return_logprobs: native and vllm engines: also return the (n_prompts * G, C') fp32 log-probs of the
             sampled tokens under softmax(logits / T) (T = 1 when greedy), 0 on padding.
 
     Returns:
@@ -79,8 +85,15 @@ def generate_groups(
             prompt_ids, prompt_mask, num_generations, max_new_tokens, share_prefix=share_prefix,
             generator=generator, all_done=all_done, return_logprobs=return_logprobs, compile=compile, **kw,
         )  # fmt: skip
+    if kind == "vllm":  # prefix caching shares each group's prompt KV by itself
+        return vllm_engine.engine_for(model, **(vllm_options or {})).generate(
+            model, prompt_ids, prompt_mask, num_generations, max_new_tokens, generator=generator,
+            return_logprobs=return_logprobs, **kw,
+        )  # fmt: skip
     if return_logprobs:
-        raise ValueError(f"return_logprobs needs the native engine, which cannot run this model: {reason}")
+        raise ValueError(
+            f"return_logprobs needs the native or vllm engine (native cannot run this model: {reason})"
+        )
     if engine == "auto" and reason not in _said:
         _said.add(reason)
         print(f"grpo-fast rollout: reference engine ({reason})", flush=True)

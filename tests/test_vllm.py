@@ -1,0 +1,204 @@
+"""The vLLM rollout engine against independent references: HF `generate` and the native engine (greedy, token
+for token, after each of several optimizer steps, full fine-tuning and LoRA), the trainer's own log-probs of
+its samples, and a short training run against the native engine's. Runs where vLLM is installed (`make
+setup-vllm` builds .venv-vllm; `make test` runs this file there); elsewhere only the missing-vLLM error."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from grpo_fast.kernels import fused_linear_logprobs
+from tiny_models import tiny_lm
+
+from grpo_fast.model_parts import lm_head_of
+from grpo_fast.rollout import generate_groups
+from grpo_fast.shared_prefix import shared_prefix_forward
+
+HAVE_VLLM = importlib.util.find_spec("vllm") is not None
+needs_vllm = pytest.mark.skipif(not HAVE_VLLM, reason="vLLM not installed (make setup-vllm)")
+V, EOS = 97, 1
+ROOT = Path(__file__).resolve().parents[1]
+OPTS = {"kv_cache_gb": 1, "max_model_len": 96}
+
+
+def _model(kind="llama", seed=0, tie=False):
+    model = tiny_lm(kind, V, EOS, seed, head_dim=32, tie=tie)
+    with torch.no_grad():  # EOS likely enough that completions end at different lengths
+        lm_head_of(model).weight[EOS] *= 8
+    return model
+
+
+def _prompts(n=3, P=7):
+    g = torch.Generator().manual_seed(1)
+    lengths = torch.tensor([7, 4, 1, 5][:n])  # ragged, left-padded
+    mask = (torch.arange(P)[None, :] >= P - lengths[:, None]).long()
+    return torch.randint(2, V, (n, P), generator=g) * mask, mask
+
+
+def _hf_greedy(model, ids, mask, C):
+    rows = []
+    for i in range(ids.shape[0]):
+        p = ids[i][mask[i].bool()][None]
+        out = model.generate(p, max_new_tokens=C, do_sample=False, eos_token_id=EOS, pad_token_id=EOS)
+        rows.append(out[0, p.shape[1] :].tolist())
+    return rows
+
+
+def _optimizer_step(model, opt, seed):
+    """One AdamW step on a next-token loss over random sequences: every trainable weight moves."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(2, V, (4, 12), generator=g)
+    model.train()
+    loss = model(input_ids=x, labels=x).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    model.eval()
+
+
+def _check_greedy(model, ids, mask, G, C):
+    """vLLM greedy == native engine == HF generate; returns vLLM's ids."""
+    kw = dict(temperature=0.0, eos_token_id=EOS)
+    got_ids, got_mask = generate_groups(model, ids, mask, G, C, engine="vllm", vllm_options=OPTS, **kw)
+    nat_ids, nat_mask = generate_groups(model, ids, mask, G, C, engine="native", **kw)
+    assert torch.equal(got_ids, nat_ids) and torch.equal(got_mask, nat_mask)
+    for i, hf in enumerate(_hf_greedy(model, ids, mask, C)):
+        for s in range(i * G, (i + 1) * G):
+            assert got_ids[s, : int(got_mask[s].sum())].tolist() == hf
+    return got_ids
+
+
+@needs_vllm
+@pytest.mark.parametrize("kind,tie", [("llama", True), ("qwen3", False)])
+def test_greedy_equals_native_and_hf_after_each_optimizer_step(kind, tie):
+    model = _model(kind, tie=tie)
+    assert (lm_head_of(model).weight is model.get_input_embeddings().weight) == tie
+    ids, mask = _prompts()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-2)
+    outputs = [_check_greedy(model, ids, mask, 2, 24)]
+    for step in range(3):
+        _optimizer_step(model, opt, step)
+        outputs.append(_check_greedy(model, ids, mask, 2, 24))
+    # the steps changed what the model says, so equality above means the pushes reached vLLM
+    assert any(not torch.equal(a, b) for a, b in zip(outputs, outputs[1:]))
+
+
+@needs_vllm
+def test_lora_pushes_merged_weights_of_the_adapted_layers_only():
+    from peft import LoraConfig, get_peft_model
+
+    from grpo_fast.rollout import vllm_engine
+
+    # q_proj alone of q/k/v and up_proj alone of gate/up: the push must still carry whole fused layers
+    model = get_peft_model(_model("qwen2", seed=1), LoraConfig(r=4, target_modules=["q_proj", "up_proj"]))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.3)
+    ids, mask = _prompts()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=5e-2)
+    outputs = [_check_greedy(model, ids, mask, 2, 20)]
+    eng = vllm_engine.engine_for(model)
+    n_all = len(vllm_engine.checkpoint_weights(model))
+    for step in range(2):
+        _optimizer_step(model, opt, 10 + step)
+        before = eng.stats["pushed_tensors"]
+        outputs.append(_check_greedy(model, ids, mask, 2, 20))
+        # per layer q, k, v weights and biases (q's fused layer) and gate, up weights; nothing else moved
+        pushed = eng.stats["pushed_tensors"] - before
+        assert pushed == 8 * model.config.num_hidden_layers < n_all, (pushed, n_all)
+    assert any(not torch.equal(a, b) for a, b in zip(outputs, outputs[1:]))
+    with model.disable_adapter():
+        base = generate_groups(model, ids, mask, 2, 20, temperature=0.0, eos_token_id=EOS, engine="native")
+    assert not torch.equal(outputs[-1], base[0])  # the adapters matter to what was compared
+
+
+@needs_vllm
+def test_sampled_logprobs_equal_the_trainers_and_sampling_options_map():
+    model = _model("qwen2", seed=2)
+    ids, mask = _prompts()
+    G, T = 4, 0.8
+    kw = dict(temperature=T, eos_token_id=EOS, engine="vllm", vllm_options=OPTS)
+    c_ids, c_mask, logp = generate_groups(
+        model, ids, mask, G, 20, generator=torch.Generator().manual_seed(0), return_logprobs=True, **kw
+    )
+    assert len({tuple(r.tolist()) for r in c_ids[:G]}) > 1  # the samples of a group differ
+    with torch.no_grad():
+        hidden = shared_prefix_forward(model, ids, mask, c_ids, c_mask)
+        ref = fused_linear_logprobs(hidden, lm_head_of(model).weight, c_ids, temperature=T)
+    assert (logp - ref * c_mask).abs().max() <= 1e-4
+    # layout: EOS kept with mask 1, EOS as padding after it, width = the longest completion
+    lengths = c_mask.sum(1)
+    assert c_ids.shape[1] == int(lengths.max()) and len(set(lengths.tolist())) > 1
+    for row, m in zip(c_ids, c_mask):
+        k = int(m.sum())
+        assert m[:k].all() and not m[k:].any() and (row[k:] == EOS).all()
+        assert EOS not in row[: k - 1].tolist() and (k == 20 or row[k - 1] == EOS)
+    # seeds: the same generator seed gives the same samples, another seed other ones
+    again = generate_groups(model, ids, mask, G, 20, generator=torch.Generator().manual_seed(0), **kw)
+    other = generate_groups(model, ids, mask, G, 20, generator=torch.Generator().manual_seed(1), **kw)
+    assert torch.equal(again[0], c_ids) and not torch.equal(other[0], c_ids)
+    # top_k=1 is greedy; max tokens; no EOS asked for: all run to the limit
+    greedy = generate_groups(model, ids, mask, 2, 9, temperature=0.0, eos_token_id=EOS, engine="native")
+    top1 = generate_groups(model, ids, mask, 2, 9, temperature=1.3, top_k=1, eos_token_id=EOS, engine="vllm")
+    assert torch.equal(top1[0], greedy[0])
+    no_eos = generate_groups(model, ids, mask, 2, 9, temperature=T, engine="vllm")
+    assert no_eos[1].shape == (6, 9) and no_eos[1].all()
+
+
+@needs_vllm
+def test_torch_threads_are_the_trainers_after_generation():
+    model = _model("llama", seed=3)
+    ids, mask = _prompts()
+    threads = torch.get_num_threads()
+    generate_groups(
+        model, ids, mask, 2, 8, temperature=0.0, eos_token_id=EOS, engine="vllm", vllm_options=OPTS
+    )
+    assert torch.get_num_threads() == threads
+
+
+def _train(out: Path, rollout: str, steps: int, *extra):
+    cmd = [
+        sys.executable, "-m", "grpo_fast.train", "--output-dir", str(out), "--overwrite-output-dir",
+        "--rollout", rollout, "--max-steps", str(steps), "--eval-steps", "0", "--save-steps", "20",
+        "--time-budget-s", "0", "--vllm-kv-cache-gb", "1", *extra,
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_training_with_vllm_rollouts_learns_like_native_and_resumes(tmp_path):
+    steps = 60
+    runs = {r: _train(tmp_path / r, r, steps) for r in ("vllm", "native")}
+    acc = {r: [m["eval_accuracy"] for m in recs if "eval_accuracy" in m] for r, recs in runs.items()}
+    print("held-out accuracy (before, after):", acc)
+    for r in acc:
+        assert len(acc[r]) == 2 and acc[r][0] <= 0.35
+    assert acc["vllm"][1] >= acc["vllm"][0] + 0.3
+    assert acc["vllm"][1] >= acc["native"][1] - 0.15  # within noise of the native run
+    assert len([m for m in runs["vllm"] if "loss" in m]) == steps
+    assert json.loads((tmp_path / "vllm" / "config.json").read_text())["rollout"] == "vllm"
+    # resume from the final checkpoint (step 60): the run goes on to 80 with vLLM rollouts
+    resumed = _train(tmp_path / "vllm", "vllm", steps + 20, "--resume", "--no-overwrite-output-dir")
+    assert [m["step"] for m in resumed if "loss" in m][-1] == steps + 20
+
+
+def test_missing_vllm_is_a_clear_error(monkeypatch):
+    if HAVE_VLLM:
+        monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm now fails as if not installed
+    from grpo_fast.rollout import vllm_engine
+
+    ids, mask = _prompts()
+    with pytest.raises(RuntimeError, match="make setup-vllm"):
+        vllm_engine.VLLMEngine(_model(), **OPTS)
+    with pytest.raises(ValueError, match="vllm engine options: unknown"):
+        vllm_engine.VLLMEngine(_model(), gpu_memory=0.5)
