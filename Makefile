@@ -76,23 +76,23 @@ demo-vllm: setup-vllm
 # under 20 minutes on a 2-core CPU: the kernels against their main alternatives at one size, the rollout
 # engines on three workloads, end to end vs TRL on the synthetic and the real (SmolLM2) workload, report.
 # bench-full has every provider, the shared-prefix grid and more steps (over an hour).
-bench: setup smollm2
+bench: setup setup-vllm smollm2
 	$(VPY) -m bench.bench_loss --ns 1024 --repeats 1 --providers naive,liger,grpo_fast
 	$(VPY) -m bench.bench_logprobs --ns 1024 --repeats 1 --providers naive,cce_torch_compile,grpo_fast
-	$(VPY) -m bench.bench_generate --workloads bench,real,demo --repeats 2
-	$(VPY) -m bench.bench_e2e --providers trl,grpo_fast --steps 1
-	$(VPY) -m bench.bench_e2e --workload real --providers trl,grpo_fast --steps 1
+	$(VPY) -m bench.bench_generate --workloads bench,real,demo --repeats 2 --providers hf,native,native_compiled,vllm
+	$(VPY) -m bench.bench_e2e --providers trl,grpo_fast,grpo_fast_vllm --steps 1
+	$(VPY) -m bench.bench_e2e --workload real --providers trl,grpo_fast,grpo_fast_vllm --steps 1
 	$(VPY) -m bench.report
 
 # the whole grids (an hour or more on a CPU)
-bench-full: setup smollm2
+bench-full: setup setup-vllm smollm2
 	$(VPY) -m bench.bench_loss
 	$(VPY) -m bench.bench_logprobs
 	$(VPY) -m bench.bench_prefix --full
 	$(VPY) -m bench.bench_generate
 	$(VPY) -m bench.bench_e2e --steps 3
 	$(VPY) -m bench.bench_e2e --workload real \
-		--providers trl,trl_static_cache,trl_continuous_batching,trl_grpo_fast,trl_grpo_fast_native,grpo_fast
+		--providers trl,trl_static_cache,trl_continuous_batching,trl_grpo_fast,trl_grpo_fast_native,grpo_fast,grpo_fast_vllm
 	$(VPY) -m bench.report
 
 # Wheels the GPU suite installs on the bare GPU machine (Python 3.12, no network) for its TRL and Liger rows:

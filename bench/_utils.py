@@ -174,9 +174,20 @@ def measure(fn, device, repeats: int) -> dict:
 # ---------------------------------------------------------------------------------------------------------
 # Running workers and writing reports
 # ---------------------------------------------------------------------------------------------------------
-def run_worker(module: str, args: dict, timeout: float = 1800) -> dict:
-    """Run `python -m bench.<module> --worker` with `args` in a fresh process; return its JSON result."""
-    cmd = [sys.executable, "-m", f"bench.{module}", "--worker", json.dumps(args)]
+def vllm_python() -> str | None:
+    """The interpreter of the vLLM environment (`make setup-vllm`; or $GRPO_FAST_VLLM_PYTHON), None if absent:
+    vLLM rows run there (vLLM pins transformers < 5.20), every other row here."""
+    path = os.environ.get("GRPO_FAST_VLLM_PYTHON") or str(ROOT / ".venv-vllm" / "bin" / "python")
+    return path if Path(path).is_file() else None
+
+
+NO_VLLM = "vLLM not installed here (make setup-vllm)"
+
+
+def run_worker(module: str, args: dict, timeout: float = 1800, python: str | None = None) -> dict:
+    """Run `python -m bench.<module> --worker` with `args` in a fresh process (of `python`, default this
+    one); return its JSON result."""
+    cmd = [python or sys.executable, "-m", f"bench.{module}", "--worker", json.dumps(args)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith("{"):

@@ -15,6 +15,8 @@ Providers:
   trl_grpo_fast       grpo_fast.integrations.trl.GRPOTrainer (same arguments, our kernels)
   grpo_fast_unshared  grpo-fast's trainer, share_prefix off
   grpo_fast           grpo-fast's trainer, share_prefix on (the default)
+  grpo_fast_vllm      the same with --rollout vllm (vLLM in the trainer's process, weights pushed every step;
+                      run in the vLLM environment, `make setup-vllm`: transformers 5.19 there)
 
 Step time is split into generation / scoring (rewards and advantages) / training (log-probs, loss,
 backward, optimizer); peak memory is the process's resident-set high-water mark (CPU) or
@@ -31,11 +33,21 @@ from pathlib import Path
 
 import torch
 
-from bench._utils import machine_info, markdown_table, run_worker, worker_main, write_results
+from bench._utils import (
+    NO_VLLM,
+    machine_info,
+    markdown_table,
+    run_worker,
+    vllm_python,
+    worker_main,
+    write_results,
+)
 from grpo_fast.plotting import pyplot
 
-PROVIDERS = ["trl", "trl_liger", "trl_grpo_fast", "grpo_fast_unshared", "grpo_fast"]
-REAL_PROVIDERS = ["trl", "trl_static_cache", "trl_grpo_fast", "trl_grpo_fast_native", "grpo_fast"]
+PROVIDERS = ["trl", "trl_liger", "trl_grpo_fast", "grpo_fast_unshared", "grpo_fast", "grpo_fast_vllm"]
+REAL_PROVIDERS = [
+    "trl", "trl_static_cache", "trl_grpo_fast", "trl_grpo_fast_native", "grpo_fast", "grpo_fast_vllm"
+]  # fmt: skip
 LABELS = {
     "trl": "TRL GRPOTrainer",
     "trl_liger": "TRL + use_liger_kernel",
@@ -45,6 +57,7 @@ LABELS = {
     "trl_grpo_fast_native": "TRL + grpo_fast subclass, rollout='native'",
     "grpo_fast_unshared": "grpo-fast, sharing off",
     "grpo_fast": "grpo-fast, sharing on",
+    "grpo_fast_vllm": "grpo-fast, --rollout vllm",
 }
 # the training settings both trainers get, under the names both use
 SAME_FOR_BOTH = dict(temperature=1.0, beta=0.0, loss_type="dapo", learning_rate=1e-6)
@@ -276,7 +289,8 @@ def run_grpo_fast(a: dict) -> dict:
         max_completion_length=a["C"],
         max_steps=a["warmup"] + a["steps"],
         **SAME_FOR_BOTH,
-        share_prefix=a["provider"] == "grpo_fast",
+        share_prefix=a["provider"] != "grpo_fast_unshared",
+        rollout="vllm" if a["provider"] == "grpo_fast_vllm" else "auto",
         output_dir=a["out"],
         overwrite_output_dir=True,
     )
@@ -432,11 +446,14 @@ def main(argv=None) -> None:
             timeout = args.worker_timeout
             if args.deadline is not None:
                 timeout = min(timeout, args.deadline - t0)
+            python = vllm_python() if p == "grpo_fast_vllm" else None
             if timeout < MIN_WORKER_S:
                 res = {"skipped": f"out of time ({max(timeout, 0):.0f} s left before the deadline)"}
+            elif p == "grpo_fast_vllm" and python is None:
+                res = {"skipped": NO_VLLM}
             else:
                 try:
-                    res = run_worker("bench_e2e", dict(base, provider=p), timeout=timeout)
+                    res = run_worker("bench_e2e", dict(base, provider=p), timeout=timeout, python=python)
                 except subprocess.TimeoutExpired:
                     res = {"error": f"did not finish within {timeout:.0f}s"}
             row = dict(provider=p, label=LABELS[p], **res)

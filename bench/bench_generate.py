@@ -9,6 +9,9 @@ Providers (same prompts, same sampling: T=1, no top-k / top-p, EOS ends a sample
   native      `generate_groups(engine="native")`: static KV cache, packed weights, no per-token host sync
   native_compiled   the same with the decode step compiled (demo workload only on a CPU: compiling a 10- or
               30-layer step takes minutes here; it is the default on CUDA)
+  vllm        `generate_groups(engine="vllm")`: vLLM in the worker's process (its own environment, `make
+              setup-vllm`), prefix caching, n=G per prompt; the policy's weights pushed once (first call)
+  vllm_1t     the same with vLLM's OpenMP threads at 1 during generation (on a shared 2-core CPU)
 Workloads:
   bench   the end-to-end bench model (random-init ~45M Qwen2 shape), 2 prompts of P=512, G=8, C=128
   real    SmolLM2-135M-Instruct (grpo_fast.smollm2), chat prompts of different lengths, G=8, C=256; 2 and 8
@@ -17,6 +20,8 @@ Workloads:
 Each measurement: one short warm-up call, then `repeats` calls with seeds 0.. (different samples per seed,
 the same seeds for every provider); tokens/s = completion tokens / seconds over those calls. Sampled lengths
 differ between providers (another random stream), so a run's tokens/s, not its seconds, is compared.
+Peak = resident-set high-water mark above the process after warm-up: vLLM's KV pool (kv_cache_gb, allocated
+when it starts) is not in it, the native engine's per-call KV cache is.
 
 
 """
@@ -28,16 +33,18 @@ import time
 import torch
 
 from bench._utils import (
+    NO_VLLM,
     _release_memory,
     _rss_kib,
     machine_info,
     markdown_table,
     run_worker,
+    vllm_python,
     worker_main,
     write_results,
 )
 
-PROVIDERS = ["hf", "reference", "native", "native_compiled"]
+PROVIDERS = ["hf", "reference", "native", "native_compiled", "vllm"]
 QUESTIONS = [
     "What is the capital of France?",
     "Write a haiku about autumn leaves.",
@@ -119,16 +126,18 @@ def measure_one(a: dict) -> dict:
     def call(c, seed):
         if p == "hf":
             return _hf(model, ids, mask, G, c, eos, seed)
-        engine = "reference" if p == "reference" else "native"
+        engine = p.split("_")[0] if p.startswith(("reference", "vllm")) else "native"
+        vllm = {"max_model_len": ids.shape[1] + C, "kv_cache_gb": 4, "threads": 1 if p == "vllm_1t" else None}
         _, m = generate_groups(
             model, ids, mask, G, c, temperature=1.0, eos_token_id=eos, engine=engine,
             compile=True if p == "native_compiled" else False, generator=torch.Generator().manual_seed(seed),
+            vllm_options=vllm if engine == "vllm" else None,
         )  # fmt: skip
         return int(m.sum())
 
     with torch.no_grad():
         t0 = time.perf_counter()
-        call(min(C, 8), 99)  # warm-up: allocator, kernels; the compiled provider compiles here
+        call(min(C, 8), 99)  # warm-up: allocator, kernels; compiling, starting vLLM and its weight push
         warm = time.perf_counter() - t0
         if p == "native_compiled":
             call(C, 98)  # the full-length shapes compile too
@@ -142,7 +151,16 @@ def measure_one(a: dict) -> dict:
             tokens += call(C, seed)
             secs += time.perf_counter() - t0
         peak = (_rss_kib("VmHWM") - base) / 1024
-    return dict(tokens=tokens, seconds=secs, tokens_per_s=tokens / secs, peak_mem_mb=peak, warmup_s=warm)
+    import transformers
+
+    env = f"transformers {transformers.__version__}"
+    if p.startswith("vllm"):
+        import vllm as vllm_pkg
+
+        env += f", vllm {vllm_pkg.__version__}"
+    return dict(
+        tokens=tokens, seconds=secs, tokens_per_s=tokens / secs, peak_mem_mb=peak, warmup_s=warm, env=env
+    )
 
 
 COLUMNS = [
@@ -154,7 +172,8 @@ COLUMNS = [
     ("tokens_per_s", "tokens/s"),
     ("vs_hf", "vs HF generate"),
     ("peak_mem_mb", "peak MiB"),
-    ("warmup_s", "warm-up s (compile)"),
+    ("warmup_s", "warm-up s (compile, start)"),
+    ("env", "environment"),
     ("error", "note"),
 ]
 
@@ -176,7 +195,11 @@ def main(argv=None) -> None:
                 continue
             job = dict(shape, workload=w, provider=p, quick=args.quick, repeats=args.repeats)
             t0 = time.time()
-            res = run_worker("bench_generate", job, timeout=1800)
+            python = vllm_python() if p.startswith("vllm") else None
+            if p.startswith("vllm") and python is None:
+                res = {"error": NO_VLLM}
+            else:
+                res = run_worker("bench_generate", job, timeout=1800, python=python)
             row = dict(job, shape=f"{shape['prompts']} x {shape['G']}, {shape['C']}", **res)
             rows.append(row)
             shown = res.get("error") or f"{res['tokens_per_s']:.0f} tok/s, peak {res['peak_mem_mb']:.0f} MiB"

@@ -78,10 +78,24 @@ def e2e_section(res, summary) -> str:
             f"{summary['trl_subclass_peak_mem_ratio_vs_trl']:.2f}x its peak memory; its generation is still "
             "TRL's (HF generate), so only the training share of the step moves.\n"
         )
+    text += _vllm_e2e_line(rows, trl, ours, summary, "e2e_vllm_speedup_vs_trl")
     skipped = [r for r in rows if r.get("skipped")]
     for r in skipped:
         text += f"\n{r['label']}: not measured ({r['skipped']}).\n"
     return text
+
+
+def _vllm_e2e_line(rows, trl, ours, summary, key) -> str:
+    vllm = _row(rows, provider="grpo_fast_vllm")
+    if not (trl and ours and vllm):
+        return ""
+    summary[key] = vllm["tokens_per_s"] / trl["tokens_per_s"]
+    return (
+        f"With `--rollout vllm` (vLLM in the trainer's process, weights pushed every step) grpo-fast runs "
+        f"{summary[key]:.2f}x TRL's tokens/s ({vllm['tokens_per_s'] / ours['tokens_per_s']:.2f}x its native "
+        f"engine's) at {vllm['peak_mem_mb'] / trl['peak_mem_mb']:.2f}x TRL's peak memory (vLLM's KV pool "
+        f"included); generation {vllm['generate_s']:.1f} s of its {vllm['step_s']:.1f} s step.\n"
+    )
 
 
 def e2e_real_section(res, summary) -> str:
@@ -105,6 +119,7 @@ def e2e_real_section(res, summary) -> str:
             f"{trl['step_s']:.1f} s step generating, grpo-fast {_pct(ours['generate_s'], ours['step_s'])} of "
             f"{ours['step_s']:.1f} s.\n"
         )
+    text += _vllm_e2e_line(rows, trl, ours, summary, "e2e_real_vllm_speedup_vs_trl")
     for r in rows:
         if r.get("skipped"):
             text += f"\n{r['label']}: not measured ({r['skipped']}).\n"
@@ -133,6 +148,18 @@ def generate_section(res, summary) -> str:
             + ". Per-step cost on this CPU is the small-M matrix products (16 rows): packing the weights for "
             "oneDNN and dropping HF's per-token overhead are what the engine gains here; on a GPU the "
             "compiled step with CUDA graphs removes the launch cost instead (bench/gpu_suite.sh).\n"
+        )
+    vllm = {}
+    for w in ("bench", "real", "demo"):
+        r, native = _row(rows, workload=w, provider="vllm"), _row(rows, workload=w, provider="native")
+        if r and native and "tokens_per_s" in r and "tokens_per_s" in native:
+            vllm[w] = r["tokens_per_s"] / native["tokens_per_s"]
+    if vllm:
+        summary["generate_vllm_vs_native"] = vllm
+        text += (
+            'vLLM (`engine="vllm"`, its own environment) against the native engine: '
+            + ", ".join(f"{k} {v:.2f}x" for k, v in vllm.items())
+            + " (its tokens/s over ours; its start-up and first weight push are in the warm-up column).\n"
         )
     return text
 
