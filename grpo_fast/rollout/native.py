@@ -30,7 +30,7 @@ from .sampling import draw
 
 SUPPORTED_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 SYNC_EVERY = 16  # tokens between host checks of "all done" (and compaction) on CUDA
-SYNC_EVERY_CPU = 1  # on the CPU a check waits for nothing: stop as soon as every row is done
+SYNC_EVERY_CPU = 1  # eager on the CPU a check waits for nothing: stop as soon as every row is done
 COMPACT_AT = 0.5  # compact when the rows still running fill at most this share of the batch
 DYNAMIC = True
 CAPACITY_STEP = 64
@@ -349,8 +349,11 @@ class NativeEngine:
         final = _Final(R, C, pad, device)
         rows = torch.arange(R, device=device)  # original row of each buffer row (-1: filler)
         produced = 1
+        # eager on a CPU, a check waits for nothing; a compiled step keeps windows: compacting at any token
+        # would give it a new batch shape (a recompile) at each
+        window = SYNC_EVERY if device.type == "cuda" or self.compiles(device) else SYNC_EVERY_CPU
         while produced < C:
-            for _ in range(min(SYNC_EVERY if device.type == "cuda" else SYNC_EVERY_CPU, C - produced)):
+            for _ in range(min(window, C - produced)):
                 self._run_step(b, *args)
                 produced += 1
             running = ~b.done
