@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 from grpo_fast.kernels import fused_linear_logprobs
-from tiny_models import tiny_lm
+from tiny_models import eos_likely_lm, ragged_prompts
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import grpo_fast.rollout.native as native
@@ -21,17 +21,11 @@ V, EOS = 97, 1
 
 
 def _model(kind, seed=0):
-    model = tiny_lm(kind, V, EOS, seed)
-    with torch.no_grad():  # make EOS likely enough that completions end at different lengths
-        lm_head_of(model).weight[EOS] *= 4
-    return model
+    return eos_likely_lm(kind, V, EOS, seed)
 
 
 def _prompts(n=3, P=7):
-    g = torch.Generator().manual_seed(1)
-    lengths = torch.tensor([7, 4, 1, 5][:n])  # ragged, left-padded
-    mask = (torch.arange(P)[None, :] >= P - lengths[:, None]).long()
-    return torch.randint(2, V, (n, P), generator=g) * mask, mask
+    return ragged_prompts(V, n, P)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])

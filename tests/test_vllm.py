@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from grpo_fast.kernels import fused_linear_logprobs
-from tiny_models import tiny_lm
+from tiny_models import eos_likely_lm, ragged_prompts
 
 from grpo_fast.model_parts import lm_head_of
 from grpo_fast.rollout import generate_groups
@@ -26,18 +26,12 @@ ROOT = Path(__file__).resolve().parents[1]
 OPTS = {"kv_cache_gb": 1, "max_model_len": 96}
 
 
-def _model(kind="llama", seed=0, tie=False):
-    model = tiny_lm(kind, V, EOS, seed, head_dim=32, tie=tie)
-    with torch.no_grad():  # EOS likely enough that completions end at different lengths
-        lm_head_of(model).weight[EOS] *= 8
-    return model
+def _model(kind="llama", seed=0, tie=False):  # head_dim 32: vLLM's CPU attention wants >= 32
+    return eos_likely_lm(kind, V, EOS, seed, factor=8, head_dim=32, tie=tie)
 
 
 def _prompts(n=3, P=7):
-    g = torch.Generator().manual_seed(1)
-    lengths = torch.tensor([7, 4, 1, 5][:n])  # ragged, left-padded
-    mask = (torch.arange(P)[None, :] >= P - lengths[:, None]).long()
-    return torch.randint(2, V, (n, P), generator=g) * mask, mask
+    return ragged_prompts(V, n, P)
 
 
 def _hf_greedy(model, ids, mask, C):

@@ -36,3 +36,19 @@ def tiny_lm(kind: str, vocab: int = 97, eos: int = 1, seed: int = 0, head_dim: i
         **(dict(head_dim=head_dim) if kind == "qwen3" else {}),
     )
     return model_cls(config).eval()
+
+
+def eos_likely_lm(kind: str, vocab: int, eos: int, seed: int = 0, factor: float = 4.0, **kw):
+    """`tiny_lm` with the EOS row of the LM head scaled by `factor`: completions end at different lengths."""
+    model = tiny_lm(kind, vocab, eos, seed, **kw)
+    with torch.no_grad():
+        model.get_output_embeddings().weight[eos] *= factor
+    return model
+
+
+def ragged_prompts(vocab: int, n: int = 3, P: int = 7):
+    """(ids, mask) of n left-padded prompts of lengths 7, 4, 1, 5 (the first n), ids in [2, vocab)."""
+    g = torch.Generator().manual_seed(1)
+    lengths = torch.tensor([7, 4, 1, 5][:n])
+    mask = (torch.arange(P)[None, :] >= P - lengths[:, None]).long()
+    return torch.randint(2, vocab, (n, P), generator=g) * mask, mask
