@@ -79,10 +79,11 @@ def e2e_section(res, summary) -> str:
             "TRL's (HF generate), so only the training share of the step moves.\n"
         )
     text += _vllm_e2e_line(rows, trl, ours, summary, "e2e_vllm_speedup_vs_trl")
-    skipped = [r for r in rows if r.get("skipped")]
-    for r in skipped:
-        text += f"\n{r['label']}: not measured ({r['skipped']}).\n"
-    return text
+    return text + _not_measured(rows)
+
+
+def _not_measured(rows) -> str:
+    return "".join(f"\n{r['label']}: not measured ({r['skipped']}).\n" for r in rows if r.get("skipped"))
 
 
 def _vllm_e2e_line(rows, trl, ours, summary, key) -> str:
@@ -120,10 +121,7 @@ def e2e_real_section(res, summary) -> str:
             f"{ours['step_s']:.1f} s.\n"
         )
     text += _vllm_e2e_line(rows, trl, ours, summary, "e2e_real_vllm_speedup_vs_trl")
-    for r in rows:
-        if r.get("skipped"):
-            text += f"\n{r['label']}: not measured ({r['skipped']}).\n"
-    return text
+    return text + _not_measured(rows)
 
 
 def generate_section(res, summary) -> str:

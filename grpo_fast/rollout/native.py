@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from ..model_parts import causal_lm, position_ids_from_mask
-from .sampling import draw
+from .sampling import draw, eos_and_pad
 
 SUPPORTED_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 SYNC_EVERY = 16  # tokens between host checks of "all done" (and compaction) on CUDA
@@ -303,11 +303,8 @@ class NativeEngine:
             prompt_mask = prompt_mask.repeat_interleave(G, 0)
         device = prompt_ids.device
         R, C = n * G, max_new_tokens
-        eos = torch.tensor(
-            [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or []),
-            dtype=torch.long, device=device,
-        )  # fmt: skip
-        pad = int(eos[0]) if eos.numel() else 0
+        eos, pad = eos_and_pad(eos_token_id)
+        eos = torch.tensor(eos, dtype=torch.long, device=device)
         # 1. prefill: the model's own forward, once per prompt (per sample when not shared)
         pos = position_ids_from_mask(prompt_mask)
         res = self.lm(

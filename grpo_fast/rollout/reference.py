@@ -9,7 +9,7 @@ import torch
 
 from ..hf_compat import cache_kwargs, cache_of
 from ..model_parts import position_ids_from_mask
-from .sampling import check_counts, sample_next
+from .sampling import check_counts, eos_and_pad, sample_next
 from .shared_attention import shared_prefix_attention_over
 
 
@@ -21,10 +21,8 @@ def decode(
     `all_done(local_done) -> bool`, when given, decides when to stop (the ranks of a sharded model step
     together)."""
     device, rows = logits.device, logits.shape[0]
-    eos = torch.tensor(
-        [eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []), device=device
-    )
-    pad = int(eos[0]) if eos.numel() else 0
+    eos, pad = eos_and_pad(eos_token_id)
+    eos = torch.tensor(eos, dtype=torch.long, device=device)
     out = torch.full((rows, max_new_tokens), pad, dtype=torch.long, device=device)
     done = torch.zeros(rows, dtype=torch.bool, device=device)
     lengths = torch.zeros(rows, dtype=torch.long, device=device)

@@ -8,6 +8,13 @@ logits the same way (`filtered`).
 import torch
 
 
+def eos_and_pad(eos_token_id) -> tuple[list, int]:
+    """The EOS ids (an int, a list, or None) as a list, and the padding id after a sample's end: the first
+    EOS, or 0 without one."""
+    eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or [])
+    return eos, (int(eos[0]) if eos else 0)
+
+
 def filtered(scaled, top_k: int, top_p: float):
     """(rows, V) temperature-scaled logits with the tokens outside top-k, then outside top-p, at -inf."""
     if top_k and top_k < scaled.shape[-1]:

