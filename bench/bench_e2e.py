@@ -109,12 +109,20 @@ def bench_reward(completions, **kwargs):
 def build_work(out: Path, quick: bool, P: int, n_prompts: int) -> tuple[Path, Path, int]:
     """A random-init model + word-level tokenizer in out/model and n_prompts prompts of exactly P tokens;
     returns the two paths and the model's parameter count."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
     from bench.bench_prefix import make_model
 
     model = make_model("tiny" if quick else "50m")
+    model_dir = save_word_level(model, out / "model")
+    data = word_prompts(out / "prompts.jsonl", n_prompts, P, model.config.vocab_size)
+    return model_dir, data, sum(p.numel() for p in model.parameters())
+
+
+def save_word_level(model, model_dir: Path) -> Path:
+    """Save `model` with a word-level tokenizer of its vocabulary ("w2", "w3", ...; 0 pad, 1 EOS): any prompt
+    of k words is exactly k tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
     V = model.config.vocab_size
     vocab = {"<pad>": 0, "<eos>": 1, **{f"w{i}": i for i in range(2, V)}}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
@@ -124,16 +132,19 @@ def build_work(out: Path, quick: bool, P: int, n_prompts: int) -> tuple[Path, Pa
     model.config.pad_token_id, model.config.eos_token_id, model.config.bos_token_id = 0, 1, None
     model.generation_config.pad_token_id, model.generation_config.eos_token_id = 0, 1
     model.generation_config.bos_token_id = None
-    model_dir = out / "model"
     model.save_pretrained(model_dir)
     fast.save_pretrained(model_dir)
+    return model_dir
+
+
+def word_prompts(path: Path, n_prompts: int, P: int, V: int) -> Path:
+    """n_prompts prompts of exactly P tokens of `save_word_level`'s tokenizer."""
     g = torch.Generator().manual_seed(0)
-    data = out / "prompts.jsonl"
-    with data.open("w") as f:
+    with path.open("w") as f:
         for _ in range(n_prompts):
             words = torch.randint(2, V, (P,), generator=g).tolist()
             f.write(json.dumps({"prompt": " ".join(f"w{w}" for w in words)}) + "\n")
-    return model_dir, data, sum(p.numel() for p in model.parameters())
+    return path
 
 
 # ---------------------------------------------------------------------------------------------------------

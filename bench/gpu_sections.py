@@ -610,6 +610,24 @@ def section_e2e(sec: Section) -> None:
         sec.add({k: r[k] for k in keys if k in r})
 
 
+def section_memory(sec: Section) -> None:
+    """Peak memory (max_memory_allocated) of real `grpo-fast train` steps on a SmolLM2-135M-shaped model (30
+    layers, random weights), one process per configuration (full / LoRA, beta 0 / 0.04, checkpointing off /
+    on, sharing on / off, bf16, C up to 512, G up to 16), per step and phase; with `grpo-fast estimate`'s
+    prediction where the estimator exists (bench/bench_memory.py)."""
+    from bench import bench_memory
+
+    layers, steps = (2, 2) if sec.dry else (30, 3)
+    names = ["full", "full_beta_gc_unshared"] if sec.dry else list(bench_memory.CONFIGS)  # LoRA needs peft
+    payload = bench_memory.run(
+        names, layers, steps, deadline=sec.deadline - 5, extra_flags=["--rollout-compile", "off"]
+    )
+    sec.result["columns"] = [list(c) for c in bench_memory.COLUMNS]
+    for r in payload["rows"]:
+        sec.add({k: v for k, v in r.items() if k != "flags"})
+    sec.note(f"SmolLM2-135M shape, {layers} layers, {steps} steps each, native engine eager (compile off)")
+
+
 TILE_COLUMNS = [
     ["kernel", "kernel"],
     ["tiles", "BLOCK_N x BLOCK_V x BLOCK_H, warps, stages"],
@@ -705,6 +723,7 @@ SECTIONS = {
     "tiles": section_tiles,
     "prefix": section_prefix,
     "generation": section_generation,
+    "memory": section_memory,
     "e2e": section_e2e,
 }
 

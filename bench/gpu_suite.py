@@ -16,6 +16,8 @@ one cannot poison the next, each bounded by what is left of the suite's BUDGET_S
   tiles        tile sizes and launch options of the forward and backward kernels
   prefix       shared vs unshared training step, Qwen2.5-0.5B-shaped
   generation   HF generate vs the rollout engines, Qwen2.5-0.5B-shaped, 8 and 32 prompts, G=8, C=512
+  memory       peak memory of real `grpo-fast train` steps, SmolLM2-135M-shaped, six configurations, beside
+               `grpo-fast estimate` (bench/bench_memory.py)
   e2e          bench_e2e vs TRL (TRL rows when its wheels are there), with what time is left
 OUTDIR/gpu_suite.json and OUTDIR/report.md are rewritten after every section. Exit status 1 when a section
 errored or timed out. --dry-run: tiny shapes on the CPU, Triton through its interpreter (the test suite runs
@@ -41,6 +43,7 @@ SECTIONS = {
     "tiles": (30, 100),
     "prefix": (20, 60),
     "generation": (40, 150),
+    "memory": (60, 170),
     "e2e": (90, 300),
 }
 

@@ -6,7 +6,6 @@ all-gathered so that advantages are the global batch's, and the dapo token count
 """
 
 import math
-import resource
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -235,16 +234,11 @@ def reduce_metrics(metrics: dict, n_active, dist: DistInfo) -> dict:
     return dict(zip(keys, (totals[: len(keys)] / totals[len(keys) :].clamp(min=1e-12)).tolist()))
 
 
-def peak_mem_mb(device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def step_record(run, ro: Rollout, sc: Scored, metrics: dict, grad_norm: float, times) -> dict:
+def step_record(run, ro: Rollout, sc: Scored, metrics: dict, grad_norm: float, times, peaks) -> dict:
     """The metrics.jsonl record of a step: the loss summed over ranks' shares, token metrics weighted by each
     rank's active tokens, rewards and tokens of the global batch. `times`: clock at start, after rollout,
-    after scoring, at the end."""
+    after scoring, at the end; `peaks`: this rank's peak memory (MiB) in the rollout and in scoring plus
+    optimization."""
     t0, t1, t2, t3 = times
     dist, G = run.dist, run.cfg.num_generations
     metrics = reduce_metrics(metrics, sc.loss_mask.sum(), dist)
@@ -267,7 +261,9 @@ def step_record(run, ro: Rollout, sc: Scored, metrics: dict, grad_norm: float, t
         "grad_norm": grad_norm,
         "completion_len_mean": n_completion_tokens / len(rewards),
         "tokens_per_s": n_tokens / (t3 - t0),
-        "peak_mem_mb": peak_mem_mb(run.device),
+        "peak_mem_mb": max(peaks),  # this step's, this rank's (grpo_fast.memory)
+        "peak_mem_rollout_mb": peaks[0],
+        "peak_mem_train_mb": peaks[1],
         "lr": run.scheduler.get_last_lr()[0],
         "time_generate_s": t1 - t0,
         "time_reward_s": t2 - t1,

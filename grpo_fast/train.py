@@ -51,6 +51,7 @@ from .distributed import (
     shutdown,
     wrap,
 )
+from .memory import peak_mib, reset_peak
 from .modeling import load_model_and_tokenizer, load_weights_from_checkpoint
 from .plotting import pyplot
 from .rewards import load_reward, reward_name
@@ -108,15 +109,19 @@ def train(cfg: GRPOConfig) -> dict:
             if stopped or stopped is None:
                 break
             t0 = clock(run.device)
+            reset_peak(run.device)
             rows = run.sampler.next()[run.dist.rank * local_prompts : (run.dist.rank + 1) * local_prompts]
             ro = rollout(run, rows)  # 1. G completions per prompt (this rank's share of the global batch)
             t1 = clock(run.device)
+            rollout_peak = peak_mib(run.device)
+            reset_peak(run.device)
             sc = score_rollout(run, rows, ro)  # 2. rewards, group advantages over the global batch
             t2 = clock(run.device)
             metrics, grad_norm = optimize(run, ro, sc)  # 3. the clipped loss through the fused kernels
             t3 = clock(run.device)
             run.elapsed_train += t3 - t0
-            record = step_record(run, ro, sc, metrics, grad_norm, (t0, t1, t2, t3))  # 4. log
+            peaks = (rollout_peak, peak_mib(run.device))
+            record = step_record(run, ro, sc, metrics, grad_norm, (t0, t1, t2, t3), peaks)  # 4. log
             after_step(run, record, bar)
         if not stopped:  # a signal during the last step
             (stopped,) = agreed([signals["stop"]], run.dist)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SECTIONS = ["compile", "correctness", "speed", "atomics", "tiles", "prefix", "generation", "e2e"]
+SECTIONS = ["compile", "correctness", "speed", "atomics", "tiles", "prefix", "generation", "memory", "e2e"]
 
 
 def _pythons():

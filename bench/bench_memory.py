@@ -1,0 +1,176 @@
+"""Peak memory of real training steps (`grpo-fast train`, a fresh process per configuration), per step and per
+phase, beside `grpo-fast estimate`'s prediction for the same flags.
+
+    python -m bench.bench_memory [--layers 30] [--steps 3] [--configs a,b,...] [--out-dir DIR]
+
+The model has SmolLM2-135M-Instruct's shape and vocabulary (Llama, hidden 576, 9/3 heads, vocabulary 49,152,
+tied embeddings; `--layers` of its 30), random weights and a word-level tokenizer, so that every prompt is
+exactly P tokens and completions (no EOS from random weights, in practice) run to C: the worst case a budget
+has to hold. Measured: on CUDA `max_memory_allocated`, on the CPU the resident set's high-water mark (the
+whole process: Python and torch included), each reset at the step's start (grpo_fast.memory).
+"""
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from bench._utils import machine_info, markdown_table, run_worker, worker_main, write_results
+
+SMOLLM2_SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                     num_attention_heads=9, num_key_value_heads=3, head_dim=64, tie_word_embeddings=True,
+                     rms_norm_eps=1e-5, max_position_embeddings=8192)  # fmt: skip
+BASE = dict(P=64, C=128, G=8, prompts_per_step=2)
+# the issue's four axes: full / LoRA, beta 0 / 0.04, gradient checkpointing off / on, sharing on / off
+CONFIGS = {
+    "full": dict(),
+    "full_beta_gc_unshared": dict(beta=0.04, gradient_checkpointing=True, share_prefix=False),
+    "lora_beta": dict(lora_r=16, beta=0.04),
+    "lora_gc_unshared": dict(lora_r=16, gradient_checkpointing=True, share_prefix=False),
+    "full_bf16_beta_c512": dict(dtype="bf16", beta=0.04, C=512),
+    "full_gc_g16_c512": dict(gradient_checkpointing=True, G=16, C=512),
+}
+
+
+def smollm2_shaped_dir(out: Path, layers: int) -> Path:
+    """A random-init model of SmolLM2-135M-Instruct's shape (`layers` decoder layers) with a word-level
+    tokenizer, saved to out/ (built once)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from bench.bench_e2e import save_word_level
+
+    if (out / "config.json").is_file():
+        return out
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**{**SMOLLM2_SHAPE, "num_hidden_layers": layers}))
+    return save_word_level(model, out)
+
+
+def train_flags(model_dir: Path, data: Path, out: Path, c: dict, steps: int) -> list[str]:
+    """`grpo-fast train` flags of one configuration (also what `grpo-fast estimate` is given)."""
+    flags = ["--model", str(model_dir), "--dataset", str(data), "--output-dir", str(out),
+             "--overwrite-output-dir", "--max-steps", str(steps), "--reward",
+             f"{Path(__file__).resolve().parent / 'bench_e2e.py'}:bench_reward",
+             "--num-generations", str(c["G"]), "--prompts-per-step", str(c["prompts_per_step"]),
+             "--max-completion-length", str(c["C"]), "--max-prompt-length", str(c["P"]),
+             "--learning-rate", "1e-6", "--save-total-limit", "1"]  # fmt: skip
+    for key in ("dtype", "beta", "lora_r", "gradient_accumulation_steps"):
+        if key in c:
+            flags += ["--" + key.replace("_", "-"), str(c[key])]
+    for key in ("gradient_checkpointing", "share_prefix"):
+        if key in c:
+            flags.append(("--" if c[key] else "--no-") + key.replace("_", "-"))
+    return flags
+
+
+def measure_one(a: dict) -> dict:
+    """Worker: train `steps` steps of one configuration; the per-step peaks from its metrics.jsonl."""
+    from grpo_fast.config import parse_config
+    from grpo_fast.memory import current_mib
+    from grpo_fast.train import train
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    base = current_mib(device)
+    t0 = time.time()
+    train(parse_config(a["flags"]))
+    recs = [json.loads(x) for x in (Path(a["out"]) / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in recs if "peak_mem_mb" in r]
+    return {
+        "start_mib": base,
+        "peaks": [r["peak_mem_mb"] for r in steps],
+        "rollout_peaks": [r["peak_mem_rollout_mb"] for r in steps],
+        "train_peaks": [r["peak_mem_train_mb"] for r in steps],
+        "step_s": [r["time_generate_s"] + r["time_reward_s"] + r["time_train_s"] for r in steps],
+        "wall_s": time.time() - t0,
+    }
+
+
+def estimate_of(flags: list[str], device: str) -> dict | None:
+    """`grpo-fast estimate`'s peak and its parts for the same flags, or None where it is not there yet."""
+    try:
+        from grpo_fast.estimate import estimate_from_flags
+    except ImportError:
+        return None
+    return estimate_from_flags(flags, device)
+
+
+COLUMNS = [
+    ("config", "configuration"),
+    ("settings", "settings"),
+    ("measured_mib", "measured peak MiB (last step)"),
+    ("estimate_mib", "estimate MiB"),
+    ("error_pct", "estimate error %"),
+    ("rollout_mib", "rollout peak"),
+    ("train_mib", "train peak"),
+    ("step_s", "step s"),
+    ("note", "note"),
+]
+
+
+def run(names: list[str], layers: int, steps: int, deadline: float | None = None, extra_flags=()) -> dict:
+    """Every configuration of `names` in its own process; rows with the estimate beside the measurement."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        model_dir = smollm2_shaped_dir(tmp / "model", layers)
+        from bench.bench_e2e import word_prompts
+
+        for name in names:
+            c = {**BASE, **CONFIGS[name]}
+            settings = ", ".join(f"{k}={v}" for k, v in c.items())
+            if deadline is not None and time.time() > deadline - 30:
+                rows.append(dict(config=name, settings=settings, note="skipped: out of time"))
+                continue
+            data = word_prompts(tmp / f"prompts_{c['P']}.jsonl", 64, c["P"], SMOLLM2_SHAPE["vocab_size"])
+            flags = train_flags(model_dir, data, tmp / f"run_{name}", c, steps) + list(extra_flags)
+            timeout = 1800 if deadline is None else max(30.0, deadline - time.time())
+            t0 = time.time()
+            res = run_worker(
+                "bench_memory", {"flags": flags, "out": str(tmp / f"run_{name}")}, timeout=timeout
+            )
+            row = dict(config=name, settings=settings, flags=flags, **res)
+            if "peaks" in res and res["peaks"]:
+                row.update(measured_mib=res["peaks"][-1], rollout_mib=res["rollout_peaks"][-1],
+                           train_mib=res["train_peaks"][-1], step_s=res["step_s"][-1])  # fmt: skip
+                est = estimate_of(flags, device)
+                if est is not None:
+                    row["estimate"] = est
+                    row["estimate_mib"] = est["peak_mib"]
+                    row["error_pct"] = 100 * (est["peak_mib"] / row["measured_mib"] - 1)
+            else:
+                row["note"] = f"error: {res.get('error', 'no steps')}"[:200]
+            rows.append(row)
+            shown = {k: row.get(k) for k in ("config", "measured_mib", "estimate_mib", "error_pct", "note")}
+            print(f"  {json.dumps(shown, default=str)}   ({time.time() - t0:.0f} s)", flush=True)
+    return {"machine": machine_info(), "layers": layers, "steps": steps, "device": device, "rows": rows}
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=30, help="decoder layers of SmolLM2's 30")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--out-dir", type=Path, default=None)
+    args = ap.parse_args(argv)
+    names = args.configs.split(",")
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown:
+        raise SystemExit(f"--configs: expected names from {', '.join(CONFIGS)}, got {unknown}")
+    payload = run(names, args.layers, args.steps)
+    md = f"# Peak memory of a training step: measured vs estimated ({payload['device']})\n\n"
+    md += (
+        f"SmolLM2-135M-Instruct's shape with {args.layers} layers, {args.steps} steps per configuration.\n\n"
+    )
+    md += markdown_table(payload["rows"], COLUMNS) + "\n"
+    out = write_results("bench_memory", payload, md, args.out_dir)
+    print(md)
+    print(f"results in {out}")
+
+
+if __name__ == "__main__":
+    if not worker_main(measure_one):
+        main()
