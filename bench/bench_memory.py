@@ -110,8 +110,11 @@ COLUMNS = [
 ]
 
 
-def run(names: list[str], layers: int, steps: int, deadline: float | None = None, extra_flags=()) -> dict:
-    """Every configuration of `names` in its own process; rows with the estimate beside the measurement."""
+def run(names, layers: int, steps: int, deadline: float | None = None, extra_flags=(), on_row=None) -> dict:
+    """Every configuration of `names` in its own process; rows with the estimate beside the measurement,
+    each handed to `on_row` as it lands."""
+    import subprocess
+
     device = "cuda" if torch.cuda.is_available() else "cpu"
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -129,9 +132,12 @@ def run(names: list[str], layers: int, steps: int, deadline: float | None = None
             flags = train_flags(model_dir, data, tmp / f"run_{name}", c, steps) + list(extra_flags)
             timeout = 1800 if deadline is None else max(30.0, deadline - time.time())
             t0 = time.time()
-            res = run_worker(
-                "bench_memory", {"flags": flags, "out": str(tmp / f"run_{name}")}, timeout=timeout
-            )
+            try:
+                res = run_worker(
+                    "bench_memory", {"flags": flags, "out": str(tmp / f"run_{name}")}, timeout=timeout
+                )
+            except subprocess.TimeoutExpired:
+                res = {"error": f"did not finish within {timeout:.0f} s"}
             row = dict(config=name, settings=settings, flags=flags, **res)
             if "peaks" in res and res["peaks"]:
                 row.update(measured_mib=res["peaks"][-1], rollout_mib=res["rollout_peaks"][-1],
@@ -144,6 +150,8 @@ def run(names: list[str], layers: int, steps: int, deadline: float | None = None
             else:
                 row["note"] = f"error: {res.get('error', 'no steps')}"[:200]
             rows.append(row)
+            if on_row is not None:
+                on_row(row)
             shown = {k: row.get(k) for k in ("config", "measured_mib", "estimate_mib", "error_pct", "note")}
             print(f"  {json.dumps(shown, default=str)}   ({time.time() - t0:.0f} s)", flush=True)
     return {"machine": machine_info(), "layers": layers, "steps": steps, "device": device, "rows": rows}

@@ -66,7 +66,8 @@ class GRPOConfig:
     )
     rollout_compile: str = _f(
         "auto",
-        "compile the native engine's decode step: auto (on CUDA, with CUDA graphs), on, off",
+        "compile the native engine's decode step (CUDA graphs on CUDA): auto (= off for now: a first compile "
+        "takes minutes), on, off",
         choices=("auto", "on", "off"),
     )
     vllm_gpu_memory_utilization: float = _f(
