@@ -157,13 +157,43 @@ def run(names, layers: int, steps: int, deadline: float | None = None, extra_fla
     return {"machine": machine_info(), "layers": layers, "steps": steps, "device": device, "rows": rows}
 
 
+def creep(steps: int, out_dir: Path | None) -> dict:
+    """`steps` steps of the real model (SmolLM2-135M-Instruct, chat prompts, completions of varying length:
+    C=128, G=8, 2 prompts) in one process: each step's peak, and the largest after step 3 against step 3's."""
+    from bench.bench_e2e import build_real_work
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir, data, _ = build_real_work(Path(tmp), 64)
+        c = dict(P=128, C=128, G=8, prompts_per_step=2)
+        flags = train_flags(model_dir, data, Path(tmp) / "run", c, steps)
+        flags[flags.index("--reward") + 1] = f"{Path(__file__).resolve().parent / 'bench_e2e.py'}:real_reward"
+        res = run_worker("bench_memory", {"flags": flags, "out": str(Path(tmp) / "run")}, timeout=7200)
+    if "peaks" not in res:
+        raise SystemExit(f"creep run failed: {res.get('error')}")
+    p = res["peaks"]
+    growth = max(p[3:]) / p[2] - 1 if len(p) > 3 else 0.0
+    payload = {"machine": machine_info(), "steps": steps, "settings": c, **res, "growth_after_step3": growth}
+    md = f"# Peak memory per step over {steps} steps (SmolLM2-135M-Instruct, chat prompts, C=128, G=8)\n\n"
+    md += "| step | peak MiB | rollout peak | train peak | step s |\n|---|---|---|---|---|\n"
+    for i, (a, b, t, s_) in enumerate(zip(p, res["rollout_peaks"], res["train_peaks"], res["step_s"])):
+        md += f"| {i + 1} | {a:.0f} | {b:.0f} | {t:.0f} | {s_:.1f} |\n"
+    md += f"\nLargest peak after step 3 vs step 3: {100 * growth:+.1f}%\n"
+    write_results("bench_memory_creep", payload, md, out_dir)
+    print(md)
+    return payload
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=30, help="decoder layers of SmolLM2's 30")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--out-dir", type=Path, default=None)
+    ap.add_argument("--creep", type=int, default=0, help="instead: N steps of SmolLM2, peak per step")
     args = ap.parse_args(argv)
+    if args.creep:
+        creep(args.creep, args.out_dir)
+        return
     names = args.configs.split(",")
     unknown = [n for n in names if n not in CONFIGS]
     if unknown:

@@ -1,4 +1,5 @@
-"""`grpo-fast` command line: `grpo-fast train [--flag value ...]`."""
+"""`grpo-fast` command line: `grpo-fast train [--flag value ...]`, `grpo-fast estimate [same flags]
+[--device cpu|cuda]` (the memory of a step, grpo_fast/estimate.py)."""
 
 import sys
 
@@ -6,10 +7,18 @@ import sys
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: grpo-fast train [--flag value ...]   (grpo-fast train --help lists the flags)")
+        print(
+            "usage: grpo-fast train [--flag value ...]   (grpo-fast train --help lists the flags)\n"
+            "       grpo-fast estimate [the same flags] [--device cpu|cuda]   (a step's memory, its parts)"
+        )
         sys.exit(0 if argv else 2)
+    if argv[0] == "estimate":
+        from .estimate import main as estimate_main
+
+        estimate_main(argv[1:])
+        return
     if argv[0] != "train":
-        print(f"grpo-fast: unknown command {argv[0]!r}; expected 'train'", file=sys.stderr)
+        print(f"grpo-fast: unknown command {argv[0]!r}; expected 'train' or 'estimate'", file=sys.stderr)
         sys.exit(2)
     from .train import main as train_main
 

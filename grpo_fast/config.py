@@ -96,6 +96,16 @@ class GRPOConfig:
     gradient_accumulation_steps: int = _f(
         1, "micro-batches per optimizer step (prompts_per_step splits evenly)"
     )
+    group_split: int = _f(
+        0,
+        "completions per training sub-batch (0 = whole groups): a group's completions in sub-batches that "
+        "each carry the prompt; gradients identical to the whole group's",
+    )
+    max_memory_gb: float = _f(
+        0.0,
+        "plan micro-batches, gradient checkpointing and group splitting so that a step's estimated peak "
+        "stays under this many GiB (grpo-fast estimate); 0 = use the flags as given",
+    )
     max_steps: int = _f(100, "optimizer steps")
     seed: int = _f(42, "random seed")
     # --- output ---
@@ -216,6 +226,13 @@ def validate(cfg: GRPOConfig) -> GRPOConfig:
             f"prompts_per_step ({cfg.prompts_per_step}) must be divisible by "
             f"gradient_accumulation_steps ({cfg.gradient_accumulation_steps})"
         )
+    if cfg.group_split < 0 or (cfg.group_split and cfg.num_generations % cfg.group_split):
+        raise ValueError(
+            f"group_split must be 0 (whole groups) or divide num_generations ({cfg.num_generations}), "
+            f"got {cfg.group_split}"
+        )
+    if cfg.max_memory_gb < 0:
+        raise ValueError(f"max_memory_gb must be >= 0 (0 = no plan), got {cfg.max_memory_gb}")
     if cfg.temperature <= 0:
         raise ValueError(f"temperature must be > 0 for sampling, got {cfg.temperature}")
     if not 0 < cfg.top_p <= 1:

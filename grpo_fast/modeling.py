@@ -52,11 +52,28 @@ def load_model_and_tokenizer(cfg, device):
     model.to(device)
     if cfg.liger_kernels:
         apply_liger_kernels(model, device)
+    model = prepare_for_training(model, cfg)
+    lora = cfg.lora_r > 0
+    info = {
+        "model": path,
+        "lora": lora,
+        "dtype": cfg.dtype,
+        "device": str(device),
+        "attn_implementation": getattr(model.config, "_attn_implementation", None),
+        "flash_attn": flash,
+        "liger_kernels": bool(cfg.liger_kernels),
+        "n_params": sum(p.numel() for p in model.parameters()),
+        "n_trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
+    }
+    return model, tokenizer, info
+
+
+def prepare_for_training(model, cfg):
+    """Gradient checkpointing and LoRA adapters as `cfg` asks (the memory estimator's probe does the same)."""
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
-    lora = cfg.lora_r > 0
-    if lora:
+    if cfg.lora_r > 0:
         from peft import LoraConfig, get_peft_model
 
         targets = cfg.lora_target_modules
@@ -71,18 +88,7 @@ def load_model_and_tokenizer(cfg, device):
                 task_type="CAUSAL_LM",
             ),
         )
-    info = {
-        "model": path,
-        "lora": lora,
-        "dtype": cfg.dtype,
-        "device": str(device),
-        "attn_implementation": getattr(model.config, "_attn_implementation", None),
-        "flash_attn": flash,
-        "liger_kernels": bool(cfg.liger_kernels),
-        "n_params": sum(p.numel() for p in model.parameters()),
-        "n_trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
-    }
-    return model, tokenizer, info
+    return model
 
 
 def _flash_attn_version():

@@ -170,16 +170,44 @@ def policy_loss(model, batch, loss_mask, advantages, old_logps, ref_logps, cfg: 
     )
 
 
+def micro_batches(n: int, G: int, loss_mask, cfg: GRPOConfig):
+    """(prompt indices, completion rows, loss weight) of each micro-batch: the prompts in
+    `gradient_accumulation_steps` chunks of whole groups; with `group_split` g < G, each group of a chunk in
+    G / g sub-batches of g completions, each carrying its prompt. The weights make the summed gradients those
+    of the whole chunks: dapo is normalized over the step already (1); grpo and dr_grpo average a batch's
+    rows, bnpo divides by its active tokens, so a sub-batch counts as its share of its chunk's rows (tokens),
+    and each chunk as 1 / chunks."""
+    device = loss_mask.device
+    g = cfg.group_split if 0 < cfg.group_split < G else G
+    chunks = list(torch.arange(n, device=device).chunk(cfg.gradient_accumulation_steps))
+    tokens = loss_mask.sum(1).float()
+    prompts, rows, weights = [], [], []
+    for pi in chunks:
+        chunk_rows = (pi[:, None] * G + torch.arange(G, device=device)).reshape(-1)
+        parts = [(pi, chunk_rows)] if g == G else [
+            (pi[j : j + 1], chunk_rows[j * G + k * g : j * G + (k + 1) * g])
+            for j in range(len(pi)) for k in range(G // g)
+        ]  # fmt: skip
+        for p, r in parts:
+            if cfg.loss_type == "dapo":
+                w = 1.0
+            elif cfg.loss_type == "bnpo":
+                w = float(tokens[r].sum() / tokens[chunk_rows].sum().clamp(min=1)) / len(chunks)
+            else:
+                w = len(r) / len(chunk_rows) / len(chunks)
+            prompts.append(p)
+            rows.append(r)
+            weights.append(w)
+    return prompts, rows, weights
+
+
 def optimize(run, ro: Rollout, sc: Scored) -> tuple[dict, float]:
     """`num_iterations` optimizer steps on the clipped loss; old / reference log-probs only when needed.
     Returns the step's metrics (summed over micro-batches) and the last gradient norm."""
-    cfg, G, dist, device = run.cfg, run.cfg.num_generations, run.dist, run.device
+    cfg, G, dist = run.cfg, run.cfg.num_generations, run.dist
     # dapo divides by the active tokens of all ranks; DDP / FSDP average the ranks' gradients: / world
     n_items = all_sum(sc.loss_mask.sum().float(), dist).clamp(min=1) / dist.world
-    # micro-batches of whole groups: (prompts, their G completions each)
-    n = ro.prompt_ids.shape[0]
-    micro_prompts = torch.arange(n, device=device).chunk(cfg.gradient_accumulation_steps)
-    micro = [(pi[:, None] * G + torch.arange(G, device=device)).reshape(-1) for pi in micro_prompts]
+    micro_prompts, micro, weights = micro_batches(ro.prompt_ids.shape[0], G, sc.loss_mask, cfg)
     batches = [
         (ro.prompt_ids[pi], ro.prompt_mask[pi], ro.completion_ids[i], ro.completion_mask[i])
         for pi, i in zip(micro_prompts, micro)
@@ -192,7 +220,6 @@ def optimize(run, ro: Rollout, sc: Scored) -> tuple[dict, float]:
             with ctx:
                 ref = [(run.ref_policy or run.policy)(sequence_logps, b, cfg) for b in batches]
     run.policy.train()
-    dapo = cfg.loss_type == "dapo"  # already normalized over the whole step; the others average micro-batches
     for _ in range(cfg.num_iterations):
         metrics = {}
         for k, (i, b) in enumerate(zip(micro, batches)):
@@ -207,8 +234,8 @@ def optimize(run, ro: Rollout, sc: Scored) -> tuple[dict, float]:
                     cfg,
                     n_items,
                 )
-                (loss if dapo else loss / len(micro)).backward()
-            metrics["loss"] = metrics.get("loss", 0.0) + loss.detach() * (1 if dapo else 1 / len(micro))
+                (loss * weights[k]).backward()
+            metrics["loss"] = metrics.get("loss", 0.0) + loss.detach() * weights[k]
             for key, v in m.items():
                 metrics[key] = metrics.get(key, 0.0) + v.detach() / len(micro)
         grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(run.params, cfg.max_grad_norm)).item()

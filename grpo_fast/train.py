@@ -229,8 +229,10 @@ def setup(cfg: GRPOConfig) -> Run:
     np.random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     device = device_of(dist)
+    cfg, memory_plan = plan_memory(cfg, dist, device)
     check_distributed(cfg, dist)
     model, tokenizer, info = load_model_and_tokenizer(cfg, device)
+    info["memory_plan"] = memory_plan
     # the reference policy: the base with adapters off (LoRA), else a frozen copy, only when beta != 0
     ref_model = None
     if cfg.beta != 0.0 and not info["lora"]:
@@ -262,6 +264,41 @@ def setup(cfg: GRPOConfig) -> Run:
         resume(run)
     start_log(run, len(train_rows))
     return run
+
+
+def plan_memory(cfg: GRPOConfig, dist: DistInfo, device) -> tuple[GRPOConfig, dict | None]:
+    """--max-memory-gb: micro-batches, gradient checkpointing and group splitting from the memory estimate
+    (grpo_fast.estimate), printed and returned for config.json; a ValueError naming what fits if nothing
+    does."""
+    if not cfg.max_memory_gb:
+        return cfg, None
+    import dataclasses
+
+    from .estimate import MIB, describe, plan
+
+    local = dataclasses.replace(cfg, prompts_per_step=cfg.prompts_per_step // dist.world)
+    p, e = plan(local, cfg.max_memory_gb, device.type)
+    cfg = dataclasses.replace(
+        cfg, gradient_accumulation_steps=p.micro_batches, gradient_checkpointing=p.gradient_checkpointing,
+        group_split=p.group_split,
+    )  # fmt: skip
+    record = {
+        "max_memory_gb": cfg.max_memory_gb,
+        "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
+        "gradient_checkpointing": cfg.gradient_checkpointing,
+        "group_split": cfg.group_split,
+        "estimated_peak_mib": e["peak"] / MIB,
+        "estimated_rollout_peak_mib": e["rollout_peak"] / MIB,
+        "estimated_train_peak_mib": e["train_peak"] / MIB,
+    }
+    if dist.main:
+        print(
+            f"memory plan for --max-memory-gb {cfg.max_memory_gb:g}: {describe(p, local)}; estimated peak "
+            f"{e['peak'] / MIB:.0f} MiB (rollout {e['rollout_peak'] / MIB:.0f}, training "
+            f"{e['train_peak'] / MIB:.0f})",
+            flush=True,
+        )
+    return cfg, record
 
 
 def check_distributed(cfg: GRPOConfig, dist: DistInfo) -> None:

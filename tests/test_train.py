@@ -53,8 +53,25 @@ class _SGD(torch.optim.SGD):
         super().__init__(params, lr=lr)
 
 
-@pytest.mark.parametrize("loss_type,beta", [("dapo", 0.0), ("grpo", 0.04), ("dr_grpo", 0.0), ("bnpo", 0.04)])
-def test_one_step_equals_naive_grpo(tmp_path, monkeypatch, loss_type, beta):
+SPLITS = ["--group-split", "2"]  # each group of 4 in sub-batches of 2 completions, each carrying its prompt
+
+
+@pytest.mark.parametrize(
+    "loss_type,beta,extra",
+    [
+        ("dapo", 0.0, []),
+        ("grpo", 0.04, []),
+        ("dr_grpo", 0.0, []),
+        ("bnpo", 0.04, []),
+        ("dapo", 0.04, SPLITS),
+        ("bnpo", 0.0, SPLITS),
+        ("grpo", 0.0, [*SPLITS, "--gradient-accumulation-steps", "2", "--no-share-prefix"]),
+        ("dr_grpo", 0.04, ["--group-split", "1"]),
+    ],
+)
+def test_one_step_equals_naive_grpo(tmp_path, monkeypatch, loss_type, beta, extra):
+    """One step's update against full logits and plain formulas over the whole batch at once, also when the
+    groups are trained in sub-batches (--group-split) and micro-batches: the same gradients."""
     lr, seed, T = 1e-2, 7, 0.9
     monkeypatch.setattr(train_mod.torch.optim, "AdamW", _SGD)
     cfg = _cfg(
@@ -73,6 +90,7 @@ def test_one_step_equals_naive_grpo(tmp_path, monkeypatch, loss_type, beta):
         loss_type,
         "--beta",
         str(beta),
+        *extra,
     )
     train(cfg)
     after = load_file(tmp_path / "run" / "checkpoint-1" / "model.safetensors")

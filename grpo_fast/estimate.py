@@ -1,0 +1,429 @@
+"""The memory of a GRPO step before running it: `grpo-fast estimate` and the planner behind --max-memory-gb.
+
+    grpo-fast estimate [train flags] [--device cpu|cuda] [--max-memory-gb X]
+
+Parts, from the model's config alone (no weights are loaded):
+- parameters, gradients, AdamW state, the reference model: counted on a model built on the meta device (LoRA
+  adapters as the trainer adds them; AdamW keeps two tensors of each trainable parameter's dtype);
+- the rollout (native engine): the prompt KV (once per group with prefix sharing, else once per sample) and
+  each sample's completion KV at its fixed capacity, the prefill's working set, and on a CPU the linear
+  weights the engine packs for oneDNN for the call;
+- training activations of one micro-batch: a probe runs the trainer's own forward (`completion_hidden_states`,
+  gradient checkpointing and LoRA applied the same way) and backward on a 1- and a 2-layer model of this
+  config at three small token counts, counting every tensor the step allocates and frees (a dispatch mode over
+  storages); the bytes per layer and token, the fixed part and the quadratic part (the shared-prefix mask) are
+  fitted from those six runs and scaled to the real layer and token counts;
+- the loss's working set: the fp32 LM-head gradient and logits tiles (the PyTorch twin's chunk on a CPU, the
+  Triton kernels' d hidden on CUDA);
+- on a CPU the process itself (Python, torch, transformers: this process's resident set when it starts).
+On CUDA the figure is `max_memory_allocated`: the CUDA context (~0.5 GB) and the caching allocator's reserve
+come on top. Checked against measured peaks in tests/test_estimate.py and bench/bench_memory.py.
+
+The planner (`plan`): the cheapest (micro-batches, gradient checkpointing, completions per sub-batch) that
+fits a budget, where a sub-batch smaller than the group carries the group's prompt (gradients identical).
+"""
+
+import sys
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from .config import GRPOConfig
+
+MIB = 2**20
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+# --------------------------------------------------------------------------------------------------------
+# Counting what a piece of code allocates
+# --------------------------------------------------------------------------------------------------------
+class LiveBytes(TorchDispatchMode):
+    """Bytes of tensor storages created inside the context and still alive, and their peak. Storages that
+    existed before (parameters, inputs) are not counted when an op returns a view of them."""
+
+    def __init__(self, known=()):
+        super().__init__()
+        self.live = self.peak = 0
+        self.sizes = {}
+        self.known = {t.untyped_storage().data_ptr() for t in known}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if not isinstance(t, torch.Tensor):
+                continue
+            st = t.untyped_storage()
+            key, n = st.data_ptr(), st.nbytes()
+            if n == 0 or key in self.sizes or key in self.known:
+                continue
+            self.sizes[key] = n
+            self.live += n
+            self.peak = max(self.peak, self.live)
+            weakref.finalize(st, self._free, key)
+        return out
+
+    def _free(self, key):
+        self.live -= self.sizes.pop(key, 0)
+
+
+# --------------------------------------------------------------------------------------------------------
+# The model from its config
+# --------------------------------------------------------------------------------------------------------
+def model_config(cfg: GRPOConfig):
+    from pathlib import Path
+
+    from transformers import AutoConfig
+
+    from . import default_task
+
+    path = cfg.model or str(default_task.ASSET_DIR)
+    if not (Path(path) / "config.json").is_file() and path.startswith((".", "/")):
+        raise ValueError(f"--model {path!r}: not a model directory (no config.json there)")
+    return AutoConfig.from_pretrained(path)
+
+
+def _build(config, cfg: GRPOConfig, layers: int | None, device: str):
+    """The trainer's model (LoRA, checkpointing) of `config`, random weights, on `device` (meta: shapes)."""
+    from transformers import AutoModelForCausalLM
+
+    from .modeling import prepare_for_training
+
+    if layers is not None:
+        config = type(config).from_dict({**config.to_dict(), "num_hidden_layers": layers})
+    config._attn_implementation = "sdpa"
+    with torch.device(device):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, dtype=_DTYPES[cfg.dtype])
+    return prepare_for_training(model, cfg)
+
+
+def parameter_bytes(config, cfg: GRPOConfig) -> dict:
+    model = _build(config, cfg, None, "meta")
+    params = list(model.parameters())
+    lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    linear = [m.weight for m in lm.modules() if type(m) is torch.nn.Linear]  # what the CPU engine packs
+    return {
+        "params": sum(p.numel() for p in params),
+        "weights": sum(p.numel() * p.element_size() for p in params),
+        "trainable": sum(p.numel() * p.element_size() for p in params if p.requires_grad),
+        "n_trainable": sum(p.numel() for p in params if p.requires_grad),
+        "base_weights": sum(p.numel() * p.element_size() for p in params if not p.requires_grad)
+        if cfg.lora_r > 0
+        else sum(p.numel() * p.element_size() for p in params),
+        "linear_weights": sum(w.numel() * 4 for w in linear),
+    }
+
+
+# --------------------------------------------------------------------------------------------------------
+# The activation probe
+# --------------------------------------------------------------------------------------------------------
+PROBE_SHAPES = ((16, 16), (16, 64), (16, 256))  # (P, C) of one prompt and G=2 completions
+
+
+@dataclass
+class ActivationModel:
+    """Bytes of a micro-batch of `count` sequences of S tokens through L layers (a sequence: a group's packed
+    prompt and completions with prefix sharing, else one prompt and completion): count x (rest(S) + L x
+    layer(S)), each a + b S + c S^2 (c: the attention mask). `train`: the forward's saved tensors plus the
+    backward's working set; `nograd`: a no-grad forward's peak (old / reference log-probs, the prefill)."""
+
+    layer: tuple  # (a, b, c) of one layer's saved bytes per sequence
+    rest: tuple  # (a, b, c) of the rest: embeddings, final norm, masks, the backward's working set
+    nograd: tuple  # (a, b, c) of a no-grad forward's peak (any number of layers: one runs at a time)
+
+    def train(self, L, S, count=1):
+        return count * (_poly(self.rest, S) + L * _poly(self.layer, S))
+
+    def forward_nograd(self, S, count=1):
+        return count * _poly(self.nograd, S)
+
+
+def _poly(abc, T):
+    return max(0.0, abc[0] + abc[1] * T + abc[2] * T * T)
+
+
+def _fit(ts, ys):
+    """Least squares a + b T + c T^2 through three points (exact)."""
+    A = torch.tensor([[1.0, t, t * t] for t in ts], dtype=torch.float64)
+    return tuple(torch.linalg.solve(A, torch.tensor(ys, dtype=torch.float64)).tolist())
+
+
+def probe_activations(config, cfg: GRPOConfig) -> ActivationModel:
+    from .modeling import completion_hidden_states
+
+    runs = {}
+    for layers in (1, 2):
+        model = _build(config, cfg, layers, "cpu")
+        emb = model.get_input_embeddings()
+        emb.weight.requires_grad_(False)  # its gradient is counted with the others, not here
+        state = {}
+        hook = emb.register_forward_hook(lambda m, i, o: state.__setitem__("x", o.requires_grad_()))
+        known = list(model.parameters()) + list(model.buffers())
+        for P, C in PROBE_SHAPES:
+            G, n = 2, 1
+            g = torch.Generator().manual_seed(0)
+            V = config.vocab_size
+            ones = torch.ones(n * G, C, dtype=torch.long)
+            batch = (torch.randint(2, V, (n, P), generator=g), torch.ones(n, P, dtype=torch.long),
+                     torch.randint(2, V, (n * G, C), generator=g), ones)  # fmt: skip
+            # per sequence: the group's packed layout (shared), or one of G plain sequences
+            T, per = (P + G * C, 1) if cfg.share_prefix else (P + C, G)
+            model.train()
+            with LiveBytes(known + list(batch)) as live:
+                h = completion_hidden_states(model, *batch, share_prefix=cfg.share_prefix)
+                saved = live.live
+                (grad,) = torch.autograd.grad(h.float().square().sum(), state["x"])
+                peak = live.peak
+            del h, grad
+            with torch.no_grad(), LiveBytes(known + list(batch)) as live:
+                completion_hidden_states(model, *batch, share_prefix=cfg.share_prefix)
+                nograd = live.peak
+            runs[(layers, T)] = (saved / per, peak / per, nograd / per)
+        hook.remove()
+    ts = sorted({t for _, t in runs})
+    layer = _fit(ts, [runs[(2, t)][0] - runs[(1, t)][0] for t in ts])
+    rest = _fit(ts, [runs[(1, t)][1] - _poly(layer, t) for t in ts])
+    nograd = _fit(ts, [runs[(2, t)][2] for t in ts])
+    return ActivationModel(layer, rest, nograd)
+
+
+# --------------------------------------------------------------------------------------------------------
+# The estimate
+# --------------------------------------------------------------------------------------------------------
+@dataclass
+class Plan:
+    micro_batches: int  # gradient_accumulation_steps: prompts per micro-batch = prompts_per_step / this
+    gradient_checkpointing: bool
+    group_split: int  # completions per sub-batch (0 = whole groups), as the config's group_split
+
+
+def _runtime_bytes(device: str) -> float:
+    if device == "cuda":
+        return 0.0
+    from . import train  # noqa: F401 - the process as the trainer has it: torch, transformers, tokenizers
+    from .memory import current_mib
+
+    return current_mib("cpu") * MIB
+
+
+class Estimator:
+    """The memory model of one config (model, flags); `estimate(plan)` gives the parts of a step's peak."""
+
+    def __init__(self, cfg: GRPOConfig, device: str = "cpu"):
+        if device not in ("cpu", "cuda"):
+            raise ValueError(f"--device must be cpu or cuda, got {device!r}")
+        self.cfg, self.device = cfg, device
+        self.runtime = _runtime_bytes(device)
+        self.config = model_config(cfg)
+        self.params = parameter_bytes(self.config, cfg)
+        self._probes = {}
+
+    def probe(self, gc: bool) -> ActivationModel:
+        if gc not in self._probes:
+            import dataclasses
+
+            self._probes[gc] = probe_activations(
+                self.config, dataclasses.replace(self.cfg, gradient_checkpointing=gc)
+            )
+        return self._probes[gc]
+
+    def estimate(self, plan: Plan | None = None, C: int | None = None, G: int | None = None) -> dict:
+        cfg, c = self.cfg, self.config
+        plan = plan or Plan(cfg.gradient_accumulation_steps, cfg.gradient_checkpointing, cfg.group_split)
+        C = C or cfg.max_completion_length
+        G = G or cfg.num_generations
+        P, n = cfg.max_prompt_length, cfg.prompts_per_step
+        b = torch.tensor([], dtype=_DTYPES[cfg.dtype]).element_size()
+        L, H, V = c.num_hidden_layers, c.hidden_size, c.vocab_size
+        kvh = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+        hd = getattr(c, "head_dim", None) or H // c.num_attention_heads
+        p = self.params
+        parts = {
+            "runtime": self.runtime,
+            "weights": p["weights"],
+            "reference model": p["weights"] if cfg.beta != 0 and cfg.lora_r == 0 else 0.0,
+            "optimizer state": 2 * p["trainable"],
+        }
+        # rollout: the native engine's KV, its prefill, and (CPU, fp32, eager) the packed linear weights
+        kv_tok = L * 2 * kvh * hd * b
+        prompt_rows = n if cfg.share_prefix else n * G
+        cap = max(1, -(-(C - 1) // 64) * 64)
+        kv = kv_tok * (prompt_rows * P + n * G * cap)
+        kv_unshared = kv_tok * (n * G * P + n * G * cap)
+        packed = p["linear_weights"] if self.device == "cpu" and cfg.dtype == "fp32" else 0.0
+        acts = self.probe(plan.gradient_checkpointing)
+        prefill = acts.forward_nograd(P, prompt_rows) + kv_tok * prompt_rows * P
+        decode = n * G * (V * 4 * 3 + C * 12)  # logits, probabilities, the draw's buffers; tokens, log-probs
+        rollout = {
+            "rollout KV cache": kv,
+            "rollout working set": max(prefill, packed + decode),
+        }
+        # training: one micro-batch's activations and the loss, the gradients
+        g = plan.group_split if 0 < plan.group_split < G else G
+        if g < G:  # a sub-batch: one prompt and g of its completions
+            prompts, rows = 1, g
+        else:  # micro-batches of whole groups
+            prompts = max(1, n // plan.micro_batches)
+            rows = prompts * G
+        T = prompts * P + rows * C if cfg.share_prefix else rows * (P + C)
+        seq = (P + (rows // prompts) * C, prompts) if cfg.share_prefix else (P + C, rows)
+        act = acts.train(L, *seq)
+        N = rows * C
+        if self.device == "cpu":
+            from .kernels.logprobs import twin_chunk_rows
+
+            loss_ws = 2 * twin_chunk_rows(V) * V * 4 + V * H * 4 + N * H * 4
+        else:
+            loss_ws = V * H * 4 + N * H * 4 + N * 64
+        logps = (2 if cfg.beta != 0 else 0) * n * G * C * 4
+        old_ref = acts.forward_nograd(*seq) if (cfg.beta != 0 or cfg.num_iterations > 1) else 0.0
+        train = {
+            "gradients": p["trainable"],
+            "activations": act,
+            "loss working set": loss_ws,
+            "old / reference log-probs": logps,
+        }
+        persistent = sum(parts.values())
+        rollout_peak = persistent + sum(rollout.values())
+        train_peak = persistent + max(sum(train.values()), old_ref + logps)
+        return {
+            "parts": {**parts, **rollout, **train},
+            "rollout_peak": rollout_peak,
+            "train_peak": train_peak,
+            "peak": max(rollout_peak, train_peak),
+            "kv_cache_unshared": kv_unshared,
+            "plan": plan,
+            "tokens_per_micro_batch": T,
+        }
+
+    def fits(self, budget_bytes: float, **kw) -> bool:
+        return self.estimate(**kw)["peak"] <= budget_bytes
+
+    def largest(self, budget_bytes: float, what: str, plan: Plan | None = None) -> int:
+        """The largest completion length ("C") or group size ("G") whose step fits the budget (0: none)."""
+        lo, hi = 0, 1
+        while self.fits(budget_bytes, plan=plan, **{what: hi}) and hi < 2**20:
+            lo, hi = hi, hi * 2
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if self.fits(budget_bytes, plan=plan, **{what: mid}) else (lo, mid)
+        return lo if what == "C" or lo >= 2 else 0
+
+
+def plan(cfg: GRPOConfig, budget_gb: float, device: str = "cpu", estimator: Estimator | None = None):
+    """The cheapest plan whose estimated peak fits `budget_gb` GiB: returns (Plan, estimate), or raises a
+    ValueError naming what would fit. Cost: tokens run forward and backward (checkpointing: a second forward,
+    4/3; a sub-batch re-runs its prompt), then fewer micro-batches."""
+    est = estimator or Estimator(cfg, device)
+    budget = budget_gb * 2**30
+    n, G, P, C = cfg.prompts_per_step, cfg.num_generations, cfg.max_prompt_length, cfg.max_completion_length
+    candidates = []
+    for k in [d for d in range(1, n + 1) if n % d == 0]:
+        for gc in (False, True):
+            for g in [G] + [d for d in range(G - 1, 0, -1) if G % d == 0]:
+                if g < G and k != n:
+                    continue  # sub-batches of a group: one prompt per micro-batch
+                tokens = n * (G // g) * P + n * G * C if cfg.share_prefix else n * G * (P + C)
+                cost = (tokens * (4 / 3 if gc else 1), k * G // g)
+                candidates.append((cost, Plan(k, gc, 0 if g == G else g)))
+    for _, p in sorted(candidates, key=lambda x: x[0]):
+        e = est.estimate(plan=p)
+        if e["peak"] <= budget:
+            return p, e
+    smallest = est.estimate(plan=Plan(n, True, 1))
+    what = f"--max-completion-length {est.largest(budget, 'C', Plan(n, True, 1))}"
+    gib = {k: smallest[k] / 2**30 for k in ("peak", "rollout_peak", "train_peak")}
+    raise ValueError(
+        f"--max-memory-gb {budget_gb:g}: no plan fits. The smallest (one completion per sub-batch, gradient "
+        f"checkpointing) needs {gib['peak']:.2f} GiB (rollout {gib['rollout_peak']:.2f}, training "
+        f"{gib['train_peak']:.2f}); within {budget_gb:g} GiB this config fits {what} (or fewer "
+        "--prompts-per-step, --num-generations, a LoRA adapter)"
+    )
+
+
+# --------------------------------------------------------------------------------------------------------
+# The command
+# --------------------------------------------------------------------------------------------------------
+def table(e: dict) -> str:
+    rows = [(k, v) for k, v in e["parts"].items()]
+    width = max(len(k) for k, _ in rows) + 2
+    lines = [f"{'part':<{width}}{'MiB':>10}"]
+    lines += [f"{k:<{width}}{v / MIB:>10.0f}" for k, v in rows]
+    lines += [
+        f"{'peak in the rollout':<{width}}{e['rollout_peak'] / MIB:>10.0f}",
+        f"{'peak in training':<{width}}{e['train_peak'] / MIB:>10.0f}",
+        f"{'PEAK':<{width}}{e['peak'] / MIB:>10.0f}",
+    ]
+    return "\n".join(lines)
+
+
+def estimate_from_flags(flags: list[str], device: str) -> dict:
+    """The estimate of `grpo-fast train` flags on `device` (used by bench/bench_memory.py)."""
+    from .config import parse_config
+
+    cfg = parse_config(flags)
+    e = Estimator(cfg, device).estimate()
+    parts = {k: v / MIB for k, v in e["parts"].items()}
+    return {"peak_mib": e["peak"] / MIB, "rollout_mib": e["rollout_peak"] / MIB,
+            "train_mib": e["train_peak"] / MIB, "parts_mib": parts}  # fmt: skip
+
+
+def main(argv=None) -> None:
+    from .config import parse_config
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    device = "cpu"
+    if "--device" in argv:
+        i = argv.index("--device")
+        device = argv[i + 1] if i + 1 < len(argv) else ""
+        del argv[i : i + 2]
+    try:
+        cfg = parse_config(argv)
+        est = Estimator(cfg, device)
+        e = est.estimate()
+    except ValueError as err:
+        print(f"grpo-fast estimate: error: {err}", file=sys.stderr)
+        sys.exit(2)
+    c = est.config
+    print(
+        f"model: {cfg.model or 'the embedded default'} ({est.params['params'] / 1e6:.1f}M params, "
+        f"{c.num_hidden_layers} layers, vocabulary {c.vocab_size}), {cfg.dtype}, device {device}"
+    )
+    print(
+        f"step: {cfg.prompts_per_step} prompts x G={cfg.num_generations}, P<={cfg.max_prompt_length}, "
+        f"C<={cfg.max_completion_length}, {'LoRA r=' + str(cfg.lora_r) if cfg.lora_r else 'full fine-tuning'}"
+        f", beta {cfg.beta}, gradient checkpointing {'on' if cfg.gradient_checkpointing else 'off'}, prefix "
+        f"sharing {'on' if cfg.share_prefix else 'off'}, {cfg.gradient_accumulation_steps} micro-batch(es)"
+    )
+    print(table(e))
+    print(f"(rollout KV cache without prefix sharing: {e['kv_cache_unshared'] / MIB:.0f} MiB)")
+    if device == "cuda":
+        print(
+            "CUDA: max_memory_allocated; the CUDA context (~0.5 GiB) and the allocator's reserve come on top"
+        )
+    if cfg.max_memory_gb:
+        budget = cfg.max_memory_gb * 2**30
+        print(
+            f"within --max-memory-gb {cfg.max_memory_gb:g} as configured: largest --max-completion-length "
+            f"{est.largest(budget, 'C')}, largest --num-generations {est.largest(budget, 'G')}"
+        )
+        try:
+            p, pe = plan(cfg, cfg.max_memory_gb, device, est)
+            print(f"the trainer's plan: {describe(p, cfg)}; estimated peak {pe['peak'] / MIB:.0f} MiB")
+        except ValueError as err:
+            print(str(err))
+
+
+def describe(p: Plan, cfg: GRPOConfig) -> str:
+    return (
+        f"{p.micro_batches} micro-batch(es) of {cfg.prompts_per_step // p.micro_batches} prompt(s), "
+        f"gradient checkpointing {'on' if p.gradient_checkpointing else 'off'}, "
+        + (
+            "whole groups"
+            if not 0 < p.group_split < cfg.num_generations
+            else f"groups split into sub-batches of {p.group_split} completions (each with its prompt)"
+        )
+    )
