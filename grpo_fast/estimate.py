@@ -221,14 +221,14 @@ class Estimator:
         self.params = parameter_bytes(self.config, cfg)
         self._probes = {}
 
-    def probe(self, gc: bool) -> ActivationModel:
-        if gc not in self._probes:
+    def probe(self, gc: bool, share: bool) -> ActivationModel:
+        if (gc, share) not in self._probes:
             import dataclasses
 
-            self._probes[gc] = probe_activations(
-                self.config, dataclasses.replace(self.cfg, gradient_checkpointing=gc)
+            self._probes[(gc, share)] = probe_activations(
+                self.config, dataclasses.replace(self.cfg, gradient_checkpointing=gc, share_prefix=share)
             )
-        return self._probes[gc]
+        return self._probes[(gc, share)]
 
     def estimate(self, plan: Plan | None = None, C: int | None = None, G: int | None = None) -> dict:
         cfg, c = self.cfg, self.config
@@ -254,13 +254,20 @@ class Estimator:
         kv = kv_tok * (prompt_rows * P + n * G * cap)
         kv_unshared = kv_tok * (n * G * P + n * G * cap)
         packed = p["linear_weights"] if self.device == "cpu" and cfg.dtype == "fp32" else 0.0
-        acts = self.probe(plan.gradient_checkpointing)
+        acts = self.probe(plan.gradient_checkpointing, cfg.share_prefix)
         prefill = acts.forward_nograd(P, prompt_rows) + kv_tok * prompt_rows * P
         decode = n * G * (V * 4 * 3 + C * 12)  # logits, probabilities, the draw's buffers; tokens, log-probs
         rollout = {
             "rollout KV cache": kv,
             "rollout working set": max(prefill, packed + decode),
         }
+        if cfg.rollout == "vllm":  # vLLM's own copy of the weights and the KV space it is given
+            if self.device == "cuda":
+                raise ValueError(
+                    "--rollout vllm on CUDA takes --vllm-gpu-memory-utilization of the GPU for its weights "
+                    "and KV cache: that share is its memory; estimate the trainer's with --rollout native"
+                )
+            rollout = {"rollout KV cache": cfg.vllm_kv_cache_gb * 2**30, "rollout working set": p["weights"]}
         # training: one micro-batch's activations and the loss, the gradients
         g = plan.group_split if 0 < plan.group_split < G else G
         if g < G:  # a sub-batch: one prompt and g of its completions
@@ -268,8 +275,12 @@ class Estimator:
         else:  # micro-batches of whole groups
             prompts = max(1, n // plan.micro_batches)
             rows = prompts * G
-        T = prompts * P + rows * C if cfg.share_prefix else rows * (P + C)
         seq = (P + (rows // prompts) * C, prompts) if cfg.share_prefix else (P + C, rows)
+        if (
+            rows == 1
+        ):  # one prompt, one completion: a plain causal sequence (modeling.completion_hidden_states)
+            acts, seq = self.probe(plan.gradient_checkpointing, False), (P + C, 1)
+        T = seq[0] * seq[1]
         act = acts.train(L, *seq)
         N = rows * C
         if self.device == "cpu":
@@ -313,12 +324,15 @@ class Estimator:
         return lo if what == "C" or lo >= 2 else 0
 
 
+PLAN_MARGIN = 0.9  # plans fill at most this share of the budget: the estimate's error, the allocator's slack
+
+
 def plan(cfg: GRPOConfig, budget_gb: float, device: str = "cpu", estimator: Estimator | None = None):
-    """The cheapest plan whose estimated peak fits `budget_gb` GiB: returns (Plan, estimate), or raises a
-    ValueError naming what would fit. Cost: tokens run forward and backward (checkpointing: a second forward,
-    4/3; a sub-batch re-runs its prompt), then fewer micro-batches."""
+    """The cheapest plan whose estimated peak fits PLAN_MARGIN of `budget_gb` GiB: returns (Plan, estimate),
+    or raises a ValueError naming what would fit. Cost: tokens run forward and backward (checkpointing: a
+    second forward, 4/3; a sub-batch re-runs its prompt), then fewer micro-batches."""
     est = estimator or Estimator(cfg, device)
-    budget = budget_gb * 2**30
+    budget = budget_gb * 2**30 * PLAN_MARGIN
     n, G, P, C = cfg.prompts_per_step, cfg.num_generations, cfg.max_prompt_length, cfg.max_completion_length
     candidates = []
     for k in [d for d in range(1, n + 1) if n % d == 0]:
@@ -339,8 +353,8 @@ def plan(cfg: GRPOConfig, budget_gb: float, device: str = "cpu", estimator: Esti
     raise ValueError(
         f"--max-memory-gb {budget_gb:g}: no plan fits. The smallest (one completion per sub-batch, gradient "
         f"checkpointing) needs {gib['peak']:.2f} GiB (rollout {gib['rollout_peak']:.2f}, training "
-        f"{gib['train_peak']:.2f}); within {budget_gb:g} GiB this config fits {what} (or fewer "
-        "--prompts-per-step, --num-generations, a LoRA adapter)"
+        f"{gib['train_peak']:.2f}), and a plan keeps {1 - PLAN_MARGIN:.0%} of the budget spare; within "
+        f"{budget_gb:g} GiB this config fits {what} (or fewer --prompts-per-step, --num-generations, LoRA)"
     )
 
 

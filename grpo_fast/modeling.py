@@ -125,7 +125,11 @@ def completion_hidden_states(
     """(n * G, C, H) last hidden states; [s, j] is the state that predicts completion token j of sample s.
 
     Prompts are (n, P), completions (n * G, C) with sample s answering prompt s // G. With share_prefix each
-    prompt runs once per group (grpo_fast.shared_prefix); otherwise it is repeated for each sample."""
+    prompt runs once per group (grpo_fast.shared_prefix); otherwise it is repeated for each sample. One prompt
+    with one completion (a group split into single completions, --group-split 1) runs as one causal sequence
+    of its real tokens: no mask is built (a mask is quadratic in the length: 270 MB at 16k tokens)."""
+    if prompt_ids.shape[0] == 1 and completion_ids.shape[0] == 1 and bool(prompt_mask.any()):
+        return _single_sequence(model, prompt_ids, prompt_mask, completion_ids, completion_mask)
     if share_prefix:
         return shared_prefix_forward(model, prompt_ids, prompt_mask, completion_ids, completion_mask)
     G = completion_ids.shape[0] // prompt_ids.shape[0]
@@ -136,6 +140,20 @@ def completion_hidden_states(
     )
     P = prompt_ids.shape[1]
     return out.last_hidden_state[:, P - 1 : -1]
+
+
+def _single_sequence(model, prompt_ids, prompt_mask, completion_ids, completion_mask):
+    """completion_hidden_states of one prompt and one completion: [its prompt's real tokens; its completion up
+    to its last real token] through the decoder with no mask (causal attention), zeros beyond the end."""
+    prompt = prompt_ids[0][prompt_mask[0].bool()]
+    n_real = int(completion_mask[0].nonzero().max()) + 1 if bool(completion_mask.any()) else 0
+    ids = torch.cat([prompt, completion_ids[0, :n_real]])[None]
+    hidden = decoder_of(model)(input_ids=ids, use_cache=False).last_hidden_state
+    out = hidden[:, prompt.shape[0] - 1 : prompt.shape[0] - 1 + n_real]
+    C = completion_ids.shape[1]
+    if n_real < C:
+        out = torch.cat([out, out.new_zeros(1, C - n_real, out.shape[-1])], dim=1)
+    return out
 
 
 def load_weights_from_checkpoint(model, ckpt: Path, lora: bool) -> None:

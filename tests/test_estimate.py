@@ -6,7 +6,7 @@ import pytest
 
 from bench import bench_memory
 from grpo_fast.config import parse_config
-from grpo_fast.estimate import Estimator, Plan, main, plan
+from grpo_fast.estimate import PLAN_MARGIN, Estimator, Plan, main, plan
 from grpo_fast.train import train
 
 TINY = ["--num-generations", "4", "--prompts-per-step", "2", "--max-completion-length", "16",
@@ -71,9 +71,10 @@ def test_max_memory_gb_plans_splits_and_records(tmp_path):
     whole = est.estimate()["peak"]
     smallest = est.estimate(plan=Plan(cfg.prompts_per_step, True, 1))["peak"]
     assert smallest < whole
-    budget = (smallest + 0.5 * (whole - smallest)) / 2**30  # the trainer's own estimate sees its own RSS
+    # the trainer's own estimate sees its own resident set: room for it to have grown
+    budget = (smallest + 0.5 * (whole - smallest)) / PLAN_MARGIN / 2**30
     p, e = plan(cfg, budget, "cpu", est)
-    assert e["peak"] <= budget * 2**30
+    assert e["peak"] <= PLAN_MARGIN * budget * 2**30
     assert (p.micro_batches, p.group_split, p.gradient_checkpointing) != (1, 0, False)
     train(parse_config(argv + ["--max-memory-gb", f"{budget:.4f}"]))
     saved = json.loads((tmp_path / "run" / "config.json").read_text())

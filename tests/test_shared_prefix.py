@@ -116,3 +116,22 @@ def test_flash_attention_models_take_the_varlen_path():
     assert torch.allclose(got[valid], expected[valid], atol=1e-5)
     with pytest.raises(ValueError, match="attention must be"):
         shared_prefix_forward(model, *batch[:4], attention="flash")
+
+
+@pytest.mark.parametrize("share_prefix", [True, False])
+def test_one_prompt_one_completion_is_the_plain_forward(share_prefix):
+    """--group-split 1 trains sub-batches of one prompt and one completion: the maskless path, against each
+    sample's plain forward (padding on both sides, a completion ending early)."""
+    from grpo_fast.modeling import completion_hidden_states
+
+    model = _model("llama").train()
+    batch = _batch()
+    plain = _plain_hidden(model, *batch)
+    p_ids, p_mask, c_ids, c_mask, G = batch
+    for s in (0, 5, 11):  # full-length completion, a shorter one, the 1-token prompt's
+        i = s // G
+        got = completion_hidden_states(model, p_ids[i : i + 1], p_mask[i : i + 1], c_ids[s : s + 1],
+                                       c_mask[s : s + 1], share_prefix=share_prefix)  # fmt: skip
+        valid = c_mask[s].bool()
+        assert got.shape == (1, 6, 32)
+        assert (got[0][valid] - plain[s][valid]).abs().max() < 1e-5
