@@ -91,12 +91,17 @@ def measure_one(a: dict) -> dict:
 
 
 def estimate_of(flags: list[str], device: str) -> dict | None:
-    """`grpo-fast estimate`'s peak and its parts for the same flags, or None where it is not there yet."""
-    try:
+    """`grpo-fast estimate`'s peak and its parts for the same flags, in a fresh process as a user runs it (on
+    a CPU its runtime part is that process's own resident set)."""
+    return run_worker("bench_memory", {"estimate": flags, "device": device})
+
+
+def _worker(a: dict) -> dict:
+    if "estimate" in a:
         from grpo_fast.estimate import estimate_from_flags
-    except ImportError:
-        return None
-    return estimate_from_flags(flags, device)
+
+        return estimate_from_flags(a["estimate"], a["device"])
+    return measure_one(a)
 
 
 COLUMNS = [
@@ -145,7 +150,7 @@ def run(names, layers: int, steps: int, deadline: float | None = None, extra_fla
                 row.update(measured_mib=res["peaks"][-1], rollout_mib=res["rollout_peaks"][-1],
                            train_mib=res["train_peaks"][-1], step_s=res["step_s"][-1])  # fmt: skip
                 est = estimate_of(flags, device)
-                if est is not None:
+                if "peak_mib" in est:
                     row["estimate"] = est
                     row["estimate_mib"] = est["peak_mib"]
                     row["error_pct"] = 100 * (est["peak_mib"] / row["measured_mib"] - 1)
@@ -215,5 +220,5 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    if not worker_main(measure_one):
+    if not worker_main(_worker):
         main()

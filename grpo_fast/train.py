@@ -112,8 +112,9 @@ def train(cfg: GRPOConfig) -> dict:
             reset_peak(run.device)
             rows = run.sampler.next()[run.dist.rank * local_prompts : (run.dist.rank + 1) * local_prompts]
             ro = rollout(run, rows)  # 1. G completions per prompt (this rank's share of the global batch)
-            t1 = clock(run.device)
             rollout_peak = peak_mib(run.device)
+            release_free_memory(run.device)  # CPU: what the rollout freed (packed weights, buffers) goes back
+            t1 = clock(run.device)
             reset_peak(run.device)
             sc = score_rollout(run, rows, ro)  # 2. rewards, group advantages over the global batch
             t2 = clock(run.device)
