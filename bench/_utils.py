@@ -86,13 +86,6 @@ def machine_name() -> str:
 # ---------------------------------------------------------------------------------------------------------
 # Memory and time, inside a worker
 # ---------------------------------------------------------------------------------------------------------
-def _rss_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
 def _release_memory():
     gc.collect()
     if torch.cuda.is_available():
@@ -109,17 +102,22 @@ def _release_memory():
 
 def peak_memory_mb(fn, device) -> float:
     """Peak memory (MiB) that `fn()` uses above what is allocated when it starts."""
+    from grpo_fast.memory import peak_mib
+
     _release_memory()
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        fn()
-        torch.cuda.synchronize()
-        return (torch.cuda.max_memory_allocated() - base) / 2**20
-    base = _rss_kib("VmRSS")
-    Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
+    base = baseline_mib(device)
     fn()
-    return (_rss_kib("VmHWM") - base) / 1024
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return peak_mib(device) - base
+
+
+def baseline_mib(device) -> float:
+    """What is in use now (MiB), with the peak restarted from it (grpo_fast.memory)."""
+    from grpo_fast.memory import current_mib, reset_peak
+
+    reset_peak(device)
+    return current_mib(device)
 
 
 def time_ms(fn, device, repeats: int) -> dict:

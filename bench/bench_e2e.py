@@ -151,22 +151,16 @@ def word_prompts(path: Path, n_prompts: int, P: int, V: int) -> Path:
 # Workers
 # ---------------------------------------------------------------------------------------------------------
 def _baseline_mib(device) -> float:
-    from bench._utils import _release_memory, _rss_kib
+    from bench._utils import _release_memory, baseline_mib
 
     _release_memory()
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-        return torch.cuda.memory_allocated() / 2**20
-    Path("/proc/self/clear_refs").write_text("5")
-    return _rss_kib("VmRSS") / 1024
+    return baseline_mib(device)
 
 
 def _peak_mib(device) -> float:
-    from bench._utils import _rss_kib
+    from grpo_fast.memory import peak_mib
 
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated() / 2**20
-    return _rss_kib("VmHWM") / 1024
+    return peak_mib(device)
 
 
 def _sync(device):

@@ -37,11 +37,11 @@ WATCH_S = 0.05
 
 def _watchdog(limit_mib: float):
     """Stop this process (exit 3) once its resident set passes `limit_mib`."""
-    from bench._utils import _rss_kib
+    from grpo_fast.memory import current_mib
 
     def watch():
         while True:
-            if _rss_kib("VmRSS") / 1024 > limit_mib:
+            if current_mib("cpu") > limit_mib:
                 print(json.dumps({"over_budget": True, "error": f"resident set passed {limit_mib:.0f} MiB"}))
                 os._exit(3)
             time.sleep(WATCH_S)
@@ -51,11 +51,11 @@ def _watchdog(limit_mib: float):
 
 def measure_one(a: dict) -> dict:
     from bench import bench_e2e
-    from bench._utils import _rss_kib
+    from grpo_fast.memory import current_mib
 
     bench_e2e._import_libraries()
     if not torch.cuda.is_available():
-        _watchdog(_rss_kib("VmRSS") / 1024 + 1.1 * a["budget_gb"] * 1024)
+        _watchdog(current_mib("cpu") + 1.1 * a["budget_gb"] * 1024)
     return bench_e2e.measure_one(a)
 
 

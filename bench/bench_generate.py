@@ -35,7 +35,7 @@ import torch
 from bench._utils import (
     NO_VLLM,
     _release_memory,
-    _rss_kib,
+    baseline_mib,
     machine_info,
     markdown_table,
     run_worker,
@@ -43,6 +43,7 @@ from bench._utils import (
     worker_main,
     write_results,
 )
+from grpo_fast.memory import peak_mib
 
 PROVIDERS = ["hf", "reference", "native", "native_compiled", "vllm"]
 QUESTIONS = [
@@ -143,14 +144,13 @@ def measure_one(a: dict) -> dict:
             call(C, 98)  # the full-length shapes compile too
             warm = time.perf_counter() - t0
         _release_memory()
-        base = _rss_kib("VmRSS")
-        open("/proc/self/clear_refs", "w").write("5")
+        base = baseline_mib(torch.device("cpu"))
         tokens, secs = 0, 0.0
         for seed in range(max(a["repeats"], MIN_CALLS.get(a["workload"], 1))):
             t0 = time.perf_counter()
             tokens += call(C, seed)
             secs += time.perf_counter() - t0
-        peak = (_rss_kib("VmHWM") - base) / 1024
+        peak = peak_mib("cpu") - base
     import transformers
 
     env = f"transformers {transformers.__version__}"

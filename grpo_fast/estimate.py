@@ -32,9 +32,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from .config import GRPOConfig
+from .modeling import DTYPES
 
 MIB = 2**20
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -73,16 +73,11 @@ class LiveBytes(TorchDispatchMode):
 # The model from its config
 # --------------------------------------------------------------------------------------------------------
 def model_config(cfg: GRPOConfig):
-    from pathlib import Path
-
     from transformers import AutoConfig
 
-    from . import default_task
+    from .modeling import model_path
 
-    path = cfg.model or str(default_task.ASSET_DIR)
-    if not (Path(path) / "config.json").is_file() and path.startswith((".", "/")):
-        raise ValueError(f"--model {path!r}: not a model directory (no config.json there)")
-    return AutoConfig.from_pretrained(path)
+    return AutoConfig.from_pretrained(model_path(cfg))
 
 
 def _build(config, cfg: GRPOConfig, layers: int | None, device: str):
@@ -96,7 +91,7 @@ def _build(config, cfg: GRPOConfig, layers: int | None, device: str):
     config._attn_implementation = "sdpa"
     with torch.device(device):
         torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(config, dtype=_DTYPES[cfg.dtype])
+        model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[cfg.dtype])
     return prepare_for_training(model, cfg)
 
 
@@ -109,10 +104,6 @@ def parameter_bytes(config, cfg: GRPOConfig) -> dict:
         "params": sum(p.numel() for p in params),
         "weights": sum(p.numel() * p.element_size() for p in params),
         "trainable": sum(p.numel() * p.element_size() for p in params if p.requires_grad),
-        "n_trainable": sum(p.numel() for p in params if p.requires_grad),
-        "base_weights": sum(p.numel() * p.element_size() for p in params if not p.requires_grad)
-        if cfg.lora_r > 0
-        else sum(p.numel() * p.element_size() for p in params),
         "linear_weights": sum(w.numel() * 4 for w in linear),
     }
 
@@ -236,7 +227,7 @@ class Estimator:
         C = C or cfg.max_completion_length
         G = G or cfg.num_generations
         P, n = cfg.max_prompt_length, cfg.prompts_per_step
-        b = torch.tensor([], dtype=_DTYPES[cfg.dtype]).element_size()
+        b = DTYPES[cfg.dtype].itemsize
         L, H, V = c.num_hidden_layers, c.hidden_size, c.vocab_size
         kvh = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
         hd = getattr(c, "head_dim", None) or H // c.num_attention_heads
@@ -280,7 +271,6 @@ class Estimator:
             rows == 1
         ):  # one prompt, one completion: a plain causal sequence (modeling.completion_hidden_states)
             acts, seq = self.probe(plan.gradient_checkpointing, False), (P + C, 1)
-        T = seq[0] * seq[1]
         act = acts.train(L, *seq)
         N = rows * C
         if self.device == "cpu":
@@ -307,7 +297,6 @@ class Estimator:
             "peak": max(rollout_peak, train_peak),
             "kv_cache_unshared": kv_unshared,
             "plan": plan,
-            "tokens_per_micro_batch": T,
         }
 
     def fits(self, budget_bytes: float, **kw) -> bool:

@@ -8,6 +8,7 @@ allocator's reserve come on top). On the CPU it is the resident set's high-water
 """
 
 import ctypes
+import functools
 import os
 import resource
 from pathlib import Path
@@ -63,6 +64,7 @@ class _MallInfo2(ctypes.Structure):
     _fields_ = [(name, ctypes.c_size_t) for name in _MALLINFO2]
 
 
+@functools.cache
 def _libc():
     try:
         libc = ctypes.CDLL("libc.so.6")
@@ -72,18 +74,12 @@ def _libc():
         return None  # not glibc (>= 2.33)
 
 
-def free_heap_mib() -> float | None:
-    """Bytes glibc's heaps hold free (MiB), or None where that cannot be read."""
-    libc = _libc()
-    return None if libc is None else libc.mallinfo2().fordblks / 2**20
-
-
 def release_free_memory(device) -> bool:
     """On a CPU, hand the heap's free pages back to the OS (glibc's malloc_trim) once it holds more than
     TRIM_ABOVE_MIB free. Between steps: each step's tensors have other sizes (completion lengths vary), so
     freed blocks rarely fit the next step's requests, and a heap that keeps them grows step after step (on
     SmolLM2 the resident set at the start of a step went from 1.7 to 6.4 GB in 15 steps). Returns whether it
-    trimmed."""
+    trimmed. GRPO_FAST_TRIM=0 turns it off (to measure what it costs)."""
     if torch.device(device).type != "cpu" or os.environ.get("GRPO_FAST_TRIM", "1") == "0":
         return False
     libc = _libc()

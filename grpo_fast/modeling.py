@@ -13,7 +13,7 @@ from . import default_task
 from .model_parts import decoder_of, position_ids_from_mask
 from .shared_prefix import shared_prefix_forward
 
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def load_tokenizer(path: str):
@@ -31,20 +31,26 @@ def load_tokenizer(path: str):
     return AutoTokenizer.from_pretrained(path)
 
 
-def load_model_and_tokenizer(cfg, device):
-    from transformers import AutoModelForCausalLM
-
+def model_path(cfg) -> str:
+    """--model, or the embedded default; a local path must be a model directory."""
     path = cfg.model or str(default_task.ASSET_DIR)
     local = Path(path)
     if (local.exists() or path.startswith((".", "/"))) and not (local / "config.json").is_file():
         raise ValueError(f"--model {path!r}: not a model directory (no config.json there)")
+    return path
+
+
+def load_model_and_tokenizer(cfg, device):
+    from transformers import AutoModelForCausalLM
+
+    path = model_path(cfg)
     # flash-attn where it can run (CUDA, half precision, installed): the shared-prefix forward then packs
     # groups for its varlen kernel; elsewhere SDPA
     flash = _flash_attn_version() if device.type == "cuda" and cfg.dtype == "bf16" else None
     extra = {"attn_implementation": "flash_attention_2"} if flash else {}
     try:
         tokenizer = load_tokenizer(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=_DTYPES[cfg.dtype], **extra)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[cfg.dtype], **extra)
     except (OSError, ValueError) as exc:
         raise ValueError(f"--model {path!r}: could not load it ({type(exc).__name__}: {exc})") from exc
     if tokenizer.pad_token is None:
