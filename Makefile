@@ -88,7 +88,7 @@ bench: setup setup-vllm smollm2
 # memory estimate against measured peaks (~5 minutes); both land in report.md / summary.json
 bench-frontier: setup
 	$(VPY) -m bench.bench_frontier --budget-gb 2 --layers 4
-	$(VPY) -m bench.bench_memory --layers 4
+	$(VPY) -m bench.bench_memory --layers 4 --map-large
 	$(VPY) -m bench.report
 
 # the whole grids (an hour or more on a CPU)

@@ -73,6 +73,10 @@ def measure_one(a: dict) -> dict:
     from grpo_fast.train import train
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if a.get("map_large"):
+        from grpo_fast.memory import map_large_allocations
+
+        map_large_allocations(device)
     base = current_mib(device)
     t0 = time.time()
     train(parse_config(a["flags"]))
@@ -86,7 +90,11 @@ def measure_one(a: dict) -> dict:
         "step_s": [r["time_generate_s"] + r["time_reward_s"] + r["time_train_s"] for r in steps],
         "completion_len_mean": [r["completion_len_mean"] for r in steps],
         "completion_len_max": [r["completion_len_max"] for r in steps],
+        "micro_batches": [r.get("micro_batches", 1) for r in steps],
         "wall_s": time.time() - t0,
+        "memory_plan": json.loads((Path(a["out"]) / "config.json").read_text())["resolved"].get(
+            "memory_plan"
+        ),
     }
 
 
@@ -117,9 +125,12 @@ COLUMNS = [
 ]
 
 
-def run(names, layers: int, steps: int, deadline: float | None = None, extra_flags=(), on_row=None) -> dict:
+def run(
+    names, layers: int, steps: int, deadline=None, extra_flags=(), on_row=None, map_large: bool = False
+) -> dict:
     """Every configuration of `names` in its own process; rows with the estimate beside the measurement,
-    each handed to `on_row` as it lands."""
+    each handed to `on_row` as it lands. map_large: on a CPU, the allocator as the trainer holds it under
+    --max-memory-gb (grpo_fast.memory.map_large_allocations), else glibc's default."""
     import subprocess
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -141,7 +152,9 @@ def run(names, layers: int, steps: int, deadline: float | None = None, extra_fla
             t0 = time.time()
             try:
                 res = run_worker(
-                    "bench_memory", {"flags": flags, "out": str(tmp / f"run_{name}")}, timeout=timeout
+                    "bench_memory",
+                    {"flags": flags, "out": str(tmp / f"run_{name}"), "map_large": map_large},
+                    timeout=timeout,
                 )
             except subprocess.TimeoutExpired:
                 res = {"error": f"did not finish within {timeout:.0f} s"}
@@ -164,9 +177,11 @@ def run(names, layers: int, steps: int, deadline: float | None = None, extra_fla
     return {"machine": machine_info(), "layers": layers, "steps": steps, "device": device, "rows": rows}
 
 
-def creep(steps: int, out_dir: Path | None) -> dict:
+def creep(steps: int, out_dir: Path | None, max_memory_gb: float = 0.0) -> dict:
     """`steps` steps of the real model (SmolLM2-135M-Instruct, chat prompts, completions of varying length:
-    C=128, G=8, 2 prompts) in one process: each step's peak, and the largest after step 3 against step 3's."""
+    C=128, G=8, 2 prompts) in one process: each step's peak, and the largest after step 3 against step 3's;
+    with `max_memory_gb`, under the trainer's plan for that budget (micro-batches packed from the real
+    lengths: the peak is the plan's, not the batch's). Written as bench_memory_creep[_<budget>gb]."""
     from bench.bench_e2e import build_real_work
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -174,21 +189,30 @@ def creep(steps: int, out_dir: Path | None) -> dict:
         c = dict(P=128, C=128, G=8, prompts_per_step=2)
         flags = train_flags(model_dir, data, Path(tmp) / "run", c, steps)
         flags[flags.index("--reward") + 1] = f"{Path(__file__).resolve().parent / 'bench_e2e.py'}:real_reward"
+        if max_memory_gb:
+            flags += ["--max-memory-gb", str(max_memory_gb)]
         res = run_worker("bench_memory", {"flags": flags, "out": str(Path(tmp) / "run")}, timeout=7200)
     if "peaks" not in res:
         raise SystemExit(f"creep run failed: {res.get('error')}")
     p = res["peaks"]
     growth = max(p[3:]) / p[2] - 1 if len(p) > 3 else 0.0
-    payload = {"machine": machine_info(), "steps": steps, "settings": c, **res, "growth_after_step3": growth}
-    md = f"# Peak memory per step over {steps} steps (SmolLM2-135M-Instruct, chat prompts, C=128, G=8)\n\n"
+    payload = {"machine": machine_info(), "steps": steps, "settings": c, "max_memory_gb": max_memory_gb,
+               **res, "growth_after_step3": growth,
+               "change_after_step3": [min(p[3:]) / p[2] - 1, growth]}  # fmt: skip
+    budget = f", --max-memory-gb {max_memory_gb:g}" if max_memory_gb else ""
+    md = f"# Peak memory per step over {steps} steps (SmolLM2-135M-Instruct, chat prompts, C=128, G=8"
+    md += f"{budget})\n\n"
     md += "| step | peak MiB | rollout peak | train peak | step s | mean / max completion length |\n"
     md += "|---|---|---|---|---|---|\n"
     cols = zip(p, res["rollout_peaks"], res["train_peaks"], res["step_s"], res["completion_len_mean"],
                res["completion_len_max"])  # fmt: skip
     for i, (a, b, t, s_, lm, lx) in enumerate(cols):
         md += f"| {i + 1} | {a:.0f} | {b:.0f} | {t:.0f} | {s_:.1f} | {lm:.0f} / {lx} |\n"
-    md += f"\nLargest peak after step 3 vs step 3: {100 * growth:+.1f}%\n"
-    write_results("bench_memory_creep", payload, md, out_dir)
+    lo = payload["change_after_step3"][0]
+    md += f"\nPeaks after step 3 vs step 3: from {100 * lo:+.1f}% to {100 * growth:+.1f}%\n"
+    write_results(
+        "bench_memory_creep" + (f"_{max_memory_gb:g}gb" if max_memory_gb else ""), payload, md, out_dir
+    )
     print(md)
     return payload
 
@@ -200,21 +224,29 @@ def main(argv=None) -> None:
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--out-dir", type=Path, default=None)
     ap.add_argument("--creep", type=int, default=0, help="instead: N steps of SmolLM2, peak per step")
+    ap.add_argument("--max-memory-gb", type=float, default=0.0, help="with --creep: the trainer's budget")
+    ap.add_argument(
+        "--map-large",
+        action="store_true",
+        help="CPU: the allocator as under --max-memory-gb (grpo_fast.memory)",
+    )
     args = ap.parse_args(argv)
     if args.creep:
-        creep(args.creep, args.out_dir)
+        creep(args.creep, args.out_dir, args.max_memory_gb)
         return
     names = args.configs.split(",")
     unknown = [n for n in names if n not in CONFIGS]
     if unknown:
         raise SystemExit(f"--configs: expected names from {', '.join(CONFIGS)}, got {unknown}")
-    payload = run(names, args.layers, args.steps)
+    payload = run(names, args.layers, args.steps, map_large=args.map_large)
+    payload["map_large"] = args.map_large
     md = f"# Peak memory of a training step: measured vs estimated ({payload['device']})\n\n"
-    md += (
-        f"SmolLM2-135M-Instruct's shape with {args.layers} layers, {args.steps} steps per configuration.\n\n"
-    )
+    md += f"SmolLM2-135M-Instruct's shape with {args.layers} layers, {args.steps} steps per configuration"
+    if args.map_large and payload["device"] == "cpu":
+        md += "; allocator as under --max-memory-gb (allocations from 128 KiB mapped on their own)"
+    md += ".\n\n"
     md += markdown_table(payload["rows"], COLUMNS) + "\n"
-    out = write_results("bench_memory", payload, md, args.out_dir)
+    out = write_results("bench_memory" + ("_mapped" if args.map_large else ""), payload, md, args.out_dir)
     print(md)
     print(f"results in {out}")
 

@@ -3,9 +3,9 @@
     python -m bench.report [--dir bench/results/<machine>]
 
 Reads bench_e2e.json, bench_e2e_real.json, bench_generate.json, bench_loss.json, bench_logprobs.json,
-bench_prefix.json, bench_frontier.json and bench_memory.json (whichever exist), writes
-report.md (a table and a paragraph per benchmark, the plots linked) and summary.json (headline ratios, the
-git commit, package versions and the machine).
+bench_prefix.json, bench_frontier.json, bench_memory[_mapped].json and bench_memory_creep_4gb.json
+(whichever exist), writes report.md (a table and a paragraph per benchmark, the plots linked) and
+summary.json (headline ratios, the git commit, package versions and the machine).
 """
 
 import argparse
@@ -246,12 +246,34 @@ def memory_section(res, summary) -> str:
     errors = [abs(r["error_pct"]) for r in res["rows"] if "error_pct" in r]
     if errors:
         summary["estimate_max_abs_error_pct"] = max(errors)
+    mapped = res.get("map_large") and res["device"] == "cpu"
+    flag = " --map-large" if mapped else ""
     return (
         f"## Memory estimate vs measured peak ({res['device']})\n\n`python -m bench.bench_memory --layers "
-        f"{res['layers']}`: SmolLM2-135M's shape with {res['layers']} layers, one process per configuration, "
-        "peak of the last step against `grpo-fast estimate` for the same flags.\n\n"
+        f"{res['layers']}{flag}`: SmolLM2-135M's shape with {res['layers']} layers, "
+        "one process per configuration, peak of the last step against `grpo-fast estimate` for the same flags"
+        + ("; the allocator held as under `--max-memory-gb`" if mapped else "")
+        + ".\n\n"
         + markdown_table(res["rows"], COLUMNS)
         + "\n"
+    )
+
+
+def creep_section(res, summary) -> str:
+    """The peak per step over a real-model run (bench_memory --creep), as a range against step 3."""
+    lo, hi = res["change_after_step3"]
+    budget = res.get("max_memory_gb") or 0
+    summary["memory_creep_after_step3_pct"] = [round(100 * lo, 1), round(100 * hi, 1)]
+    summary["memory_creep_budget_gb"] = budget
+    peaks = res["peaks"]
+    return (
+        f"## Peak memory over {res['steps']} steps (SmolLM2-135M-Instruct, chat prompts)\n\n"
+        f"`python -m bench.bench_memory --creep {res['steps']}"
+        + (f" --max-memory-gb {budget:g}`" if budget else "`")
+        + f": per-step peak {min(peaks):.0f}-{max(peaks):.0f} MiB; after step 3 from {100 * lo:+.1f}% to "
+        f"{100 * hi:+.1f}% of step 3's ({peaks[2]:.0f} MiB), completion lengths varying from "
+        f"{min(res['completion_len_mean']):.0f} to {max(res['completion_len_mean']):.0f} tokens on average "
+        "per step.\n"
     )
 
 
@@ -261,7 +283,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     d = Path(args.dir) if args.dir else RESULTS / machine_name()
     names = ("bench_e2e", "bench_e2e_real", "bench_generate", "bench_loss", "bench_logprobs", "bench_prefix",
-             "bench_frontier", "bench_memory")  # fmt: skip
+             "bench_frontier", "bench_memory", "bench_memory_mapped", "bench_memory_creep_4gb")  # fmt: skip
     results = {n: _load(d, n) for n in names}
     # the machine, versions and commit the measurements were taken with (not those of this process)
     info = next((r["machine"] for r in results.values() if r), None) or machine_info()
@@ -287,8 +309,11 @@ def main(argv=None) -> None:
         parts.append(prefix_section(prefix, summary))
     if results["bench_frontier"]:
         parts.append(frontier_section(results["bench_frontier"], summary))
-    if results["bench_memory"]:
-        parts.append(memory_section(results["bench_memory"], summary))
+    memory = results["bench_memory_mapped"] or results["bench_memory"]
+    if memory:
+        parts.append(memory_section(memory, summary))
+    if results["bench_memory_creep_4gb"]:
+        parts.append(creep_section(results["bench_memory_creep_4gb"], summary))
     if (d / "full-sweep").is_dir():
         parts.append(
             "Whole grids (N = 512, 1024, 2048; more shared-prefix points), from the full sweeps on an "

@@ -103,8 +103,9 @@ class GRPOConfig:
     )
     max_memory_gb: float = _f(
         0.0,
-        "plan micro-batches, gradient checkpointing and group splitting so that a step's estimated peak "
-        "stays under this many GiB (grpo-fast estimate); 0 = use the flags as given",
+        "plan gradient checkpointing and pack each step's micro-batches from its real lengths (whole groups, "
+        "or sub-batches of a group's completions each carrying the prompt) so that a step's estimated peak "
+        "stays under this many GiB (grpo-fast estimate); replaces --group-split; 0 = use the flags as given",
     )
     max_steps: int = _f(100, "optimizer steps")
     seed: int = _f(42, "random seed")

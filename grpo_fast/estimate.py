@@ -19,8 +19,10 @@ Parts, from the model's config alone (no weights are loaded):
 On CUDA the figure is `max_memory_allocated`: the CUDA context (~0.5 GB) and the caching allocator's reserve
 come on top. Checked against measured peaks in tests/test_estimate.py and bench/bench_memory.py.
 
-The planner (`plan`): the cheapest (micro-batches, gradient checkpointing, completions per sub-batch) that
-fits a budget, where a sub-batch smaller than the group carries the group's prompt (gradients identical).
+The planner (`plan`): gradient checkpointing on or off and the bytes a micro-batch may take, the cheapest
+that fits a budget at the longest lengths; the trainer packs each step's micro-batches to that size from the
+real lengths (grpo_fast.batching: whole groups, or sub-batches of a group that each carry its prompt, with
+gradients identical to the whole step's).
 """
 
 import sys
@@ -31,7 +33,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from .batching import Packer, partition, tokens_run
 from .config import GRPOConfig
+from .model_parts import lm_head_of
 from .modeling import DTYPES
 
 MIB = 2**20
@@ -101,6 +105,7 @@ def parameter_bytes(config, cfg: GRPOConfig) -> dict:
     lm = model.get_base_model() if hasattr(model, "get_base_model") else model
     linear = [m.weight for m in lm.modules() if type(m) is torch.nn.Linear]  # what the CPU engine packs
     return {
+        "head_trainable": lm_head_of(model).weight.requires_grad,
         "params": sum(p.numel() for p in params),
         "weights": sum(p.numel() * p.element_size() for p in params),
         "trainable": sum(p.numel() * p.element_size() for p in params if p.requires_grad),
@@ -186,9 +191,8 @@ def probe_activations(config, cfg: GRPOConfig) -> ActivationModel:
 # --------------------------------------------------------------------------------------------------------
 @dataclass
 class Plan:
-    micro_batches: int  # gradient_accumulation_steps: prompts per micro-batch = prompts_per_step / this
     gradient_checkpointing: bool
-    group_split: int  # completions per sub-batch (0 = whole groups), as the config's group_split
+    micro_batch_bytes: float | None = None  # micro-batches packed up to this (None: the configured layout)
 
 
 def _runtime_bytes(device: str) -> float:
@@ -221,9 +225,39 @@ class Estimator:
             )
         return self._probes[(gc, share)]
 
+    def micro_batch_bytes(self, groups, P: int, C: int, gc: bool) -> tuple[float, float, float]:
+        """(activations, the loss's per-row part, a no-grad forward's peak) of one micro-batch of `groups`
+        [(prompt length, [completion lengths])] with prompts P and completions C wide, laid out as
+        modeling.completion_hidden_states lays it out."""
+        L, H = self.config.num_hidden_layers, self.config.hidden_size
+        rows = sum(len(lens) for _, lens in groups)
+        if len(groups) == 1 and rows == 1:  # one causal sequence of its real tokens, no mask
+            seq, share = (groups[0][0] + groups[0][1][0], 1), False
+        elif self.cfg.share_prefix:  # a row per group: its prompt and completions, padded to the longest
+            seq, share = (max(p + sum(lens) for p, lens in groups), len(groups)), True
+        else:  # a row per completion, behind its (padded) prompt
+            seq, share = (P + C, rows), False
+        acts = self.probe(gc, share)
+        N = rows * C
+        return (
+            acts.train(L, *seq),
+            N * H * 4 + (N * 64 if self.device == "cuda" else 0),
+            acts.forward_nograd(*seq),
+        )
+
+    def packer(self, plan: Plan) -> Packer | None:
+        """The trainer's micro-batch packing under `plan` (None: the configured layout)."""
+        if plan.micro_batch_bytes is None:
+            return None
+        gc = plan.gradient_checkpointing
+        return Packer(
+            lambda groups, P, C: sum(self.micro_batch_bytes(groups, P, C, gc)[:2]), plan.micro_batch_bytes
+        )
+
     def estimate(self, plan: Plan | None = None, C: int | None = None, G: int | None = None) -> dict:
+        """The parts of a step's peak at the longest prompts and completions."""
         cfg, c = self.cfg, self.config
-        plan = plan or Plan(cfg.gradient_accumulation_steps, cfg.gradient_checkpointing, cfg.group_split)
+        plan = plan or Plan(cfg.gradient_checkpointing)
         C = C or cfg.max_completion_length
         G = G or cfg.num_generations
         P, n = cfg.max_prompt_length, cfg.prompts_per_step
@@ -245,8 +279,8 @@ class Estimator:
         kv = kv_tok * (prompt_rows * P + n * G * cap)
         kv_unshared = kv_tok * (n * G * P + n * G * cap)
         packed = p["linear_weights"] if self.device == "cpu" and cfg.dtype == "fp32" else 0.0
-        acts = self.probe(plan.gradient_checkpointing, cfg.share_prefix)
-        prefill = acts.forward_nograd(P, prompt_rows) + kv_tok * prompt_rows * P
+        prefill = self.probe(plan.gradient_checkpointing, cfg.share_prefix).forward_nograd(P, prompt_rows)
+        prefill += kv_tok * prompt_rows * P
         decode = n * G * (V * 4 * 3 + C * 12)  # logits, probabilities, the draw's buffers; tokens, log-probs
         rollout = {
             "rollout KV cache": kv,
@@ -259,32 +293,31 @@ class Estimator:
                     "and KV cache: that share is its memory; estimate the trainer's with --rollout native"
                 )
             rollout = {"rollout KV cache": cfg.vllm_kv_cache_gb * 2**30, "rollout working set": p["weights"]}
-        # training: one micro-batch's activations and the loss, the gradients
-        g = plan.group_split if 0 < plan.group_split < G else G
-        if g < G:  # a sub-batch: one prompt and g of its completions
-            prompts, rows = 1, g
-        else:  # micro-batches of whole groups
-            prompts = max(1, n // plan.micro_batches)
-            rows = prompts * G
-        seq = (P + (rows // prompts) * C, prompts) if cfg.share_prefix else (P + C, rows)
-        if (
-            rows == 1
-        ):  # one prompt, one completion: a plain causal sequence (modeling.completion_hidden_states)
-            acts, seq = self.probe(plan.gradient_checkpointing, False), (P + C, 1)
-        act = acts.train(L, *seq)
-        N = rows * C
+        # training: the largest micro-batch (grpo_fast.batching, at the longest lengths), the loss, gradients
+        prompt_lens, completion_lens = [P] * n, [C] * (n * G)
+        chunks = partition(prompt_lens, completion_lens, G, cfg.gradient_accumulation_steps, P, C,
+                           cfg.group_split, self.packer(plan))  # fmt: skip
+        micro = [part for chunk in chunks for part in chunk]
+        sizes = [
+            self.micro_batch_bytes(
+                [(P, [C] * len(rows)) for _, rows in part], P, C, plan.gradient_checkpointing
+            )
+            for part in micro
+        ]
+        act, loss_rows, nograd = max(sizes, key=lambda x: x[0] + x[1])
+        head_grad = V * H * 4 if p["head_trainable"] else 0.0  # fp32 d weight (a frozen head: none)
         if self.device == "cpu":
             from .kernels.logprobs import twin_chunk_rows
 
-            loss_ws = 2 * twin_chunk_rows(V) * V * 4 + V * H * 4 + N * H * 4
+            loss_fixed = 2 * twin_chunk_rows(V) * V * 4 + head_grad
         else:
-            loss_ws = V * H * 4 + N * H * 4 + N * 64
+            loss_fixed = head_grad
         logps = (2 if cfg.beta != 0 else 0) * n * G * C * 4
-        old_ref = acts.forward_nograd(*seq) if (cfg.beta != 0 or cfg.num_iterations > 1) else 0.0
+        old_ref = nograd if (cfg.beta != 0 or cfg.num_iterations > 1) else 0.0
         train = {
             "gradients": p["trainable"],
             "activations": act,
-            "loss working set": loss_ws,
+            "loss working set": loss_fixed + loss_rows,
             "old / reference log-probs": logps,
         }
         persistent = sum(parts.values())
@@ -297,6 +330,10 @@ class Estimator:
             "peak": max(rollout_peak, train_peak),
             "kv_cache_unshared": kv_unshared,
             "plan": plan,
+            # what a micro-batch may take under a budget: the budget less everything else in training
+            "train_fixed": persistent + p["trainable"] + loss_fixed + logps,
+            "micro_batches": len(micro),
+            "tokens_run": tokens_run(chunks, prompt_lens, completion_lens),
         }
 
     def fits(self, budget_bytes: float, **kw) -> bool:
@@ -317,31 +354,31 @@ PLAN_MARGIN = 0.9  # plans fill at most this share of the budget: the estimate's
 
 
 def plan(cfg: GRPOConfig, budget_gb: float, device: str = "cpu", estimator: Estimator | None = None):
-    """The cheapest plan whose estimated peak fits PLAN_MARGIN of `budget_gb` GiB: returns (Plan, estimate),
-    or raises a ValueError naming what would fit. Cost: tokens run forward and backward (checkpointing: a
-    second forward, 4/3; a sub-batch re-runs its prompt), then fewer micro-batches."""
+    """The cheapest plan whose estimated peak fits PLAN_MARGIN of `budget_gb` GiB: gradient checkpointing on
+    or off, and micro-batches packed up to what the budget leaves them (grpo_fast.batching). Returns (Plan,
+    estimate at the longest lengths), or raises a ValueError naming what would fit. Cost at the longest
+    lengths: tokens run forward and backward (checkpointing: a second forward, 4/3; a sub-batch re-runs its
+    prompt), then micro-batches."""
     est = estimator or Estimator(cfg, device)
     budget = budget_gb * 2**30 * PLAN_MARGIN
-    n, G, P, C = cfg.prompts_per_step, cfg.num_generations, cfg.max_prompt_length, cfg.max_completion_length
     candidates = []
-    for k in [d for d in range(1, n + 1) if n % d == 0]:
-        for gc in (False, True):
-            for g in [G] + [d for d in range(G - 1, 0, -1) if G % d == 0]:
-                if g < G and k != n:
-                    continue  # sub-batches of a group: one prompt per micro-batch
-                tokens = n * (G // g) * P + n * G * C if cfg.share_prefix else n * G * (P + C)
-                cost = (tokens * (4 / 3 if gc else 1), k * G // g)
-                candidates.append((cost, Plan(k, gc, 0 if g == G else g)))
-    for _, p in sorted(candidates, key=lambda x: x[0]):
+    for gc in (False, True):
+        smallest = est.estimate(plan=Plan(gc, 0.0))  # one completion per micro-batch
+        if smallest["peak"] > budget:
+            continue
+        p = Plan(gc, budget - smallest["train_fixed"])
         e = est.estimate(plan=p)
         if e["peak"] <= budget:
-            return p, e
-    smallest = est.estimate(plan=Plan(n, True, 1))
-    what = f"--max-completion-length {est.largest(budget, 'C', Plan(n, True, 1))}"
+            candidates.append(((e["tokens_run"] * (4 / 3 if gc else 1), e["micro_batches"]), p, e))
+    if candidates:
+        _, p, e = min(candidates, key=lambda x: x[0])
+        return p, e
+    smallest = est.estimate(plan=Plan(True, 0.0))
+    what = f"--max-completion-length {est.largest(budget, 'C', Plan(True, 0.0))}"
     gib = {k: smallest[k] / 2**30 for k in ("peak", "rollout_peak", "train_peak")}
     raise ValueError(
-        f"--max-memory-gb {budget_gb:g}: no plan fits. The smallest (one completion per sub-batch, gradient "
-        f"checkpointing) needs {gib['peak']:.2f} GiB (rollout {gib['rollout_peak']:.2f}, training "
+        f"--max-memory-gb {budget_gb:g}: no plan fits. The smallest (one completion per micro-batch, "
+        f"gradient checkpointing) needs {gib['peak']:.2f} GiB (rollout {gib['rollout_peak']:.2f}, training "
         f"{gib['train_peak']:.2f}), and a plan keeps {1 - PLAN_MARGIN:.0%} of the budget spare; within "
         f"{budget_gb:g} GiB this config fits {what} (or fewer --prompts-per-step, --num-generations, LoRA)"
     )
@@ -403,6 +440,11 @@ def main(argv=None) -> None:
     )
     print(table(e))
     print(f"(rollout KV cache without prefix sharing: {e['kv_cache_unshared'] / MIB:.0f} MiB)")
+    gc = not cfg.gradient_checkpointing
+    other = est.estimate(plan=Plan(gc))["parts"]["activations"]
+    print(
+        f"(training activations {'with' if gc else 'without'} gradient checkpointing: {other / MIB:.0f} MiB)"
+    )
     if device == "cuda":
         print(
             "CUDA: max_memory_allocated; the CUDA context (~0.5 GiB) and the allocator's reserve come on top"
@@ -415,18 +457,15 @@ def main(argv=None) -> None:
         )
         try:
             p, pe = plan(cfg, cfg.max_memory_gb, device, est)
-            print(f"the trainer's plan: {describe(p, cfg)}; estimated peak {pe['peak'] / MIB:.0f} MiB")
+            print(f"the trainer's plan: {describe(p, pe)}; estimated peak {pe['peak'] / MIB:.0f} MiB")
         except ValueError as err:
             print(str(err))
 
 
-def describe(p: Plan, cfg: GRPOConfig) -> str:
+def describe(p: Plan, e: dict) -> str:
+    """The plan in words; `e`: its estimate (at the longest lengths)."""
     return (
-        f"{p.micro_batches} micro-batch(es) of {cfg.prompts_per_step // p.micro_batches} prompt(s), "
-        f"gradient checkpointing {'on' if p.gradient_checkpointing else 'off'}, "
-        + (
-            "whole groups"
-            if not 0 < p.group_split < cfg.num_generations
-            else f"groups split into sub-batches of {p.group_split} completions (each with its prompt)"
-        )
+        f"gradient checkpointing {'on' if p.gradient_checkpointing else 'off'}, micro-batches packed up to "
+        f"{p.micro_batch_bytes / MIB:.0f} MiB each from the real lengths ({e['micro_batches']} at the "
+        f"longest completions; fewer when they are shorter)"
     )

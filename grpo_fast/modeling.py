@@ -126,21 +126,26 @@ def apply_liger_kernels(model, device) -> None:
 
 
 def completion_hidden_states(
-    model, prompt_ids, prompt_mask, completion_ids, completion_mask, share_prefix=True
+    model, prompt_ids, prompt_mask, completion_ids, completion_mask, share_prefix=True, counts=None
 ):
     """(n * G, C, H) last hidden states; [s, j] is the state that predicts completion token j of sample s.
 
     Prompts are (n, P), completions (n * G, C) with sample s answering prompt s // G. With share_prefix each
     prompt runs once per group (grpo_fast.shared_prefix); otherwise it is repeated for each sample. One prompt
     with one completion (a group split into single completions, --group-split 1) runs as one causal sequence
-    of its real tokens: no mask is built (a mask is quadratic in the length: 270 MB at 16k tokens)."""
+    of its real tokens: no mask is built (a mask is quadratic in the length: 270 MB at 16k tokens).
+    counts: completions per prompt when they differ (micro-batches packed to a memory budget); None: G
+    each."""
     if prompt_ids.shape[0] == 1 and completion_ids.shape[0] == 1 and bool(prompt_mask.any()):
         return _single_sequence(model, prompt_ids, prompt_mask, completion_ids, completion_mask)
     if share_prefix:
-        return shared_prefix_forward(model, prompt_ids, prompt_mask, completion_ids, completion_mask)
+        return shared_prefix_forward(
+            model, prompt_ids, prompt_mask, completion_ids, completion_mask, counts=counts
+        )
     G = completion_ids.shape[0] // prompt_ids.shape[0]
-    ids = torch.cat([prompt_ids.repeat_interleave(G, 0), completion_ids], dim=1)
-    mask = torch.cat([prompt_mask.repeat_interleave(G, 0), completion_mask], dim=1)
+    rep = G if counts is None else torch.tensor(counts, device=prompt_ids.device)
+    ids = torch.cat([prompt_ids.repeat_interleave(rep, 0), completion_ids], dim=1)
+    mask = torch.cat([prompt_mask.repeat_interleave(rep, 0), completion_mask], dim=1)
     out = decoder_of(model)(
         input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask), use_cache=False
     )

@@ -49,26 +49,28 @@ def group_layout(prompt_mask, completion_mask, G):
     return pos, mask[:, None]
 
 
-def packed_group_layout(prompt_mask, completion_mask, G):
+def packed_group_layout(prompt_mask, completion_mask, counts):
     """The grouped layout with real tokens only: per group its prompt's tokens, then each completion's,
     padded at the end to the longest group (completions of one batch vary a lot in length: on SmolLM2 chat
-    rollouts, 60% of a batch-padded layout was padding).
+    rollouts, 60% of a batch-padded layout was padding). counts[i]: the completions of prompt i (consecutive
+    rows; groups may differ, as in micro-batches packed to a memory budget).
 
     Returns (src, pos, mask, pred): `src` (n, L) indices into the flat token pool [prompt_ids (n * P);
-    completion_ids (n * G * C)] (0 on padding), RoPE positions (n, L), the 4D boolean mask (n, 1, L, L), and
-    `pred` (n * G, C) indices into the flat (n * L) hidden states of the state predicting each completion
+    completion_ids (rows * C)] (0 on padding), RoPE positions (n, L), the 4D boolean mask (n, 1, L, L), and
+    `pred` (rows, C) indices into the flat (n * L) hidden states of the state predicting each completion
     token (0 beyond a completion's end)."""
     n, P = prompt_mask.shape
-    C = completion_mask.shape[1]
+    rows, C = completion_mask.shape
     device = prompt_mask.device
     lens = completion_mask.long().sum(1).tolist()
+    first = [sum(counts[:i]) for i in range(n)]  # each group's first row
     groups = []
     for i in range(n):
         p_idx = torch.nonzero(prompt_mask[i]).squeeze(1)
         p_len = len(p_idx)
         src, pos, seg = [i * P + p_idx], [torch.arange(p_len, device=device)], [torch.full((p_len,), -1)]
-        for g in range(G):
-            s = i * G + g
+        for g in range(counts[i]):
+            s = first[i] + g
             src.append(n * P + s * C + torch.arange(lens[s], device=device))
             pos.append(p_len + torch.arange(lens[s], device=device))
             seg.append(torch.full((lens[s],), g))
@@ -77,13 +79,14 @@ def packed_group_layout(prompt_mask, completion_mask, G):
     src = torch.zeros(n, L, dtype=torch.long, device=device)
     pos = torch.zeros(n, L, dtype=torch.long, device=device)
     seg = torch.full((n, L), -2, dtype=torch.long, device=device)  # -2: padding
-    pred = torch.zeros(n * G, C, dtype=torch.long, device=device)
+    pred = torch.zeros(rows, C, dtype=torch.long, device=device)
     for i, (s_i, p_i, g_i, p_len) in enumerate(groups):
         k = len(s_i)
         src[i, :k], pos[i, :k], seg[i, :k] = s_i, p_i, g_i
         start = p_len
-        for g in range(G):
-            s, ln = i * G + g, lens[i * G + g]
+        for g in range(counts[i]):
+            s = first[i] + g
+            ln = lens[s]
             if ln:  # token 0 is predicted by the prompt's last state, token j by completion token j - 1
                 pred[s, :ln] = i * L + torch.cat(
                     [torch.tensor([p_len - 1], device=device), start + torch.arange(ln - 1, device=device)]
@@ -170,7 +173,9 @@ AttentionInterface.register(GROUPED_ATTN_NAME, grouped_attention)
 AttentionMaskInterface.register(GROUPED_ATTN_NAME, _no_mask)
 
 
-def shared_prefix_forward(model, prompt_ids, prompt_mask, completion_ids, completion_mask, attention="auto"):
+def shared_prefix_forward(
+    model, prompt_ids, prompt_mask, completion_ids, completion_mask, attention="auto", counts=None
+):
     """Final hidden states (n_prompts * G, C, H) of the completions, each prompt run once per group.
 
     `[s, j]` is the state that predicts completion token j of sample s: equal to a plain forward of that
@@ -180,19 +185,31 @@ def shared_prefix_forward(model, prompt_ids, prompt_mask, completion_ids, comple
     variable-length sequences (flash-attn's varlen kernel on half-precision CUDA tensors when installed, a
     PyTorch equivalent otherwise); "auto" takes "varlen" for models loaded with a flash-attention
     implementation and "mask" otherwise.
+
+    counts: the completions of each prompt when groups differ (a list summing to the rows; "mask" only), as in
+    micro-batches packed to a memory budget; None: rows / n each.
     """
     n, P = prompt_ids.shape
     rows, C = completion_ids.shape
-    if rows % n:
-        raise ValueError(f"completion_ids has {rows} rows for {n} prompts: expected a multiple")
     if attention not in ("auto", "mask", "varlen"):
         raise ValueError(f"attention must be 'auto', 'mask' or 'varlen', got {attention!r}")
-    G = rows // n
+    if counts is None:
+        if rows % n:
+            raise ValueError(f"completion_ids has {rows} rows for {n} prompts: expected a multiple")
+        counts = [rows // n] * n
+    elif len(counts) != n or sum(counts) != rows:
+        raise ValueError(
+            f"counts must give each of the {n} prompts its completions ({rows} rows), got {counts}"
+        )
+    ragged = len(set(counts)) > 1
+    G = counts[0]
     impl = getattr(model.config, "_attn_implementation", "sdpa")
     if attention == "auto":
-        attention = "varlen" if str(impl).startswith("flash_attention") else "mask"
+        attention = "varlen" if str(impl).startswith("flash_attention") and not ragged else "mask"
+    if attention == "varlen" and ragged:
+        raise ValueError("attention 'varlen' takes groups of one size: use 'mask' for ragged counts")
     if attention == "mask":  # real tokens only, each group one row (see packed_group_layout)
-        src, pos, mask, pred = packed_group_layout(prompt_mask, completion_mask, G)
+        src, pos, mask, pred = packed_group_layout(prompt_mask, completion_mask, counts)
         pool = torch.cat([prompt_ids.reshape(-1), completion_ids.reshape(-1)])
         ctx = attention_implementation(model, "sdpa") if impl not in ("sdpa", "eager") else nullcontext()
         with ctx:
@@ -200,7 +217,7 @@ def shared_prefix_forward(model, prompt_ids, prompt_mask, completion_ids, comple
                 input_ids=pool[src], attention_mask=mask, position_ids=pos, use_cache=False
             )
         hidden = out.last_hidden_state.reshape(-1, out.last_hidden_state.shape[-1])
-        return hidden[pred.reshape(-1)].view(n * G, C, -1)
+        return hidden[pred.reshape(-1)].view(rows, C, -1)
     ids = torch.cat([prompt_ids, completion_ids.reshape(n, G * C)], dim=1)
     pos, mask = group_layout(prompt_mask, completion_mask, G)
     if attention == "varlen":

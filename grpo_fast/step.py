@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .batching import partition, split_to
 from .config import GRPOConfig
 from .data import render_prompt
 from .distributed import DistInfo, all_done, all_gather_rows, all_sum, full_tensor, gradient_sync
@@ -141,14 +142,14 @@ def score_rollout(run, rows, ro: Rollout) -> Scored:
 @torch.no_grad()
 def sequence_logps(model, batch, cfg: GRPOConfig):
     """Per-token log-probs (no grad) of the completions, through the fused kernel (old / reference)."""
-    hidden = completion_hidden_states(model, *batch, share_prefix=cfg.share_prefix)
+    hidden = completion_hidden_states(model, *batch[:4], share_prefix=cfg.share_prefix, counts=batch[4])
     head = lm_head_of(model)
     return fused_linear_logprobs(hidden, head.weight, batch[2], bias=head.bias, temperature=cfg.temperature)
 
 
 def policy_loss(model, batch, loss_mask, advantages, old_logps, ref_logps, cfg: GRPOConfig, n_items):
     """The GRPO loss of one micro-batch, from the policy's last hidden states through the fused kernel."""
-    hidden = completion_hidden_states(model, *batch, share_prefix=cfg.share_prefix)
+    hidden = completion_hidden_states(model, *batch[:4], share_prefix=cfg.share_prefix, counts=batch[4])
     head = lm_head_of(model)
     return fused_linear_grpo_loss(
         hidden,
@@ -170,47 +171,53 @@ def policy_loss(model, batch, loss_mask, advantages, old_logps, ref_logps, cfg: 
     )
 
 
-def micro_batches(n: int, G: int, loss_mask, cfg: GRPOConfig):
-    """(prompt indices, completion rows, loss weight) of each micro-batch: the prompts in
-    `gradient_accumulation_steps` chunks of whole groups; with `group_split` g < G, each group of a chunk in
-    G / g sub-batches of g completions, each carrying its prompt. The weights make the summed gradients those
-    of the whole chunks: dapo is normalized over the step already (1); grpo and dr_grpo average a batch's
-    rows, bnpo divides by its active tokens, so a sub-batch counts as its share of its chunk's rows (tokens),
-    and each chunk as 1 / chunks."""
+def micro_batches(ro: Rollout, loss_mask, cfg: GRPOConfig, packer=None, dist: DistInfo | None = None):
+    """(prompt indices, completion rows, completions per prompt where they differ, loss weight) of each
+    micro-batch (grpo_fast.batching: the configured layout, or packed to `packer`'s budget from the real
+    lengths; distributed ranks agree on the count). The weights make the summed gradients those of the whole
+    chunks: dapo is normalized over the step already (1); grpo and dr_grpo average a chunk's rows, bnpo
+    divides by its active tokens, so a micro-batch counts as its share of its chunk's rows (tokens), and each
+    chunk as 1 / chunks."""
+    n, P = ro.prompt_ids.shape
+    G, C = cfg.num_generations, ro.completion_ids.shape[1]
+    prompt_lens = ro.prompt_mask.sum(1).tolist()
+    completion_lens = ro.completion_mask.sum(1).tolist()
+    chunks = cfg.gradient_accumulation_steps
+    parts = partition(prompt_lens, completion_lens, G, chunks, P, C, cfg.group_split, packer)
+    if packer is not None and dist is not None and dist.on:
+        count = torch.tensor([sum(len(p) for p in parts)], device=ro.prompt_ids.device)
+        parts = split_to(parts, int(all_gather_rows(count, dist).max()))
     device = loss_mask.device
-    g = cfg.group_split if 0 < cfg.group_split < G else G
-    chunks = list(torch.arange(n, device=device).chunk(cfg.gradient_accumulation_steps))
-    tokens = loss_mask.sum(1).float()
-    prompts, rows, weights = [], [], []
-    for pi in chunks:
-        chunk_rows = (pi[:, None] * G + torch.arange(G, device=device)).reshape(-1)
-        parts = [(pi, chunk_rows)] if g == G else [
-            (pi[j : j + 1], chunk_rows[j * G + k * g : j * G + (k + 1) * g])
-            for j in range(len(pi)) for k in range(G // g)
-        ]  # fmt: skip
-        for p, r in parts:
+    tokens = loss_mask.sum(1).float().tolist()
+    prompts, rows, counts, weights = [], [], [], []
+    for chunk in parts:
+        chunk_rows = [r for part in chunk for _, rs in part for r in rs]
+        for part in chunk:
+            r = [x for _, rs in part for x in rs]
             if cfg.loss_type == "dapo":
                 w = 1.0
             elif cfg.loss_type == "bnpo":
-                w = float(tokens[r].sum() / tokens[chunk_rows].sum().clamp(min=1)) / len(chunks)
+                w = sum(tokens[x] for x in r) / max(1.0, sum(tokens[x] for x in chunk_rows)) / chunks
             else:
-                w = len(r) / len(chunk_rows) / len(chunks)
-            prompts.append(p)
-            rows.append(r)
+                w = len(r) / len(chunk_rows) / chunks
+            prompts.append(torch.tensor([i for i, _ in part], device=device))
+            rows.append(torch.tensor(r, device=device))
+            sizes = [len(rs) for _, rs in part]
+            counts.append(sizes if len(set(sizes)) > 1 else None)
             weights.append(w)
-    return prompts, rows, weights
+    return prompts, rows, counts, weights
 
 
-def optimize(run, ro: Rollout, sc: Scored) -> tuple[dict, float]:
+def optimize(run, ro: Rollout, sc: Scored) -> tuple[dict, float, int]:
     """`num_iterations` optimizer steps on the clipped loss; old / reference log-probs only when needed.
-    Returns the step's metrics (summed over micro-batches) and the last gradient norm."""
-    cfg, G, dist = run.cfg, run.cfg.num_generations, run.dist
+    Returns the step's metrics (summed over micro-batches), the last gradient norm and the micro-batches."""
+    cfg, dist = run.cfg, run.dist
     # dapo divides by the active tokens of all ranks; DDP / FSDP average the ranks' gradients: / world
     n_items = all_sum(sc.loss_mask.sum().float(), dist).clamp(min=1) / dist.world
-    micro_prompts, micro, weights = micro_batches(ro.prompt_ids.shape[0], G, sc.loss_mask, cfg)
+    micro_prompts, micro, counts, weights = micro_batches(ro, sc.loss_mask, cfg, run.packer, dist)
     batches = [
-        (ro.prompt_ids[pi], ro.prompt_mask[pi], ro.completion_ids[i], ro.completion_mask[i])
-        for pi, i in zip(micro_prompts, micro)
+        (ro.prompt_ids[pi], ro.prompt_mask[pi], ro.completion_ids[i], ro.completion_mask[i], k)
+        for pi, i, k in zip(micro_prompts, micro, counts)
     ]
     with torch.no_grad():
         old = [run.policy(sequence_logps, b, cfg) for b in batches] if cfg.num_iterations > 1 else None
@@ -236,14 +243,15 @@ def optimize(run, ro: Rollout, sc: Scored) -> tuple[dict, float]:
                 )
                 (loss * weights[k]).backward()
             metrics["loss"] = metrics.get("loss", 0.0) + loss.detach() * weights[k]
+            share = sc.loss_mask[i].sum() / sc.loss_mask.sum().clamp(min=1)  # token metrics: their mean
             for key, v in m.items():
-                metrics[key] = metrics.get(key, 0.0) + v.detach() / len(micro)
+                metrics[key] = metrics.get(key, 0.0) + v.detach() * share
         grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(run.params, cfg.max_grad_norm)).item()
         run.optimizer.step()
         run.scheduler.step()
         run.optimizer.zero_grad(set_to_none=True)
         run.step += 1
-    return metrics, grad_norm
+    return metrics, grad_norm, len(micro)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -261,11 +269,11 @@ def reduce_metrics(metrics: dict, n_active, dist: DistInfo) -> dict:
     return dict(zip(keys, (totals[: len(keys)] / totals[len(keys) :].clamp(min=1e-12)).tolist()))
 
 
-def step_record(run, ro: Rollout, sc: Scored, metrics: dict, grad_norm: float, times, peaks) -> dict:
+def step_record(run, ro: Rollout, sc: Scored, metrics: dict, grad_norm: float, times, peaks, micro=1) -> dict:
     """The metrics.jsonl record of a step: the loss summed over ranks' shares, token metrics weighted by each
     rank's active tokens, rewards and tokens of the global batch. `times`: clock at start, after rollout,
     after scoring, at the end; `peaks`: this rank's peak memory (MiB) in the rollout and in scoring plus
-    optimization."""
+    optimization; `micro`: the micro-batches it trained in."""
     t0, t1, t2, t3 = times
     dist, G = run.dist, run.cfg.num_generations
     metrics = reduce_metrics(metrics, sc.loss_mask.sum(), dist)
@@ -292,6 +300,7 @@ def step_record(run, ro: Rollout, sc: Scored, metrics: dict, grad_norm: float, t
         "peak_mem_mb": max(peaks),  # this step's, this rank's (grpo_fast.memory)
         "peak_mem_rollout_mb": peaks[0],
         "peak_mem_train_mb": peaks[1],
+        "micro_batches": micro,
         "lr": run.scheduler.get_last_lr()[0],
         "time_generate_s": t1 - t0,
         "time_reward_s": t2 - t1,

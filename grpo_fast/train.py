@@ -36,6 +36,7 @@ import torch
 from tqdm import tqdm
 
 from . import checkpoint as ckpt_mod
+from .batching import Packer
 from .config import GRPOConfig, parse_config, to_dict
 from .data import PromptSampler, train_and_eval_rows
 from .distributed import (
@@ -51,7 +52,7 @@ from .distributed import (
     shutdown,
     wrap,
 )
-from .memory import peak_mib, release_free_memory, reset_peak
+from .memory import mapped_allocations, peak_mib, release_free_memory, reset_peak
 from .modeling import load_model_and_tokenizer, load_weights_from_checkpoint
 from .plotting import pyplot
 from .rewards import load_reward, reward_name
@@ -88,6 +89,7 @@ class Run:
     last_eval: dict = field(default_factory=dict)
     log: "MetricsLog | None" = None
     saved: dict = field(default_factory=dict)
+    packer: Packer | None = None  # micro-batches packed to --max-memory-gb (grpo_fast.batching)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -118,12 +120,13 @@ def train(cfg: GRPOConfig) -> dict:
             reset_peak(run.device)
             sc = score_rollout(run, rows, ro)  # 2. rewards, group advantages over the global batch
             t2 = clock(run.device)
-            metrics, grad_norm = optimize(run, ro, sc)  # 3. the clipped loss through the fused kernels
+            with mapped_allocations(run.device, run.packer is not None):  # CPU, a budget: no heap slack
+                metrics, grad_norm, micro = optimize(run, ro, sc)  # 3. the clipped loss, fused kernels
             peaks = (rollout_peak, peak_mib(run.device))
             release_free_memory(run.device)  # CPU: the heap's free pages back, so no step inherits them
             t3 = clock(run.device)
             run.elapsed_train += t3 - t0
-            record = step_record(run, ro, sc, metrics, grad_norm, (t0, t1, t2, t3), peaks)  # 4. log
+            record = step_record(run, ro, sc, metrics, grad_norm, (t0, t1, t2, t3), peaks, micro)  # 4. log
             after_step(run, record, bar)
         if not stopped:  # a signal during the last step
             (stopped,) = agreed([signals["stop"]], run.dist)
@@ -231,7 +234,7 @@ def setup(cfg: GRPOConfig) -> Run:
     np.random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     device = device_of(dist)
-    cfg, memory_plan = plan_memory(cfg, dist, device)
+    cfg, memory_plan, packer = plan_memory(cfg, dist, device)
     check_distributed(cfg, dist)
     model, tokenizer, info = load_model_and_tokenizer(cfg, device)
     info["memory_plan"] = memory_plan
@@ -260,7 +263,7 @@ def setup(cfg: GRPOConfig) -> Run:
         sampler=sampler, generator=generator, reward_funcs=reward_funcs,
         reward_names=[reward_name(f) for f in reward_funcs],
         reward_weights=cfg.reward_weights or [1.0] * len(reward_funcs),
-        eval_rows=eval_rows[: cfg.eval_max_samples], resume_from=resume_from,
+        eval_rows=eval_rows[: cfg.eval_max_samples], resume_from=resume_from, packer=packer,
     )  # fmt: skip
     if resume_from is not None:
         resume(run)
@@ -268,39 +271,38 @@ def setup(cfg: GRPOConfig) -> Run:
     return run
 
 
-def plan_memory(cfg: GRPOConfig, dist: DistInfo, device) -> tuple[GRPOConfig, dict | None]:
-    """--max-memory-gb: micro-batches, gradient checkpointing and group splitting from the memory estimate
-    (grpo_fast.estimate), printed and returned for config.json; a ValueError naming what fits if nothing
-    does."""
+def plan_memory(cfg: GRPOConfig, dist: DistInfo, device):
+    """--max-memory-gb: gradient checkpointing and the micro-batch budget from the memory estimate
+    (grpo_fast.estimate), printed and returned for config.json, with the Packer that cuts each step's groups
+    into micro-batches from their real lengths (grpo_fast.batching); a ValueError naming what fits if nothing
+    does. Returns (cfg, record or None, packer or None)."""
     if not cfg.max_memory_gb:
-        return cfg, None
+        return cfg, None, None
     import dataclasses
 
-    from .estimate import MIB, describe, plan
+    from .estimate import MIB, Estimator, describe, plan
 
     local = dataclasses.replace(cfg, prompts_per_step=cfg.prompts_per_step // dist.world)
-    p, e = plan(local, cfg.max_memory_gb, device.type)
-    cfg = dataclasses.replace(
-        cfg, gradient_accumulation_steps=p.micro_batches, gradient_checkpointing=p.gradient_checkpointing,
-        group_split=p.group_split,
-    )  # fmt: skip
+    est = Estimator(local, device.type)
+    p, e = plan(local, cfg.max_memory_gb, device.type, est)
+    cfg = dataclasses.replace(cfg, gradient_checkpointing=p.gradient_checkpointing)
     record = {
         "max_memory_gb": cfg.max_memory_gb,
-        "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
         "gradient_checkpointing": cfg.gradient_checkpointing,
-        "group_split": cfg.group_split,
+        "micro_batch_budget_mib": p.micro_batch_bytes / MIB,
+        "micro_batches_at_longest": e["micro_batches"],
         "estimated_peak_mib": e["peak"] / MIB,
         "estimated_rollout_peak_mib": e["rollout_peak"] / MIB,
         "estimated_train_peak_mib": e["train_peak"] / MIB,
     }
     if dist.main:
         print(
-            f"memory plan for --max-memory-gb {cfg.max_memory_gb:g}: {describe(p, local)}; estimated peak "
+            f"memory plan for --max-memory-gb {cfg.max_memory_gb:g}: {describe(p, e)}; estimated peak "
             f"{e['peak'] / MIB:.0f} MiB (rollout {e['rollout_peak'] / MIB:.0f}, training "
             f"{e['train_peak'] / MIB:.0f})",
             flush=True,
         )
-    return cfg, record
+    return cfg, record, est.packer(p)
 
 
 def check_distributed(cfg: GRPOConfig, dist: DistInfo) -> None:

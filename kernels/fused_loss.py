@@ -33,8 +33,9 @@ from .loss import (
 )
 
 
-def _one_pass(h, weight, bias, tgt, inv_t, w, adv, old, ref, m, params, need_grad):
-    """Token level over active tokens (flat): loss, metric sums and, when asked, every gradient."""
+def _one_pass(h, weight, bias, tgt, inv_t, w, adv, old, ref, m, params, need_grad, need_w=True):
+    """Token level over active tokens (flat): loss, metric sums and, when asked, every gradient (d weight
+    only with need_w)."""
     N, H = h.shape
     grad_h = torch.zeros(N, H, dtype=h.dtype, device=h.device) if need_grad else None
     grad_w = None  # started by the first chunk with a gradient
@@ -70,20 +71,21 @@ def _one_pass(h, weight, bias, tgt, inv_t, w, adv, old, ref, m, params, need_gra
         # 3. gradients of this chunk: d logits in place of z, then d hidden, d weight, d bias
         if need_grad and bool(g.any()):
             dz = twin_grad_from_probs(p, tgt[sl], g, inv_t)
-            grad_h[sl], grad_w = twin_accumulate(dz, h[sl], weight, grad_w, grad_b)
-    if need_grad and grad_w is None:
+            grad_h[sl], grad_w = twin_accumulate(dz, h[sl], weight, grad_w, grad_b, need_w)
+    if need_grad and need_w and grad_w is None:
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=h.device)
     return sums, grad_h, grad_w, grad_b
 
 
-def _two_pass(h, weight, bias, tgt, inv_t, B, T, idx, mask, w, adv, old, ref, params, need_grad):
+def _two_pass(h, weight, bias, tgt, inv_t, B, T, idx, mask, w, adv, old, ref, params, need_grad, need_w=True):
     """Sequence level: log-probs of active tokens first, then the loss on (B, T), then the gradients."""
     logp_act, lse, _, _ = _twin_fwd(h, weight, bias, tgt, inv_t, False)
     logp = torch.zeros(B * T, dtype=torch.float32, device=h.device).index_copy_(0, idx, logp_act).view(B, T)
     loss, g, metrics = _loss_torch(logp, old, ref, adv, mask, w, params)
     if not need_grad:
         return loss, metrics, None, None, None
-    grad_h, grad_w, grad_b = _twin_bwd(h, weight, bias, tgt, inv_t, lse, g.reshape(-1)[idx], None, None)
+    g_act = g.reshape(-1)[idx]
+    grad_h, grad_w, grad_b = _twin_bwd(h, weight, bias, tgt, inv_t, lse, g_act, None, None, need_w)
     return loss, metrics, grad_h, grad_w, grad_b
 
 
@@ -94,6 +96,7 @@ def _fused_twin(
     need_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (hidden, weight, bias)
     )
+    need_w = need_grad and weight.requires_grad  # a frozen head (LoRA): no d weight at all
     # only active tokens are scored: padding costs nothing
     idx = mask.reshape(-1).nonzero().squeeze(1)
     h = hidden.detach().reshape(-1, H).index_select(0, idx)
@@ -105,7 +108,7 @@ def _fused_twin(
     ref = None if ref_logps is None else ref_logps.float()
     if params.sequence_level or not need_grad:
         loss, metrics, gh, gw, gb = _two_pass(
-            h, wt, bs, tgt, inv_t, B, T, idx, mask, w, adv, old, ref, params, need_grad
+            h, wt, bs, tgt, inv_t, B, T, idx, mask, w, adv, old, ref, params, need_grad, need_w
         )
     else:
         flat = lambda x: None if x is None else x.reshape(-1).index_select(0, idx)  # noqa: E731
@@ -123,6 +126,7 @@ def _fused_twin(
             flat(mask.float()),
             params,
             need_grad,
+            need_w,
         )
         loss = sums[0]
         n_tok = mask.float().sum()
@@ -131,7 +135,11 @@ def _fused_twin(
         return loss, metrics
     grad_hidden = torch.zeros(B * T, H, dtype=hidden.dtype, device=hidden.device)
     grad_hidden.index_copy_(0, idx, gh.to(hidden.dtype))
-    grads = (grad_hidden.view(B, T, H), gw.to(weight.dtype), None if gb is None else gb.to(bias.dtype))
+    grads = (
+        grad_hidden.view(B, T, H),
+        None if gw is None else gw.to(weight.dtype),
+        None if gb is None else gb.to(bias.dtype),
+    )
     return attach_grads(loss, (hidden, weight, bias), grads), metrics
 
 
@@ -176,7 +184,9 @@ def fused_linear_grpo_loss(
         impl: "auto" (Triton for CUDA tensors, else the twin), "triton" or "torch".
 
     Returns:
-        (loss, metrics) as `grpo_loss`; the loss is differentiable w.r.t. hidden, weight and bias.
+        (loss, metrics) as `grpo_loss`; the loss is differentiable w.r.t. hidden, weight and bias. A weight
+        that does not require grad (a frozen head, as under LoRA) gets no gradient computed at all: no fp32
+        weight-sized buffer, a third fewer matmuls in the backward.
     """
     check_tensor("hidden", hidden, (3,))
     flat_h, flat_t = check_logprob_inputs(hidden, weight, targets, bias, temperature)

@@ -201,6 +201,7 @@ def _logprob_bwd_kernel(
     inv_t,
     HAS_BIAS: tl.constexpr,
     WITH_ENTROPY: tl.constexpr,
+    WITH_GW: tl.constexpr,  # False for a frozen head (LoRA): no d weight, no hidden tiles loaded
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
     SEM: tl.constexpr,
@@ -273,14 +274,8 @@ def _logprob_bwd_kernel(
             mask=v_mask[:, None] & h_mask[None, :],
             other=0.0,
         )
-        x = tl.load(
-            h_ptr + offs_n[:, None] * stride_h + offs_h[None, :],
-            mask=n_mask[:, None] & h_mask[None, :],
-            other=0.0,
-        )
         if UPCAST:
             w = w.to(tl.float32)
-            x = x.to(tl.float32)
         gh = tl.dot(dz_mm, w, input_precision=PRECISION)
         tl.atomic_add(
             gh_ptr + offs_n[:, None] * H + offs_h[None, :],
@@ -288,13 +283,21 @@ def _logprob_bwd_kernel(
             mask=n_mask[:, None] & h_mask[None, :],
             sem=SEM,
         )
-        gw = tl.dot(tl.trans(dz_mm), x, input_precision=PRECISION)
-        tl.atomic_add(
-            gw_ptr + offs_v[:, None] * H + offs_h[None, :],
-            gw,
-            mask=v_mask[:, None] & h_mask[None, :],
-            sem=SEM,
-        )
+        if WITH_GW:
+            x = tl.load(
+                h_ptr + offs_n[:, None] * stride_h + offs_h[None, :],
+                mask=n_mask[:, None] & h_mask[None, :],
+                other=0.0,
+            )
+            if UPCAST:
+                x = x.to(tl.float32)
+            gw = tl.dot(tl.trans(dz_mm), x, input_precision=PRECISION)
+            tl.atomic_add(
+                gw_ptr + offs_v[:, None] * H + offs_h[None, :],
+                gw,
+                mask=v_mask[:, None] & h_mask[None, :],
+                sem=SEM,
+            )
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -360,11 +363,11 @@ def _logprob_fwd(hidden, weight, bias, targets, inv_t, with_entropy):
     return logp, lse, lse - ez, ez
 
 
-def _logprob_bwd(hidden, weight, bias, targets, inv_t, lse, g_logp, g_ent, ez):
+def _logprob_bwd(hidden, weight, bias, targets, inv_t, lse, g_logp, g_ent, ez, with_w=True):
     N, H = hidden.shape
     V = weight.shape[0]
     gh = torch.zeros(N, H, dtype=torch.float32, device=hidden.device)
-    gw = torch.zeros(V, H, dtype=torch.float32, device=hidden.device)
+    gw = torch.zeros(V, H, dtype=torch.float32, device=hidden.device) if with_w else None
     gb = torch.zeros(V, dtype=torch.float32, device=hidden.device) if bias is not None else None
     with_entropy = g_ent is not None
     if N == 0:
@@ -390,6 +393,7 @@ def _logprob_bwd(hidden, weight, bias, targets, inv_t, lse, g_logp, g_ent, ez):
         weight.stride(0),
         inv_t,
         WITH_ENTROPY=with_entropy,
+        WITH_GW=with_w,
         UPCAST=INTERPRET,
         PRECISION=_precision(hidden.dtype),
         SEM=BWD_ATOMIC_SEM,
@@ -446,11 +450,14 @@ def twin_grad_from_probs(p, targets, g_logp, inv_t, extra=None):
     return dz if inv_t == 1.0 else dz.mul_(inv_t)
 
 
-def twin_accumulate(dz, h_chunk, weight, grad_w, grad_b):
+def twin_accumulate(dz, h_chunk, weight, grad_w, grad_b, with_w=True):
     """d hidden of the chunk, and d weight / d bias accumulated in fp32. `grad_w` None: this chunk starts it
-    (no zero-filled weight-sized buffer to add into). Returns (grad_h, grad_w)."""
+    (no zero-filled weight-sized buffer to add into). with_w False (a frozen head, as under LoRA): no d
+    weight, a third of the chunk's matmuls saved. Returns (grad_h, grad_w)."""
     grad_h = dz.to(weight.dtype) @ weight
-    if grad_w is None:
+    if not with_w:
+        pass
+    elif grad_w is None:
         grad_w = torch.mm(dz.T, h_chunk.float())
     else:
         grad_w.addmm_(dz.T, h_chunk.float())
@@ -496,7 +503,7 @@ def _twin_fwd(hidden, weight, bias, targets, inv_t, with_entropy):
     return logp, lse, ent, ez
 
 
-def _twin_bwd(hidden, weight, bias, targets, inv_t, lse, g_logp, g_ent, ez):
+def _twin_bwd(hidden, weight, bias, targets, inv_t, lse, g_logp, g_ent, ez, with_w=True):
     N, H = hidden.shape
     grad_h = torch.empty(N, H, dtype=hidden.dtype, device=hidden.device)
     grad_w = None
@@ -517,8 +524,8 @@ def _twin_bwd(hidden, weight, bias, targets, inv_t, lse, g_logp, g_ent, ez):
             None if g_ent is None else g_ent[sl],
             None if ez is None else ez[sl],
         )
-        grad_h[sl], grad_w = twin_accumulate(dz, hidden[sl], weight, grad_w, grad_b)
-    if grad_w is None:
+        grad_h[sl], grad_w = twin_accumulate(dz, hidden[sl], weight, grad_w, grad_b, with_w)
+    if grad_w is None and with_w:
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
     return grad_h, grad_w, grad_b
 
@@ -552,10 +559,11 @@ class _FusedLinearLogprobs(torch.autograd.Function):
             g_logp = torch.zeros_like(lse)
         g_ent = g_ent.float() if (p.with_entropy and g_ent is not None) else None
         bwd = _logprob_bwd if p.impl == "triton" else _twin_bwd
-        gh, gw, gb = bwd(hidden, weight, bias, targets, p.inv_t, lse, g_logp.float(), g_ent, ez)
+        with_w = ctx.needs_input_grad[1]
+        gh, gw, gb = bwd(hidden, weight, bias, targets, p.inv_t, lse, g_logp.float(), g_ent, ez, with_w)
         return (
             gh.to(hidden.dtype) if ctx.needs_input_grad[0] else None,
-            gw.to(weight.dtype) if ctx.needs_input_grad[1] else None,
+            gw.to(weight.dtype) if with_w else None,
             gb.to(bias.dtype) if bias is not None and ctx.needs_input_grad[2] else None,
             None,
             None,

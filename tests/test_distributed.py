@@ -53,19 +53,26 @@ def _fixed_completions(model, prompt_ids, prompt_mask, G, C, **kwargs):
     return (ids * mask).to(prompt_ids.device), mask.to(prompt_ids.device)
 
 
-def _worker(rank, world, port, cfg):
+def _completion_tokens(groups, P, C):  # a packed micro-batch's cost here: its completions' tokens
+    return sum(sum(lens) for _, lens in groups)
+
+
+def _worker(rank, world, port, cfg, pack=None):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world))
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     import grpo_fast.step as S
     import grpo_fast.train as T
+    from grpo_fast.batching import Packer
     from grpo_fast.config import GRPOConfig
 
     S.generate_groups = _fixed_completions
+    if pack is not None:  # micro-batches packed as under --max-memory-gb, to `pack` completion tokens
+        T.plan_memory = lambda cfg, dist, device: (cfg, None, Packer(_completion_tokens, pack))
     T.train(GRPOConfig(**cfg))
 
 
-def _run(tmp: Path, name: str, world: int, kind: str = "ddp", **over) -> Path:
+def _run(tmp: Path, name: str, world: int, kind: str = "ddp", pack=None, **over) -> Path:
     reward = tmp / "rewards.py"
     reward.write_text(REWARD)
     cfg = dict(
@@ -87,7 +94,7 @@ def _run(tmp: Path, name: str, world: int, kind: str = "ddp", **over) -> Path:
         seed=0,
     )
     cfg.update(over)
-    args = (world, _free_port(), cfg)
+    args = (world, _free_port(), cfg, pack)
     mp.start_processes(_worker, args=args, nprocs=world, join=True, start_method="spawn")
     return tmp / name
 
@@ -128,6 +135,17 @@ def test_two_ranks_equal_one_process(runs, kind):
     first = _metrics(one)[0]
     assert first["grad_norm"] > 0 and first["loss"] != 0  # the comparison is not between two zeros
     assert _metrics(one)[1]["kl"] > 0  # the policy moved away from the reference: the KL term is live
+
+
+@pytest.mark.parametrize("kind", ["ddp", "fsdp"])
+def test_packed_micro_batches_across_ranks_equal_one_process(runs, kind):
+    """Micro-batches packed from each rank's real lengths (as under --max-memory-gb): the ranks' counts differ
+    (their completions do), they agree on one (FSDP gathers the weights in each forward), and the run is
+    still the single unpacked process's."""
+    tmp, one = runs
+    two = _run(tmp, f"packed_{kind}", 2, kind, pack=8)
+    _assert_same_run(one, two, 2, (1, 2))
+    assert all(r["micro_batches"] > 2 for r in _metrics(two))
 
 
 @pytest.mark.parametrize("first_world,then_world,kind", [(2, 1, "fsdp"), (1, 2, "fsdp"), (2, 1, "ddp")])

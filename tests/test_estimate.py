@@ -17,15 +17,15 @@ TINY = ["--num-generations", "4", "--prompts-per-step", "2", "--max-completion-l
 def test_estimate_within_15_percent_of_measured_peak():
     """Real `grpo-fast train` steps in fresh processes (resident-set peak of the last step, per-step reset) on
     a 2-layer model of SmolLM2-135M's shape and vocabulary, over the axes that change the memory: full / LoRA,
-    beta 0 / 0.04, gradient checkpointing off / on, prefix sharing on / off."""
-    # LoRA on a CPU: the resident set holds 10-25% more than the estimate, for a reason not found yet (on the
-    # H200, max_memory_allocated, both LoRA configurations were within 4%); held at 20% here until then
-    tolerance = {"full": 15, "full_beta_gc_unshared": 15, "lora_beta": 20}
-    rows = bench_memory.run(list(tolerance), layers=2, steps=2)["rows"]
+    beta 0 / 0.04, gradient checkpointing off / on, prefix sharing on / off. The allocator is held as the
+    trainer holds it under --max-memory-gb (glibc's default keeps freed blocks in the heap: LoRA's resident
+    set then ran 20-25% over its tensors)."""
+    names = ["full", "full_beta_gc_unshared", "lora_beta", "lora_gc_unshared"]
+    rows = bench_memory.run(names, layers=2, steps=2, map_large=True)["rows"]
     for r in rows:
         assert "measured_mib" in r and "estimate_mib" in r, r.get("note")
         shown = (r["config"], r["measured_mib"], r["estimate_mib"])
-        assert abs(r["error_pct"]) <= tolerance[r["config"]], shown
+        assert abs(r["error_pct"]) <= 15, shown
 
 
 def test_estimate_parts_follow_the_flags():
@@ -39,17 +39,18 @@ def test_estimate_parts_follow_the_flags():
     longer = est.estimate(C=256)
     assert longer["parts"]["activations"] > 3 * p["activations"]
     assert longer["parts"]["rollout KV cache"] > p["rollout KV cache"]
-    gc = est.estimate(plan=Plan(1, True, 0), C=256)
+    gc = est.estimate(plan=Plan(True), C=256)
     assert gc["parts"]["activations"] < 0.8 * longer["parts"]["activations"]
-    split = est.estimate(plan=Plan(2, False, 1), C=256)
-    assert split["parts"]["activations"] < longer["parts"]["activations"] / 4
+    split = est.estimate(plan=Plan(False, 0.0), C=256)  # packed to nothing: one completion per micro-batch
+    assert split["micro_batches"] == 8 and split["parts"]["activations"] < longer["parts"]["activations"] / 4
     assert e["kv_cache_unshared"] > p["rollout KV cache"]  # prefix sharing keeps one prompt KV per group
 
 
 def test_estimate_command_prints_the_table_and_what_fits(capsys):
     main(TINY + ["--max-memory-gb", "2"])
     out = capsys.readouterr().out
-    for word in ("weights", "optimizer state", "rollout KV cache", "activations", "PEAK",
+    for word in ("weights", "optimizer state", "rollout KV cache", "activations", "PEAK", "without prefix",
+                 "with gradient checkpointing",
                  "largest --max-completion-length", "the trainer's plan"):  # fmt: skip
         assert word in out, out
     with pytest.raises(SystemExit) as exc:
@@ -59,8 +60,9 @@ def test_estimate_command_prints_the_table_and_what_fits(capsys):
 
 
 def test_max_memory_gb_plans_splits_and_records(tmp_path):
-    """A budget between the smallest plan and the configured one: the trainer splits, runs, and writes the
-    plan into config.json; a budget below the smallest plan is refused, naming what would fit."""
+    """A budget between the smallest plan and the configured one: the trainer packs its micro-batches under
+    it, runs, and writes the plan into config.json; a budget below the smallest plan is refused, naming what
+    would fit."""
     argv = TINY + [
         "--max-completion-length",
         "256",
@@ -72,21 +74,21 @@ def test_max_memory_gb_plans_splits_and_records(tmp_path):
     cfg = parse_config(argv)
     est = Estimator(cfg)
     whole = est.estimate()["peak"]
-    smallest = est.estimate(plan=Plan(cfg.prompts_per_step, True, 1))["peak"]
+    smallest = est.estimate(plan=Plan(True, 0.0))["peak"]
     assert smallest < whole
     # the trainer's own estimate sees its own resident set: room for it to have grown
     budget = (smallest + 0.5 * (whole - smallest)) / PLAN_MARGIN / 2**30
     p, e = plan(cfg, budget, "cpu", est)
     assert e["peak"] <= PLAN_MARGIN * budget * 2**30
-    assert (p.micro_batches, p.group_split, p.gradient_checkpointing) != (1, 0, False)
+    assert e["micro_batches"] > 1 or p.gradient_checkpointing
     train(parse_config(argv + ["--max-memory-gb", f"{budget:.4f}"]))
     saved = json.loads((tmp_path / "run" / "config.json").read_text())
     rec = saved["resolved"]["memory_plan"]
     assert rec["estimated_peak_mib"] <= budget * 1024
-    assert saved["gradient_accumulation_steps"] == p.micro_batches == rec["gradient_accumulation_steps"]
-    assert (
-        saved["group_split"] == p.group_split and saved["gradient_checkpointing"] == p.gradient_checkpointing
-    )
-    assert (tmp_path / "run" / "metrics.jsonl").read_text().count("peak_mem_train_mb") == 1
+    assert saved["gradient_checkpointing"] == p.gradient_checkpointing == rec["gradient_checkpointing"]
+    assert rec["micro_batch_budget_mib"] > 0 and rec["micro_batches_at_longest"] >= e["micro_batches"]
+    records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "peak_mem_train_mb" in r]
+    assert len(steps) == 1 and steps[0]["micro_batches"] >= 1
     with pytest.raises(ValueError, match=r"--max-memory-gb 0.01: no plan fits.*--max-completion-length"):
         train(parse_config(argv + ["--max-memory-gb", "0.01", "--overwrite-output-dir"]))

@@ -212,3 +212,20 @@ def test_trainer_steps_agree_triton_vs_torch():
     assert runs["torch"][0] == pytest.approx(runs["triton"][0], abs=1e-5)
     for k, v in runs["torch"][1].items():
         assert torch.allclose(v, runs["triton"][1][k], atol=1e-5), k
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_frozen_head_gives_d_hidden_only(impl, level):
+    """A head that does not need a gradient (LoRA's frozen LM head): the kernels skip d weight, and d hidden
+    is still the naive fp64 one."""
+    hidden, weight, b, targets, mask, adv, old, ref = _problem()
+    kw = dict(old_logps=old, beta=0.04, ref_logps=ref, importance_sampling_level=level)
+    h = hidden.clone().requires_grad_(True)
+    loss, _ = fused_linear_grpo_loss(h, weight, targets, mask, adv, temperature=0.7, impl=impl, **kw)
+    (loss * 1.3).backward()
+    assert weight.grad is None
+    f64 = (hidden.double(), weight.double(), None)
+    exact = _grads(_naive(targets, mask, adv, 0.7, torch.float64, **kw), f64)
+    lowp = _grads(_naive(targets, mask, adv, 0.7, torch.float32, **kw), (hidden, weight, None))
+    assert_within("d hidden", h.grad, exact[2][0], lowp[2][0], torch.float32)

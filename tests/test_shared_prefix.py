@@ -44,6 +44,27 @@ def _plain_hidden(model, prompt_ids, prompt_mask, completion_ids, completion_mas
     return torch.stack(outs)
 
 
+def test_ragged_groups_equal_plain_forward():
+    """Prompts with different numbers of completions (a micro-batch packed to a memory budget cuts groups
+    anywhere): each completion's states equal its own plain forward, shared and unshared."""
+    from grpo_fast.modeling import completion_hidden_states
+
+    model = _model("llama").eval()
+    p_ids, p_mask, c_ids, c_mask, G = _batch()
+    counts = [3, 1, 4]  # rows 0-2 answer prompt 0, row 3 prompt 1, rows 4-7 prompt 2
+    prompt_of = [0, 0, 0, 1, 2, 2, 2, 2]
+    rows = torch.arange(8)
+    with torch.no_grad():
+        one = lambda r, i: (p_ids[i : i + 1], p_mask[i : i + 1], c_ids[r : r + 1], c_mask[r : r + 1])  # noqa
+        want = torch.stack([_plain_hidden(model, *one(r, i), 1)[0] for r, i in zip(rows.tolist(), prompt_of)])
+        for share in (True, False):
+            got = completion_hidden_states(model, p_ids, p_mask, c_ids[rows], c_mask[rows], share, counts)
+            valid = c_mask[rows].bool()
+            assert (got - want)[valid].abs().max().item() < 1e-5, share
+    with pytest.raises(ValueError, match="counts must give each"):
+        shared_prefix_forward(model, p_ids, p_mask, c_ids[rows], c_mask[rows], counts=[4, 4])
+
+
 @pytest.mark.parametrize(
     "kind,attention", [("qwen2", "mask"), ("llama", "mask"), ("qwen2", "varlen"), ("llama", "varlen")]
 )

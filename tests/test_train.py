@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 
 import grpo_fast.train as train_mod
 from grpo_fast import default_task
+from grpo_fast.batching import Packer
 from grpo_fast.config import parse_config
 from grpo_fast.data import PromptSampler, train_and_eval_rows
 from grpo_fast.rewards import RewardError
@@ -57,23 +58,32 @@ SPLITS = ["--group-split", "2"]  # each group of 4 in sub-batches of 2 completio
 
 
 @pytest.mark.parametrize(
-    "loss_type,beta,extra",
+    "loss_type,beta,extra,pack",
     [
-        ("dapo", 0.0, []),
-        ("grpo", 0.04, []),
-        ("dr_grpo", 0.0, []),
-        ("bnpo", 0.04, []),
-        ("dapo", 0.04, SPLITS),
-        ("bnpo", 0.0, SPLITS),
-        ("grpo", 0.0, [*SPLITS, "--gradient-accumulation-steps", "2", "--no-share-prefix"]),
-        ("dr_grpo", 0.04, ["--group-split", "1"]),
+        ("dapo", 0.0, [], None),
+        ("grpo", 0.04, [], None),
+        ("dr_grpo", 0.0, [], None),
+        ("bnpo", 0.04, [], None),
+        ("dapo", 0.04, SPLITS, None),
+        ("bnpo", 0.0, SPLITS, None),
+        ("grpo", 0.0, [*SPLITS, "--gradient-accumulation-steps", "2", "--no-share-prefix"], None),
+        ("dr_grpo", 0.04, ["--group-split", "1"], None),
+        # packed as --max-memory-gb packs (grpo_fast.batching), a micro-batch's cost here its completions:
+        ("bnpo", 0.04, [], 3),  # rows 0-2 | 3 with 4-5 (a ragged micro-batch) | 6-7
+        ("grpo", 0.0, ["--no-share-prefix"], 3),
+        ("dapo", 0.0, [], 8),  # both groups in one micro-batch
+        ("bnpo", 0.0, ["--gradient-accumulation-steps", "2"], 3),  # per chunk: 3 + 1
     ],
 )
-def test_one_step_equals_naive_grpo(tmp_path, monkeypatch, loss_type, beta, extra):
+def test_one_step_equals_naive_grpo(tmp_path, monkeypatch, loss_type, beta, extra, pack):
     """One step's update against full logits and plain formulas over the whole batch at once, also when the
-    groups are trained in sub-batches (--group-split) and micro-batches: the same gradients."""
+    groups are trained in sub-batches (--group-split), micro-batches, or packed to a budget: the same
+    gradients."""
     lr, seed, T = 1e-2, 7, 0.9
     monkeypatch.setattr(train_mod.torch.optim, "AdamW", _SGD)
+    if pack is not None:
+        packer = Packer(lambda groups, P, C: sum(len(lens) for _, lens in groups), pack)
+        monkeypatch.setattr(train_mod, "plan_memory", lambda cfg, dist, device: (cfg, None, packer))
     cfg = _cfg(
         tmp_path,
         "--max-steps",
