@@ -12,7 +12,6 @@ import ctypes
 import functools
 import os
 import resource
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -91,35 +90,22 @@ def release_free_memory(device) -> bool:
     return True
 
 
-MMAP_ABOVE_MIB = 0.125  # glibc's initial mmap threshold, held there in training (see mapped_allocations)
-MMAP_CEILING_MIB = 32  # the most glibc raises it to on its own (64-bit): what the rollout runs with
+MMAP_ABOVE_MIB = 0.125  # glibc's initial mmap threshold, held there under a budget (map_large_allocations)
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 
 
-def map_large_allocations(device, above_mib: float = MMAP_ABOVE_MIB) -> bool:
-    """On a CPU, have glibc serve every allocation of `above_mib` MiB or more with its own mapping, handed
-    back to the OS when freed (mallopt M_MMAP_THRESHOLD, which also stops glibc moving the threshold).
-    Returns whether it was set. GRPO_FAST_TRIM=0 leaves the allocator alone."""
+def map_large_allocations(device) -> bool:
+    """On a CPU, have glibc serve every allocation of MMAP_ABOVE_MIB or more with its own mapping, handed
+    back to the OS when freed (mallopt M_MMAP_THRESHOLD). glibc starts there but raises the threshold as
+    large blocks are freed, up to 32 MiB, and activations and masks of a few MiB then come from the heap:
+    training micro-batches of other shapes than the last one's find it full of freed blocks of the wrong
+    sizes. On SmolLM2 under a 4 GiB plan, the resident set after a step's micro-batches sat 100-550 MiB over
+    its tensors and its peak varied +-8% with the batch; held at 128 KiB, within 50 MiB and 4%. Held only in
+    training (the rollout back at 32 MiB), peaks still drifted up to +5% after step 3, so the trainer holds
+    it for the whole run under --max-memory-gb. It costs page faults: ~25% of the training phase's time on
+    SmolLM2, and in long rollouts up to ~1.9x generation time (4 layers, C=8192). Returns whether it was set.
+    GRPO_FAST_TRIM=0 leaves the allocator alone."""
     if torch.device(device).type != "cpu" or os.environ.get("GRPO_FAST_TRIM", "1") == "0":
         return False
     libc = _libc()
-    return bool(libc is not None and libc.mallopt(_M_MMAP_THRESHOLD, int(above_mib * 2**20)))
-
-
-@contextmanager
-def mapped_allocations(device, on: bool = True):
-    """The training phase under --max-memory-gb on a CPU: allocations from MMAP_ABOVE_MIB up mapped on their
-    own. glibc starts its threshold there but raises it as large blocks are freed, up to 32 MiB, and
-    activations and masks of a few MiB then come from the heap: micro-batches of other shapes than the last
-    one's find it full of freed blocks of the wrong sizes. On SmolLM2 under a 4 GiB plan, the resident set
-    after a step's micro-batches sat 100-550 MiB over its tensors and its peak varied +-8% with the batch;
-    held at 128 KiB, within 50 MiB and 4%. It costs page faults (~25% of the training phase there), and in
-    the rollout, whose decode allocates the same few shapes every token, it would cost more: afterwards the
-    threshold goes to MMAP_CEILING_MIB, where glibc's own adjustment ends up."""
-    if not (on and map_large_allocations(device)):
-        yield
-        return
-    try:
-        yield
-    finally:
-        map_large_allocations(device, MMAP_CEILING_MIB)
+    return bool(libc is not None and libc.mallopt(_M_MMAP_THRESHOLD, int(MMAP_ABOVE_MIB * 2**20)))

@@ -52,7 +52,7 @@ from .distributed import (
     shutdown,
     wrap,
 )
-from .memory import mapped_allocations, peak_mib, release_free_memory, reset_peak
+from .memory import map_large_allocations, peak_mib, release_free_memory, reset_peak
 from .modeling import load_model_and_tokenizer, load_weights_from_checkpoint
 from .plotting import pyplot
 from .rewards import load_reward, reward_name
@@ -120,8 +120,7 @@ def train(cfg: GRPOConfig) -> dict:
             reset_peak(run.device)
             sc = score_rollout(run, rows, ro)  # 2. rewards, group advantages over the global batch
             t2 = clock(run.device)
-            with mapped_allocations(run.device, run.packer is not None):  # CPU, a budget: no heap slack
-                metrics, grad_norm, micro = optimize(run, ro, sc)  # 3. the clipped loss, fused kernels
+            metrics, grad_norm, micro = optimize(run, ro, sc)  # 3. the clipped loss through the fused kernels
             peaks = (rollout_peak, peak_mib(run.device))
             release_free_memory(run.device)  # CPU: the heap's free pages back, so no step inherits them
             t3 = clock(run.device)
@@ -281,6 +280,8 @@ def plan_memory(cfg: GRPOConfig, dist: DistInfo, device):
     import dataclasses
 
     from .estimate import MIB, Estimator, describe, plan
+
+    map_large_allocations(device)  # CPU: the heap keeps no freed tensors; the peak is the tensors' (memory)
 
     local = dataclasses.replace(cfg, prompts_per_step=cfg.prompts_per_step // dist.world)
     est = Estimator(local, device.type)
