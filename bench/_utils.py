@@ -5,7 +5,6 @@ allocator state cannot hide another's peak. On CPU the peak is the resident-set 
 through /proc/self/clear_refs after the inputs exist); on CUDA it is torch.cuda.max_memory_allocated.
 """
 
-import ctypes
 import gc
 import json
 import os
@@ -86,25 +85,10 @@ def machine_name() -> str:
 # ---------------------------------------------------------------------------------------------------------
 # Memory and time, inside a worker
 # ---------------------------------------------------------------------------------------------------------
-def _release_memory():
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-    else:
-        try:
-            ctypes.CDLL("libc.so.6").malloc_trim(
-                0
-            )  # hand freed heap pages back: the baseline is what is live
-        except OSError:
-            pass
-
-
 def peak_memory_mb(fn, device) -> float:
     """Peak memory (MiB) that `fn()` uses above what is allocated when it starts."""
     from grpo_fast.memory import peak_mib
 
-    _release_memory()
     base = baseline_mib(device)
     fn()
     if device.type == "cuda":
@@ -113,9 +97,15 @@ def peak_memory_mb(fn, device) -> float:
 
 
 def baseline_mib(device) -> float:
-    """What is in use now (MiB), with the peak restarted from it (grpo_fast.memory)."""
-    from grpo_fast.memory import current_mib, reset_peak
+    """What is live now (MiB: freed memory handed back first), with the peak restarted from it
+    (grpo_fast.memory)."""
+    from grpo_fast.memory import current_mib, release_free_memory, reset_peak
 
+    gc.collect()
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+    release_free_memory(device, 0)
     reset_peak(device)
     return current_mib(device)
 

@@ -35,6 +35,7 @@ import torch
 
 from bench._utils import (
     NO_VLLM,
+    baseline_mib,
     machine_info,
     markdown_table,
     run_worker,
@@ -42,6 +43,7 @@ from bench._utils import (
     worker_main,
     write_results,
 )
+from grpo_fast.memory import peak_mib
 from grpo_fast.plotting import pyplot
 
 PROVIDERS = ["trl", "trl_liger", "trl_grpo_fast", "grpo_fast_unshared", "grpo_fast", "grpo_fast_vllm"]
@@ -150,19 +152,6 @@ def word_prompts(path: Path, n_prompts: int, P: int, V: int) -> Path:
 # ---------------------------------------------------------------------------------------------------------
 # Workers
 # ---------------------------------------------------------------------------------------------------------
-def _baseline_mib(device) -> float:
-    from bench._utils import _release_memory, baseline_mib
-
-    _release_memory()
-    return baseline_mib(device)
-
-
-def _peak_mib(device) -> float:
-    from grpo_fast.memory import peak_mib
-
-    return peak_mib(device)
-
-
 def _sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -233,7 +222,7 @@ def run_trl(a: dict) -> dict:
                 )
             )
 
-    base_mib = _baseline_mib(device)
+    base_mib = baseline_mib(device)
     tok = load_tokenizer(a["model_dir"])
     model = AutoModelForCausalLM.from_pretrained(a["model_dir"], dtype=torch.float32).to(device)
     rows = [json.loads(line) for line in Path(a["data"]).read_text().splitlines()]
@@ -270,7 +259,7 @@ def run_trl(a: dict) -> dict:
         **({"rollout": "native"} if a["provider"] == "trl_grpo_fast_native" else {}),
     )
     trainer.train()
-    return {"steps": steps[a["warmup"] :], "peak_mem_mb": _peak_mib(device) - base_mib}
+    return {"steps": steps[a["warmup"] :], "peak_mem_mb": peak_mib(device) - base_mib}
 
 
 def run_grpo_fast(a: dict) -> dict:
@@ -281,11 +270,11 @@ def run_grpo_fast(a: dict) -> dict:
     peak_at_end = {}
 
     def no_checkpoint(*args, **kwargs):  # checkpoints are not part of the measured work (TRL: save "no")
-        peak_at_end["mb"] = _peak_mib(device)
+        peak_at_end["mb"] = peak_mib(device)
         return Path(a["out"]) / "no-checkpoint"
 
     train_mod.ckpt_mod.save_checkpoint = no_checkpoint
-    base_mib = _baseline_mib(device)
+    base_mib = baseline_mib(device)
     above = a.get("budget_above_baseline_gb")  # bench_frontier: --max-memory-gb is the whole process's
     cfg = GRPOConfig(
         model=a["model_dir"],
@@ -318,7 +307,7 @@ def run_grpo_fast(a: dict) -> dict:
         )
         for r in records
     ]
-    return {"steps": steps, "peak_mem_mb": peak_at_end.get("mb", _peak_mib(device)) - base_mib}
+    return {"steps": steps, "peak_mem_mb": peak_at_end.get("mb", peak_mib(device)) - base_mib}
 
 
 def _import_libraries() -> None:

@@ -34,7 +34,6 @@ import torch
 
 from bench._utils import (
     NO_VLLM,
-    _release_memory,
     baseline_mib,
     machine_info,
     markdown_table,
@@ -143,7 +142,6 @@ def measure_one(a: dict) -> dict:
         if p == "native_compiled":
             call(C, 98)  # the full-length shapes compile too
             warm = time.perf_counter() - t0
-        _release_memory()
         base = baseline_mib(torch.device("cpu"))
         tokens, secs = 0, 0.0
         for seed in range(max(a["repeats"], MIN_CALLS.get(a["workload"], 1))):

@@ -75,16 +75,21 @@ def _libc():
         return None  # not glibc (>= 2.33)
 
 
-def release_free_memory(device) -> bool:
+def _glibc_on(device):
+    """glibc, where the trainer may tune it: a CPU device, glibc >= 2.33, GRPO_FAST_TRIM not 0; else None."""
+    if torch.device(device).type != "cpu" or os.environ.get("GRPO_FAST_TRIM", "1") == "0":
+        return None
+    return _libc()
+
+
+def release_free_memory(device, above_mib: float = TRIM_ABOVE_MIB) -> bool:
     """On a CPU, hand the heap's free pages back to the OS (glibc's malloc_trim) once it holds more than
-    TRIM_ABOVE_MIB free. Between steps: each step's tensors have other sizes (completion lengths vary), so
+    `above_mib` free. Between steps: each step's tensors have other sizes (completion lengths vary), so
     freed blocks rarely fit the next step's requests, and a heap that keeps them grows step after step (on
     SmolLM2 the resident set at the start of a step went from 1.7 to 6.4 GB in 15 steps). Returns whether it
     trimmed. GRPO_FAST_TRIM=0 turns it off (to measure what it costs)."""
-    if torch.device(device).type != "cpu" or os.environ.get("GRPO_FAST_TRIM", "1") == "0":
-        return False
-    libc = _libc()
-    if libc is None or libc.mallinfo2().fordblks < TRIM_ABOVE_MIB * 2**20:
+    libc = _glibc_on(device)
+    if libc is None or libc.mallinfo2().fordblks < above_mib * 2**20:
         return False
     libc.malloc_trim(0)
     return True
@@ -105,7 +110,5 @@ def map_large_allocations(device) -> bool:
     it for the whole run under --max-memory-gb. It costs page faults: ~25% of the training phase's time on
     SmolLM2, and in long rollouts up to ~1.9x generation time (4 layers, C=8192). Returns whether it was set.
     GRPO_FAST_TRIM=0 leaves the allocator alone."""
-    if torch.device(device).type != "cpu" or os.environ.get("GRPO_FAST_TRIM", "1") == "0":
-        return False
-    libc = _libc()
+    libc = _glibc_on(device)
     return bool(libc is not None and libc.mallopt(_M_MMAP_THRESHOLD, int(MMAP_ABOVE_MIB * 2**20)))

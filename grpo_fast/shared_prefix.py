@@ -7,6 +7,7 @@ run, and differentiated, once per group (Prefix Grouper's construction). Models 
 implementation take the same layout packed as variable-length sequences.
 """
 
+import itertools
 import threading
 from contextlib import nullcontext
 
@@ -63,7 +64,7 @@ def packed_group_layout(prompt_mask, completion_mask, counts):
     rows, C = completion_mask.shape
     device = prompt_mask.device
     lens = completion_mask.long().sum(1).tolist()
-    first = [sum(counts[:i]) for i in range(n)]  # each group's first row
+    first = [0, *itertools.accumulate(counts)]  # each group's first row
     groups = []
     for i in range(n):
         p_idx = torch.nonzero(prompt_mask[i]).squeeze(1)

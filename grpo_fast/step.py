@@ -172,7 +172,7 @@ def policy_loss(model, batch, loss_mask, advantages, old_logps, ref_logps, cfg: 
 
 
 def micro_batches(ro: Rollout, loss_mask, cfg: GRPOConfig, packer=None, dist: DistInfo | None = None):
-    """(prompt indices, completion rows, completions per prompt where they differ, loss weight) of each
+    """(prompt indices, completion rows, completions per prompt, loss weight) of each
     micro-batch (grpo_fast.batching: the configured layout, or packed to `packer`'s budget from the real
     lengths; distributed ranks agree on the count). The weights make the summed gradients those of the whole
     chunks: dapo is normalized over the step already (1); grpo and dr_grpo average a chunk's rows, bnpo
@@ -202,8 +202,7 @@ def micro_batches(ro: Rollout, loss_mask, cfg: GRPOConfig, packer=None, dist: Di
                 w = len(r) / len(chunk_rows) / chunks
             prompts.append(torch.tensor([i for i, _ in part], device=device))
             rows.append(torch.tensor(r, device=device))
-            sizes = [len(rs) for _, rs in part]
-            counts.append(sizes if len(set(sizes)) > 1 else None)
+            counts.append([len(rs) for _, rs in part])
             weights.append(w)
     return prompts, rows, counts, weights
 
@@ -213,7 +212,8 @@ def optimize(run, ro: Rollout, sc: Scored) -> tuple[dict, float, int]:
     Returns the step's metrics (summed over micro-batches), the last gradient norm and the micro-batches."""
     cfg, dist = run.cfg, run.dist
     # dapo divides by the active tokens of all ranks; DDP / FSDP average the ranks' gradients: / world
-    n_items = all_sum(sc.loss_mask.sum().float(), dist).clamp(min=1) / dist.world
+    active = sc.loss_mask.sum().float()
+    n_items = all_sum(active, dist).clamp(min=1) / dist.world
     micro_prompts, micro, counts, weights = micro_batches(ro, sc.loss_mask, cfg, run.packer, dist)
     batches = [
         (ro.prompt_ids[pi], ro.prompt_mask[pi], ro.completion_ids[i], ro.completion_mask[i], k)
@@ -243,7 +243,7 @@ def optimize(run, ro: Rollout, sc: Scored) -> tuple[dict, float, int]:
                 )
                 (loss * weights[k]).backward()
             metrics["loss"] = metrics.get("loss", 0.0) + loss.detach() * weights[k]
-            share = sc.loss_mask[i].sum() / sc.loss_mask.sum().clamp(min=1)  # token metrics: their mean
+            share = sc.loss_mask[i].sum() / active.clamp(min=1)  # token metrics: their mean
             for key, v in m.items():
                 metrics[key] = metrics.get(key, 0.0) + v.detach() * share
         grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(run.params, cfg.max_grad_norm)).item()

@@ -455,11 +455,9 @@ def twin_accumulate(dz, h_chunk, weight, grad_w, grad_b, with_w=True):
     (no zero-filled weight-sized buffer to add into). with_w False (a frozen head, as under LoRA): no d
     weight, a third of the chunk's matmuls saved. Returns (grad_h, grad_w)."""
     grad_h = dz.to(weight.dtype) @ weight
-    if not with_w:
-        pass
-    elif grad_w is None:
+    if with_w and grad_w is None:
         grad_w = torch.mm(dz.T, h_chunk.float())
-    else:
+    elif with_w:
         grad_w.addmm_(dz.T, h_chunk.float())
     if grad_b is not None:
         grad_b += dz.sum(0)
