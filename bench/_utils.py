@@ -26,17 +26,40 @@ RESULTS = ROOT / "bench" / "results"
 # ---------------------------------------------------------------------------------------------------------
 # Machine and versions
 # ---------------------------------------------------------------------------------------------------------
-def machine_info() -> dict:
-    cpu = platform.processor()
+# the instruction-set flags that decide which CPU kernels run (oneDNN, ATen's vectorized paths, fbgemm): a
+# result holds for the set it was measured on
+ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx512_fp16",
+             "amx_tile", "amx_bf16", "amx_int8", "asimd", "sve")  # fmt: skip
+
+
+def cpu_model_and_flags() -> tuple[str, list[str]]:
+    """The CPU's model name and which of ISA_FLAGS it reports (/proc/cpuinfo; x86 `flags`, Arm `Features`)."""
+    cpu, flags = platform.processor(), set()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and cpu == platform.processor():
+                cpu = value.strip()
+            elif key.strip() in ("flags", "Features") and not flags:
+                flags = set(value.split())
     except OSError:
         pass
+    return cpu, [f for f in ISA_FLAGS if f in flags]
+
+
+def cpu_line(info: dict) -> str:
+    """'AMD EPYC (2 cores; avx2 avx512f ...; ATen AVX512)': the line beside every figure."""
+    flags = " ".join(info.get("cpu_flags") or []) or "flags not recorded"
+    kernels = f"; ATen {info['aten_cpu_capability']}" if info.get("aten_cpu_capability") else ""
+    return f"{info['cpu']} ({info['cores']} cores; {flags}{kernels})"
+
+
+def machine_info() -> dict:
+    cpu, flags = cpu_model_and_flags()
     info = {
         "cpu": cpu,
+        "cpu_flags": flags,
+        "aten_cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "python": platform.python_version(),
@@ -213,6 +236,10 @@ def write_results(name: str, payload: dict, markdown: str, out_dir: Path | None 
     out_dir = out_dir or RESULTS / machine_name()
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"{name}.json").write_text(json.dumps(payload, indent=2))
+    info = payload.get("machine")
+    if info and "Machine:" not in markdown:  # every table says the CPU and instruction set it holds for
+        machine = f"Machine: {cpu_line(info)}, commit {info.get('git_commit')}."
+        markdown = markdown.rstrip("\n") + f"\n\n{machine}\n"
     (out_dir / f"{name}.md").write_text(markdown)
     return out_dir
 
@@ -323,7 +350,7 @@ def sweep_main(argv, *, module: str, doc: str, providers: list[str], title: str)
     info = machine_info()
     cols = SWEEP_COLUMNS[:5] + [("peak_above_grads_mb", "peak MiB above inputs+grads")] + SWEEP_COLUMNS[5:]
     md = (
-        f"# {title} (H={H}, V={V}, fp32)\n\nMachine: {info['cpu']} ({info['cores']} cores), torch "
+        f"# {title} (H={H}, V={V}, fp32)\n\nMachine: {cpu_line(info)}, torch "
         f"{info['versions']['torch']}, commit {info['git_commit']}.\n\n" + markdown_table(rows, cols) + "\n"
     )
     name = module + ("_quick" if args.quick else "")

@@ -36,6 +36,7 @@ import torch
 from bench._utils import (
     NO_VLLM,
     baseline_mib,
+    cpu_line,
     machine_info,
     markdown_table,
     run_worker,
@@ -483,8 +484,8 @@ def main(argv=None) -> None:
         f"# End-to-end GRPO step vs TRL ({'' if real else 'P=' + str(shape['P']) + ', '}C={shape['C']}, "
         f"G={shape['G']}, {shape['prompts_per_step']} prompts/step)\n\n"
         f"{what}, {model_params / 1e6:.1f}M parameters, fp32, beta 0, loss dapo; "
-        f"{args.warmup} warm-up step(s), then the mean of {args.steps}. Machine: {info['cpu']} "
-        f"({info['cores']} cores){', ' + info['gpu'] if 'gpu' in info else ''}, "
+        f"{args.warmup} warm-up step(s), then the mean of {args.steps}. Machine: {cpu_line(info)}"
+        f"{', ' + info['gpu'] if 'gpu' in info else ''}, "
         f"torch {info['versions']['torch']}, "
         f"trl {info['versions']['trl']}, commit {info['git_commit']}.\n\n"
         + markdown_table(rows, COLUMNS)

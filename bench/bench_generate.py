@@ -35,6 +35,7 @@ import torch
 from bench._utils import (
     NO_VLLM,
     baseline_mib,
+    cpu_line,
     machine_info,
     markdown_table,
     run_worker,
@@ -209,7 +210,7 @@ def main(argv=None) -> None:
     info = machine_info()
     md = (
         "# Rollout engines: completion tokens/s (T=1, EOS ends a sample)\n\n"
-        f"Machine: {info['cpu']} ({info['cores']} cores), torch {info['versions']['torch']}, transformers "
+        f"Machine: {cpu_line(info)}, torch {info['versions']['torch']}, transformers "
         f"{info['versions']['transformers']}, commit {info['git_commit']}; {args.repeats} timed call(s) per "
         "row after a warm-up call, each provider in its own process.\n\n"
         + markdown_table(rows, COLUMNS)

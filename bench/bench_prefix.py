@@ -16,6 +16,7 @@ import torch
 
 from bench._utils import (
     RESULTS,
+    cpu_line,
     machine_info,
     machine_name,
     markdown_table,
@@ -212,7 +213,7 @@ def main(argv=None):
     info = machine_info()
     md = (
         f"# Shared prefix vs unshared ({'tiny' if args.quick else '~50M'} Qwen2-shaped model, fp32, "
-        f"{N_PROMPTS} prompt per group)\n\nMachine: {info['cpu']} ({info['cores']} cores), torch "
+        f"{N_PROMPTS} prompt per group)\n\nMachine: {cpu_line(info)}, torch "
         f"{info['versions']['torch']}, commit {info['git_commit']}.\n\n"
         + markdown_table(rows, COLUMNS)
         + "\n"

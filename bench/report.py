@@ -12,7 +12,7 @@ import argparse
 import json
 from pathlib import Path
 
-from bench._utils import RESULTS, machine_info, machine_name, markdown_table
+from bench._utils import RESULTS, cpu_line, machine_info, machine_name, markdown_table
 from bench.bench_e2e import COLUMNS as E2E_COLUMNS
 from bench.bench_generate import COLUMNS as GENERATE_COLUMNS
 from bench.bench_prefix import COLUMNS as PREFIX_COLUMNS
@@ -290,7 +290,7 @@ def main(argv=None) -> None:
     summary = {"git_commit": info["git_commit"], "versions": info["versions"], "machine": info}
     parts = [
         f"# grpo-fast benchmarks on {info.get('gpu', info['cpu'])}\n\n"
-        f"{info['cpu']} ({info['cores']} cores), Python {info['python']}, "
+        f"{cpu_line(info)}, Python {info['python']}, "
         + ", ".join(f"{k} {v}" for k, v in info["versions"].items() if v)
         + f"; commit {info['git_commit']}. Produced by `make bench` (`python -m bench.report`).\n"
     ]

@@ -199,7 +199,9 @@ def load_config_file(path: str) -> dict:
     return {k.replace("-", "_"): v for k, v in data.items()}
 
 
-def validate(cfg: GRPOConfig) -> GRPOConfig:
+def validate(cfg: GRPOConfig, require_reward: bool = True) -> GRPOConfig:
+    """Every field's range, and a reward function unless `require_reward` is False (what only sizes a run,
+    like `grpo-fast estimate`, needs none)."""
     for f in dataclasses.fields(GRPOConfig):
         choices = f.metadata.get("choices")
         if choices and getattr(cfg, f.name) not in choices:
@@ -253,19 +255,19 @@ def validate(cfg: GRPOConfig) -> GRPOConfig:
         raise ValueError(f"vllm_kv_cache_gb must be >= 1 (whole GiB), got {cfg.vllm_kv_cache_gb}")
     if cfg.dist_timeout_s <= 0:
         raise ValueError(f"dist_timeout_s must be > 0, got {cfg.dist_timeout_s}")
-    if not cfg.reward:
+    if require_reward and not cfg.reward:
         raise ValueError("no reward function: pass --reward NAME or --reward path/file.py:func")
     return cfg
 
 
-def parse_config(argv=None) -> GRPOConfig:
+def parse_config(argv=None, require_reward: bool = True) -> GRPOConfig:
     """Config from (in increasing priority) defaults, the embedded-task preset, --config FILE, flags."""
     args = vars(build_parser().parse_args(argv))
     file_values = load_config_file(args.pop("config")) if "config" in args else {}
     values = {**file_values, **args}
     if not values.get("model") and not values.get("dataset"):
         values = {**DEFAULT_TASK_PRESET, **values}
-    return validate(GRPOConfig(**values))
+    return validate(GRPOConfig(**values), require_reward)
 
 
 def to_dict(cfg: GRPOConfig) -> dict:

@@ -5,6 +5,7 @@ column reaches the reward functions as a keyword argument. Prompts are rendered 
 template when it has one.
 """
 
+import inspect
 import json
 import random
 from pathlib import Path
@@ -80,6 +81,65 @@ def train_and_eval_rows(cfg) -> tuple[list[dict], list[dict]]:
     train = load_rows(cfg.dataset, cfg.dataset_split)
     evals = load_rows(cfg.eval_dataset, cfg.eval_split, "--eval-dataset") if cfg.eval_dataset else []
     return train, evals
+
+
+# keyword arguments every reward function gets from the trainer itself, not from a dataset column
+_TRAINER_ARGUMENTS = ("prompts", "completions", "completion_ids")
+
+
+def reward_columns_needed(func) -> list[str]:
+    """The dataset columns a reward function cannot do without: its parameters without a default, past
+    `prompts` and `completions` (what `**kwargs` takes is optional)."""
+    try:
+        params = inspect.signature(func).parameters.values()
+    except (TypeError, ValueError):  # a builtin or C callable: nothing to read, nothing required
+        return []
+    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return [
+        p.name
+        for p in params
+        if p.kind in named and p.default is inspect.Parameter.empty and p.name not in _TRAINER_ARGUMENTS
+    ]
+
+
+def check_rows(rows: list[dict], what: str, reward_funcs=(), names=()) -> None:
+    """Every row can be trained on, checked before any model loads: `prompt` is text or chat messages, every
+    row has the columns the first row has (they all reach the reward functions), and the columns each reward
+    function needs are there. `names`: the reward functions' names, for the errors."""
+    for i, row in enumerate(rows):
+        problem = _prompt_problem(row["prompt"])
+        if problem:
+            raise ValueError(f"{what}: row {i}: 'prompt' must be text or a list of chat messages; {problem}")
+    columns = set(rows[0])
+    for i, row in enumerate(rows):
+        missing = sorted(columns - set(row))
+        if missing:
+            raise ValueError(
+                f"{what}: row {i} lacks the column(s) {missing} that row 0 has (every column reaches the "
+                "reward functions, so every row needs it)"
+            )
+    for func, name in zip(reward_funcs, names):
+        lacking = [c for c in reward_columns_needed(func) if c not in columns]
+        if lacking:
+            raise ValueError(
+                f"{what}: reward function {name!r} needs the column(s) {lacking}; the dataset has "
+                f"{sorted(columns)}"
+            )
+
+
+def _prompt_problem(prompt) -> str | None:
+    if isinstance(prompt, str):
+        return None
+    if not isinstance(prompt, list):
+        return f"got {type(prompt).__name__} {str(prompt)[:60]!r}"
+    if not prompt:
+        return "got an empty list of messages"
+    for j, m in enumerate(prompt):
+        # content: text, or a list of content parts (as chat templates take them)
+        content = m.get("content") if isinstance(m, dict) else None
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(content, (str, list))):
+            return f'message {j} is not {{"role": str, "content": str}} (got {str(m)[:60]!r})'
+    return None
 
 
 def render_prompt(prompt, tokenizer) -> str:

@@ -404,7 +404,7 @@ def estimate_from_flags(flags: list[str], device: str) -> dict:
     """The estimate of `grpo-fast train` flags on `device` (used by bench/bench_memory.py)."""
     from .config import parse_config
 
-    cfg = parse_config(flags)
+    cfg = parse_config(flags, require_reward=False)
     e = Estimator(cfg, device).estimate()
     parts = {k: v / MIB for k, v in e["parts"].items()}
     return {"peak_mib": e["peak"] / MIB, "rollout_mib": e["rollout_peak"] / MIB,
@@ -421,7 +421,7 @@ def main(argv=None) -> None:
         device = argv[i + 1] if i + 1 < len(argv) else ""
         del argv[i : i + 2]
     try:
-        cfg = parse_config(argv)
+        cfg = parse_config(argv, require_reward=False)  # memory does not depend on the rewards
         est = Estimator(cfg, device)
         e = est.estimate()
     except ValueError as err:
@@ -451,15 +451,29 @@ def main(argv=None) -> None:
         )
     if cfg.max_memory_gb:
         budget = cfg.max_memory_gb * 2**30
-        print(
-            f"within --max-memory-gb {cfg.max_memory_gb:g} as configured: largest --max-completion-length "
-            f"{est.largest(budget, 'C')}, largest --num-generations {est.largest(budget, 'G')}"
-        )
         try:
             p, pe = plan(cfg, cfg.max_memory_gb, device, est)
             print(f"the trainer's plan: {describe(p, pe)}; estimated peak {pe['peak'] / MIB:.0f} MiB")
         except ValueError as err:
             print(str(err))
+        # what train --max-memory-gb can reach: its smallest plans (one completion per micro-batch) that fit
+        smallest = [Plan(gc, 0.0) for gc in (False, True)]
+        planned = {w: max(est.largest(budget * PLAN_MARGIN, w, s) for s in smallest) for w in ("C", "G")}
+        print(
+            f"within --max-memory-gb {cfg.max_memory_gb:g} with the trainer's plan: largest "
+            f"--max-completion-length {planned['C']}, largest --num-generations {planned['G']}"
+        )
+        whole = {w: est.largest(budget, w) for w in ("C", "G")}
+        label = (
+            f"within --max-memory-gb {cfg.max_memory_gb:g} as one micro-batch (no plan: the whole step at "
+            f"once, checkpointing {'on' if cfg.gradient_checkpointing else 'off'} as configured)"
+        )
+        if whole["C"] == 0:
+            print(f"{label}: nothing fits (at --max-completion-length 1 the step needs "
+                  f"{est.estimate(C=1)['peak'] / MIB:.0f} MiB)")  # fmt: skip
+        else:
+            print(f"{label}: largest --max-completion-length {whole['C']}, "
+                  f"largest --num-generations {whole['G']}")  # fmt: skip
 
 
 def describe(p: Plan, e: dict) -> str:

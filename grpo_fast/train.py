@@ -38,7 +38,7 @@ from tqdm import tqdm
 from . import checkpoint as ckpt_mod
 from .batching import Packer
 from .config import GRPOConfig, parse_config, to_dict
-from .data import PromptSampler, train_and_eval_rows
+from .data import PromptSampler, check_rows, train_and_eval_rows
 from .distributed import (
     DistInfo,
     all_gather_rows,
@@ -53,7 +53,7 @@ from .distributed import (
     wrap,
 )
 from .memory import map_large_allocations, peak_mib, release_free_memory, reset_peak
-from .modeling import load_model_and_tokenizer, load_weights_from_checkpoint
+from .modeling import load_model_and_tokenizer, load_weights_from_checkpoint, model_path
 from .plotting import pyplot
 from .rewards import load_reward, reward_name
 from .step import encode_prompts, evaluate, optimize, rollout, score_rollout, step_record
@@ -233,16 +233,17 @@ def setup(cfg: GRPOConfig) -> Run:
     np.random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     device = device_of(dist)
-    cfg, memory_plan, packer = plan_memory(cfg, dist, device)
     check_distributed(cfg, dist)
+    # everything that reads only files is checked before anything heavy (memory probes, the model) runs
+    model_path(cfg)
+    train_rows, eval_rows, reward_funcs = load_data_and_rewards(cfg)
+    cfg, memory_plan, packer = plan_memory(cfg, dist, device)
     model, tokenizer, info = load_model_and_tokenizer(cfg, device)
     info["memory_plan"] = memory_plan
     # the reference policy: the base with adapters off (LoRA), else a frozen copy, only when beta != 0
     ref_model = None
     if cfg.beta != 0.0 and not info["lora"]:
         ref_model = copy.deepcopy(model).eval().requires_grad_(False)
-    train_rows, eval_rows = train_and_eval_rows(cfg)
-    reward_funcs = [load_reward(s, cfg.max_completion_length, cfg.allow_unsandboxed_code) for s in cfg.reward]
     sampler = PromptSampler(train_rows, cfg.prompts_per_step, cfg.seed)  # the global batch, on every rank
     generator = torch.Generator(device=device).manual_seed(cfg.seed + dist.rank)
     resume_from = prepare_output_dir(cfg, out, dist, device)
@@ -268,6 +269,24 @@ def setup(cfg: GRPOConfig) -> Run:
         resume(run)
     start_log(run, len(train_rows))
     return run
+
+
+def load_data_and_rewards(cfg: GRPOConfig) -> tuple[list, list, list]:
+    """The train and eval rows and the reward functions, each row checked against what will read it (the
+    train rows: every reward function; the eval rows: the first, which decides held-out accuracy)."""
+    train_rows, eval_rows = train_and_eval_rows(cfg)
+    reward_funcs = [load_reward(s, cfg.max_completion_length, cfg.allow_unsandboxed_code) for s in cfg.reward]
+    names = [reward_name(f) for f in reward_funcs]
+    check_rows(train_rows, f"--dataset {cfg.dataset or '(embedded)'}", reward_funcs, names)
+    if eval_rows:
+        check_rows(eval_rows, f"--eval-dataset {cfg.eval_dataset or '(embedded)'}", reward_funcs[:1], names)
+    if cfg.prompts_per_step > len(train_rows):
+        raise ValueError(
+            f"prompts_per_step ({cfg.prompts_per_step}) is larger than the dataset ({len(train_rows)} "
+            f"prompts): every step would train on some prompts twice; pass --prompts-per-step "
+            f"{len(train_rows)} or fewer"
+        )
+    return train_rows, eval_rows, reward_funcs
 
 
 def plan_memory(cfg: GRPOConfig, dist: DistInfo, device):

@@ -115,3 +115,42 @@ def assert_within(name, out, ref, lowp, dtype):
     assert err <= 2 * err_lp + TOL[dtype] * scale, (
         f"{name}: max err {err:.3g} (mean {mean_err:.3g}) vs plain torch {dtype} max err {err_lp:.3g}"
     )
+
+
+# --------------------------------------------------------------------------------------------------------
+# Greedy decoding compared across code paths
+# --------------------------------------------------------------------------------------------------------
+NEAR_TIE = 1e-4  # of the top logit's size: ~100x fp32 rounding through a model's layers
+
+
+def assert_greedy_row_equal(model, prompt, got, want, tie=NEAR_TIE):
+    """Greedy continuations `got` and `want` (1-D ids after the unpadded 1-D `prompt`) are equal, or first
+    differ where the model's two best next tokens (on the common prefix, one plain forward) are exactly the
+    two chosen and a near-tie: their logits within `tie` of the top logit's size. Another summation order
+    (AVX2 / AVX-512 / AMX kernels, another batch shape) may pick either there, and what follows differs
+    legitimately. Any other difference fails."""
+    n = min(len(got), len(want))
+    differ = (got[:n] != want[:n]).nonzero()
+    if len(differ) == 0:
+        assert len(got) == len(want), f"equal tokens, different lengths {len(got)} vs {len(want)}"
+        return
+    j = int(differ[0])
+    with torch.no_grad():
+        z = model(torch.cat([prompt, want[:j]])[None].to(prompt.device)).logits[0, -1].double()
+    top = z.topk(2)
+    gap, size = (top.values[0] - top.values[1]).item(), max(1.0, abs(top.values[0].item()))
+    chosen = {int(got[j]), int(want[j])}
+    assert chosen == set(top.indices.tolist()) and gap <= tie * size, (
+        f"greedy tokens differ at position {j} ({int(got[j])} vs {int(want[j])}); there the reference's two "
+        f"best are {top.indices.tolist()}, {gap:.3g} apart (a near-tie is <= {tie * size:.3g})"
+    )
+
+
+def assert_greedy_equal(model, prompt_ids, prompt_mask, G, got, want, tie=NEAR_TIE):
+    """`assert_greedy_row_equal` for every row of two batched rollouts: `got` and `want` are (ids, mask) of
+    shape (n * G, C), row s continuing prompt s // G of the left-padded (prompt_ids, prompt_mask)."""
+    assert got[0].shape[0] == want[0].shape[0] == prompt_ids.shape[0] * G
+    for s in range(got[0].shape[0]):
+        prompt = prompt_ids[s // G][prompt_mask[s // G].bool()]
+        row = [ids[s][mask[s].bool()] for ids, mask in (got, want)]
+        assert_greedy_row_equal(model, prompt, *row, tie=tie)

@@ -59,6 +59,32 @@ def test_estimate_command_prints_the_table_and_what_fits(capsys):
     assert "--device must be cpu or cuda" in capsys.readouterr().err
 
 
+def test_estimate_needs_no_reward_and_says_what_the_plan_fits_first(capsys):
+    """A model and a budget are enough (memory does not depend on the rewards). Where the whole step as one
+    micro-batch does not fit but the trainer's plan does, the first line says what the plan reaches and the
+    second, labelled as one micro-batch, says that nothing fits that way."""
+    from grpo_fast import default_task
+
+    argv = ["--model", str(default_task.ASSET_DIR), "--prompts-per-step", "8", "--num-generations", "16",
+            "--max-completion-length", "256", "--max-prompt-length", "2048"]  # fmt: skip
+    main(argv)  # no --reward: no error
+    e = Estimator(parse_config(argv, require_reward=False))
+    smallest = e.estimate(plan=Plan(True, 0.0))["peak"]
+    whole_at_1 = e.estimate(C=1)["peak"]
+    # far apart (~660 vs ~1270 MiB): the command's own estimate sees its process's resident set, not this one
+    assert smallest < 0.7 * whole_at_1, "the case needs a budget between the two"
+    budget_gb = (smallest + 0.5 * (whole_at_1 - smallest)) / PLAN_MARGIN / 2**30
+    capsys.readouterr()
+    main(argv + ["--max-memory-gb", f"{budget_gb:.4f}"])
+    lines = capsys.readouterr().out.splitlines()
+    planned = next(i for i, x in enumerate(lines) if "with the trainer's plan: largest" in x)
+    whole = next(i for i, x in enumerate(lines) if "as one micro-batch" in x)
+    assert planned < whole
+    largest_c = int(lines[planned].split("--max-completion-length ")[1].split(",")[0])
+    assert largest_c >= 256  # the configured length plans
+    assert "nothing fits (at --max-completion-length 1 the step needs" in lines[whole]
+
+
 def test_max_memory_gb_plans_splits_and_records(tmp_path):
     """A budget between the smallest plan and the configured one: the trainer packs its micro-batches under
     it, runs, and writes the plan into config.json; a budget below the smallest plan is refused, naming what

@@ -149,8 +149,10 @@ def test_reference_logps_and_entropy_equal_trl(base_model, tmp_path):
         ref = theirs._get_per_token_logps_and_entropies(theirs.model, ids, mask, C, 5, compute_entropy=True)
         got = ours._get_per_token_logps_and_entropies(ours.model, ids, mask, C, 5, compute_entropy=True)
     valid = b["completion_mask"].bool()
-    assert (got[0] - ref[0])[valid].abs().max().item() < 1e-5
-    assert (got[1] - ref[1])[valid].abs().max().item() < 1e-5
+    # fp32 log-probs of random tokens reach -20, where an ulp is 2e-6: the bound is relative to their size
+    for mine, theirs_ in zip(got[:2], ref[:2]):
+        scale = max(1.0, theirs_[valid].abs().max().item())
+        assert (mine - theirs_)[valid].abs().max().item() < 1e-5 * scale
 
 
 def test_unsupported_options_fall_back_to_trl_with_a_warning(base_model, tmp_path):

@@ -3,6 +3,7 @@ per-sample computation."""
 
 import pytest
 import torch
+from oracle import assert_greedy_equal, assert_greedy_row_equal
 from tiny_models import tiny_lm
 
 from grpo_fast.rollout.reference import generate_plain as plain_generate
@@ -98,15 +99,14 @@ def test_greedy_generation_identical_shared_and_unshared(kind):
     prompt_ids, prompt_mask, _, _, G = _batch()
     a = generate_shared(model, prompt_ids, prompt_mask, G, 10, temperature=0.0, eos_token_id=1)
     b = plain_generate(model, prompt_ids, prompt_mask, G, 10, temperature=0.0, eos_token_id=1)
-    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
-    # greedy groups are G copies of one completion, and equal HF's own greedy decoding of each prompt
+    assert_greedy_equal(model, prompt_ids, prompt_mask, G, a, b)
+    # greedy groups equal HF's own greedy decoding of each prompt
     for i in range(prompt_ids.shape[0]):
         ids = prompt_ids[i][prompt_mask[i].bool()][None]
         ref = model.generate(ids, max_new_tokens=10, do_sample=False, eos_token_id=1, pad_token_id=1)[
             0, ids.shape[1] :
         ]
-        n = int(a[1][i * G].sum())
-        assert torch.equal(a[0][i * G, :n], ref[:n])
+        assert_greedy_row_equal(model, ids[0], a[0][i * G][a[1][i * G].bool()], ref)
 
 
 @pytest.mark.parametrize("kind", ["qwen2", "llama"])

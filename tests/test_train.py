@@ -312,11 +312,81 @@ def test_bad_dataset(tmp_path, make, words):
         train(cfg)
 
 
+def _rows(*rows):
+    return "".join(json.dumps(r) + "\n" for r in rows)
+
+
+@pytest.mark.parametrize(
+    "data,reward,extra,words",
+    [
+        # a column of row 0 missing later: the reward functions would get a KeyError after the rollout
+        (
+            _rows({"prompt": "a", "answer": "1"}, {"prompt": "b"}),
+            "format",
+            (),
+            r"row 1 lacks the column\(s\) \['answer'\] that row 0 has",
+        ),
+        (_rows({"prompt": "a"}, {"prompt": 5}), "format", (), r"row 1: 'prompt' must be text .*got int '5'"),
+        (
+            _rows({"prompt": [{"role": "user"}]}, {"prompt": "b"}),
+            "format",
+            (),
+            r"row 0: 'prompt' must be text or a list of chat messages; message 0 is not",
+        ),
+        (_rows({"prompt": []}, {"prompt": "b"}), "format", (), "row 0: 'prompt' .*empty list of messages"),
+        # accuracy_reward(prompts, completions, answer, **_) needs an `answer` column
+        (
+            _rows({"prompt": "a", "solution": "1"}, {"prompt": "b", "solution": "2"}),
+            "accuracy",
+            (),
+            r"reward function 'accuracy_reward' needs the column\(s\) \['answer'\]; the dataset has",
+        ),
+        (
+            _rows({"prompt": "a"}, {"prompt": "b"}),
+            "format",
+            ("--prompts-per-step", "4"),
+            r"prompts_per_step \(4\) is larger than the dataset \(2 prompts\)",
+        ),
+    ],
+)
+def test_dataset_checked_row_by_row_before_the_model_loads(tmp_path, monkeypatch, data, reward, extra, words):
+    def no_model(*a, **k):
+        raise AssertionError("the model was loaded before the dataset was checked")
+
+    monkeypatch.setattr(train_mod, "load_model_and_tokenizer", no_model)
+    path = _write(tmp_path, "d.jsonl", data)
+    with pytest.raises(ValueError, match=words):
+        train(_cfg(tmp_path, "--dataset", str(path), "--reward", reward, *extra))
+
+
+def test_missing_files_reported_before_the_model_loads(tmp_path, monkeypatch):
+    def no_model(*a, **k):
+        raise AssertionError("the model was loaded before the files were checked")
+
+    monkeypatch.setattr(train_mod, "load_model_and_tokenizer", no_model)
+    good = _write(tmp_path, "d.jsonl", _rows({"prompt": "a"}, {"prompt": "b"}))
+    answered = _rows({"prompt": "a", "answer": "1"}, {"prompt": "b", "answer": "2"})
+    answered = _write(tmp_path, "a.jsonl", answered)
+    cases = [
+        (("--dataset", str(tmp_path / "missing.jsonl"), "--reward", "format"), "--dataset .*no such file"),
+        (("--dataset", str(good), "--eval-dataset", str(tmp_path / "no.jsonl"), "--reward", "format"),
+         "--eval-dataset .*no such file"),
+        (("--dataset", str(good), "--reward", str(tmp_path / "r.py") + ":f"), "--reward .*no such file"),
+        # the eval rows meet the first reward function
+        (("--dataset", str(answered), "--eval-dataset", str(good), "--reward", "accuracy"),
+         "--eval-dataset .*needs the column"),
+    ]  # fmt: skip
+    for argv, words in cases:
+        with pytest.raises(ValueError, match=words):
+            train(_cfg(tmp_path, *argv))
+
+
 def test_unreadable_model_path(tmp_path):
     (tmp_path / "empty_dir").mkdir()
     for path in (str(tmp_path / "nope"), str(tmp_path / "empty_dir")):
         with pytest.raises(ValueError, match="--model .*not a model directory"):
             train(_cfg(tmp_path, "--model", path, "--dataset", "x.jsonl", "--reward", "format"))
+    # a model path is checked before the dataset is read (both before anything loads)
 
 
 @pytest.mark.parametrize(

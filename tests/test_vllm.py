@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from grpo_fast.kernels import fused_linear_logprobs
+from oracle import assert_greedy_equal, assert_greedy_row_equal
 from tiny_models import eos_likely_lm, ragged_prompts
 
 from grpo_fast.model_parts import lm_head_of
@@ -60,10 +61,11 @@ def _check_greedy(model, ids, mask, G, C):
     kw = dict(temperature=0.0, eos_token_id=EOS)
     got_ids, got_mask = generate_groups(model, ids, mask, G, C, engine="vllm", vllm_options=OPTS, **kw)
     nat_ids, nat_mask = generate_groups(model, ids, mask, G, C, engine="native", **kw)
-    assert torch.equal(got_ids, nat_ids) and torch.equal(got_mask, nat_mask)
+    assert_greedy_equal(model, ids, mask, G, (got_ids, got_mask), (nat_ids, nat_mask))
     for i, hf in enumerate(_hf_greedy(model, ids, mask, C)):
         for s in range(i * G, (i + 1) * G):
-            assert got_ids[s, : int(got_mask[s].sum())].tolist() == hf
+            got = got_ids[s][got_mask[s].bool()]
+            assert_greedy_row_equal(model, ids[i][mask[i].bool()], got, torch.tensor(hf))
     return got_ids
 
 
@@ -140,7 +142,7 @@ def test_sampled_logprobs_equal_the_trainers_and_sampling_options_map():
     # top_k=1 is greedy; max tokens; no EOS asked for: all run to the limit
     greedy = generate_groups(model, ids, mask, 2, 9, temperature=0.0, eos_token_id=EOS, engine="native")
     top1 = generate_groups(model, ids, mask, 2, 9, temperature=1.3, top_k=1, eos_token_id=EOS, engine="vllm")
-    assert torch.equal(top1[0], greedy[0])
+    assert_greedy_equal(model, ids, mask, 2, top1, greedy)
     no_eos = generate_groups(model, ids, mask, 2, 9, temperature=T, engine="vllm")
     assert no_eos[1].shape == (6, 9) and no_eos[1].all()
 
