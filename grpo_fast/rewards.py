@@ -14,7 +14,8 @@ from pathlib import Path
 
 import torch
 
-from .sandbox import SandboxLimits, SandboxUnavailable, check_available, run_many
+from .judge import judge_many
+from .sandbox import SandboxLimits, SandboxUnavailable, check_available
 
 
 class RewardError(ValueError):
@@ -160,13 +161,21 @@ def _test_list(t) -> list:
 
 
 def code_reward(
-    prompts, completions, tests, limits: SandboxLimits = SandboxLimits(), allow_unsandboxed=False, **_
-):
-    """Fraction of the sample's `tests` passed by the completion's code (its last fenced Python block), run
-    in the OS sandbox (grpo_fast/sandbox.py: completions in parallel, verdicts decided outside); tests that
-    cannot fail pay nothing."""
+    prompts, completions, tests, limits: SandboxLimits = SandboxLimits(), allow_unsandboxed=False,
+    metrics: dict | None = None, **_,
+):  # fmt: skip
+    """Fraction of the sample's `tests` passed by the completion's code (its last fenced Python block),
+    judged in two OS sandboxes (grpo_fast/judge.py; completions in parallel); tests that cannot fail pay
+    nothing. `metrics`, when given, receives this call's count of completions whose judging stopped early,
+    per cause (timeout, crashed, malformed): they scored what they had passed, never a reward error."""
     jobs = [(extract_code(_to_text(c)), _test_list(t)) for c, t in zip(completions, tests)]
-    return run_many(jobs, limits, allow_unsandboxed=allow_unsandboxed)
+    verdicts = judge_many(jobs, limits, allow_unsandboxed=allow_unsandboxed)
+    if metrics is not None:
+        metrics.clear()
+        for cause in ("timeout", "crashed", "malformed"):
+            metrics[f"sandbox_{cause}"] = sum(v.failure == cause for v in verdicts)
+        metrics["sandbox_failures"] = sum(v.failure is not None for v in verdicts)
+    return [v.score for v in verdicts]
 
 
 def shop_answer_reward(prompts, completions, answer, **kw):
@@ -197,8 +206,10 @@ def load_reward(spec: str, max_completion_length: int = 256, allow_unsandboxed_c
             print("grpo-fast: code rewards run WITHOUT the OS sandbox (--allow-unsandboxed-code)", flush=True)
 
         def code(prompts, completions, tests, **kw):
-            return code_reward(prompts, completions, tests, allow_unsandboxed=allow_unsandboxed_code, **kw)
+            return code_reward(prompts, completions, tests, allow_unsandboxed=allow_unsandboxed_code,
+                               metrics=code.last_metrics, **kw)  # fmt: skip
 
+        code.last_metrics = {}  # the last call's sandbox failures (metrics.jsonl: rewards/code/...)
         return code
     if spec in BUILTINS:
         return BUILTINS[spec]

@@ -1,39 +1,36 @@
-"""Untrusted completion code against tests, in an OS-level sandbox; the verdict is decided outside it.
+"""Isolation for untrusted code: a program in a bubblewrap sandbox, bounded, handed descriptors, ended whole.
 
-Isolation (bubblewrap, Debian package `bubblewrap`, which `make setup` installs where it can), for every run:
-- the trainer drops to an unprivileged uid/gid of its own (one per parallel slot, no supplementary groups, no
-  capabilities: util-linux `setpriv`) before entering, so the sandbox's user is unprivileged outside too:
-  root-only files stay unreadable when the trainer runs as root;
-- new user, mount, PID, IPC, UTS, network and cgroup namespaces (`bwrap --unshare-all`): no network
-  interface, no view of the host's processes; when the sandbox's first process ends or is killed, the kernel
-  ends every process left in its PID namespace, so nothing outlives the run;
-- a read-only view of the system directories Python needs (/usr, /lib, /lib64, /bin), nothing else of the
-  host (no /home, /root, /etc, /tmp), and a fresh writable work directory (also its /tmp), deleted afterwards;
-- `no_new_privs`, every capability dropped, a new session (no terminal injection), and a seccomp filter
-  (libseccomp) refusing ptrace, process_vm_*, mount, unshare, setns, bpf, keyctl, io_uring, userfaultfd,
-  perf_event_open, kernel modules, kexec, reboot...;
-- limits: CPU seconds, address space, file size, processes (per uid, hence per slot), wall clock.
-
-Verdict: the tests never enter the completion's process. An `assert ACTUAL OP EXPECTED` test sends only ACTUAL
-(an expression) in; the process returns its value as plain data (None, bool, int, float, str, bytes, and
-lists, tuples, dicts, sets of those, exact types only: no object with its own `__eq__` crosses); EXPECTED is a
-literal or is computed by the test's own code in a second, clean sandbox; OP is applied here. `assert X`
-compares the truth value of X's plain value. A value the process reports is thus only ever equivalent to
-computing it. stdin/stdout cases ({"input", "output"}) run the program and compare its output here. A test
-whose expected side needs the completion's own code cannot be decided outside and scores 0.
+What runs inside and how a verdict is reached is grpo_fast/judge.py's; this module only isolates. For every
+sandbox (bubblewrap: Debian package `bubblewrap`, which `make setup` installs where it can):
+- the trainer drops to an unprivileged uid/gid of its own (one per parallel slot and role, no supplementary
+  groups, no capabilities: util-linux `setpriv`) before entering, so the sandbox's user is unprivileged
+  outside too: root-only files stay unreadable when the trainer runs as root;
+- new user, mount, PID, IPC, UTS, network and cgroup namespaces (`--unshare-all`): no network, no view of
+  the host's processes; the program is PID 1 inside (orphans there are its own, ended with it);
+- a read-only view of the system directories Python needs (/usr, /lib, /lib64, /bin) and nothing else of the
+  host; /work (the working directory, also /tmp) is a size-capped tmpfs inside the sandbox: nothing the code
+  writes lands on the host's disk, and the host never walks a tree the code made;
+- `no_new_privs`, every capability dropped, a new session, a seccomp filter (libseccomp) refusing ptrace,
+  process_vm_*, mount, unshare, setns, bpf, keyctl, io_uring, userfaultfd, perf_event_open, kernel modules...;
+- limits: per process CPU seconds, address space, file size, open files; per slot, where the machine lets us
+  make a cgroup (v2, or v1 `memory`, `pids`, `cpu`), the memory of all its processes together (tmpfs pages
+  included), their number, and one core of CPU at an equal share, so no slot starves or crowds another;
+  without one, processes per uid (the trainer's own threads not counted) and a note that this is weaker;
+- the end: SIGKILL to the sandbox's own PID 1 (bubblewrap reports it on `--info-fd`), which ends its whole PID
+  namespace, then bubblewrap itself is reaped: no zombie, no survivor, whether the trainer is root, an
+  unprivileged user or a container's PID 1.
 
 Where bubblewrap cannot run, code rewards refuse to start, naming the fix, unless the trainer is told
-`--allow-unsandboxed-code` (then: a subprocess with the same limits, dropped to an unprivileged uid when root,
-and the same outside verdict; no namespaces, no filesystem view, no seccomp).
+`--allow-unsandboxed-code` (then: a subprocess with the same per-process limits, dropped to an unprivileged
+uid when root; no namespaces, no filesystem view, no seccomp, no cgroup).
 """
 
-import ast
-import base64
-import concurrent.futures
+import atexit
 import ctypes
 import json
 import os
 import resource
+import select
 import shutil
 import signal
 import subprocess
@@ -43,7 +40,13 @@ import threading
 import time
 from dataclasses import dataclass
 
-SANDBOX_UID_BASE = 61000  # uid / gid of parallel slot k: SANDBOX_UID_BASE + k (no passwd entry needed)
+SANDBOX_UID_BASE = 61000  # uid / gid of slot k, role r: SANDBOX_UID_BASE + 2 k + r (no passwd entry needed)
+ROLES = {"completion": 0, "judge": 1}
+# processes a slot's two sandboxes hold themselves (bubblewrap, its init, the interpreter, each): a slot's
+# cgroup allows SandboxLimits.processes beyond these
+OWN_PROCESSES = 8
+# GRPO_FAST_SANDBOX_DEBUG=1: the sandboxes' stderr goes to the trainer's (debugging only: the code writes it)
+_STDERR = None if os.environ.get("GRPO_FAST_SANDBOX_DEBUG") else subprocess.DEVNULL
 _SYSTEM_DIRS = ("/usr", "/lib", "/lib64", "/lib32", "/bin", "/sbin")
 _DENIED_SYSCALLS = (
     "ptrace", "process_vm_readv", "process_vm_writev", "mount", "umount2", "pivot_root", "chroot",
@@ -53,7 +56,6 @@ _DENIED_SYSCALLS = (
     "clock_settime", "adjtimex", "syslog", "personality", "lookup_dcookie", "open_by_handle_at",
     "name_to_handle_at", "fanotify_init", "move_mount", "open_tree", "fsopen", "fsmount", "fsconfig",
 )  # fmt: skip
-MAX_RESULT_BYTES = 1 << 20
 
 
 class SandboxUnavailable(RuntimeError):
@@ -62,151 +64,119 @@ class SandboxUnavailable(RuntimeError):
 
 @dataclass(frozen=True)
 class SandboxLimits:
-    wall_seconds: float = 5.0
-    cpu_seconds: int = 4
-    memory_mb: int = 512
-    file_mb: int = 16
-    processes: int = 16
+    wall_seconds: float = 5.0  # the whole judgement of one completion (its sandbox and the judge's)
+    cpu_seconds: int = 4  # per process
+    memory_mb: int = 512  # per slot (cgroup; all its processes and its tmpfs), else per process
+    file_mb: int = 16  # per file
+    processes: int = 16  # started by the code: per slot (cgroup), else per uid
+    tmpfs_mb: int = 64  # /work and /tmp together
+
+
+def uid_of(slot: int, role: str) -> int:
+    return SANDBOX_UID_BASE + 2 * slot + ROLES[role]
 
 
 # ---------------------------------------------------------------------------------------------------------
-# What runs inside: the completion, then the actual-side expressions, values back as tagged plain data
+# Per-slot cgroups
 # ---------------------------------------------------------------------------------------------------------
-_RUNNER = r"""
-import io, json, os, sys, base64
-PLAIN = {type(None), bool, int, float, str}
+_cgroups: dict = {}  # slot -> list of cgroup directories, or None (none could be made)
+_cgroup_lock = threading.Lock()
+_cgroup_note: list = []
 
-def enc(v, depth=0):
-    t = type(v)
-    if depth > 50:
-        raise ValueError("too deep")
-    if t in PLAIN:
-        return v if t is not float or v == v else {"t": "nan"}
-    if t is bytes:
-        return {"t": "bytes", "v": base64.b64encode(v).decode()}
-    if t in (list, tuple, set, frozenset):
-        items = sorted(v, key=repr) if t in (set, frozenset) else v
-        return {"t": t.__name__, "v": [enc(x, depth + 1) for x in items]}
-    if t is dict:
-        return {"t": "dict", "v": [[enc(k, depth + 1), enc(x, depth + 1)] for k, x in v.items()]}
-    raise TypeError("not plain data: " + t.__name__)
 
-def main():
-    job = json.loads(sys.stdin.read())
-    out = os.fdopen(job["fd"], "w")
-    if job["kind"] == "io":
-        results = []
-        for case in job["inputs"]:
-            sys.stdin, buf = io.StringIO(case), io.StringIO()
-            sys.stdout = buf
+def _own_cgroup(controller: str) -> str:
+    """This process's cgroup path in the v1 hierarchy of `controller` ('' for v2), from /proc/self/cgroup."""
+    for line in open("/proc/self/cgroup").read().splitlines():
+        _, names, path = line.split(":", 2)
+        if (controller and controller in names.split(",")) or (not controller and names == ""):
+            return path
+    raise OSError(f"no {controller or 'v2'} hierarchy")
+
+
+def _make_slot_cgroups(slot: int, limits: SandboxLimits) -> list:
+    """Directories of a new cgroup per controller for `slot`, limits written; OSError where not allowed."""
+    tag = f"grpo-fast-{os.getpid()}/slot-{slot}"
+    mem = limits.memory_mb * 2**20
+    cpu_period = 100_000
+    v2 = next((m for m in ("/sys/fs/cgroup", "/sys/fs/cgroup/unified")
+               if os.path.isfile(f"{m}/cgroup.controllers")), None)  # fmt: skip
+    if v2 and {"memory", "pids", "cpu"} <= set(open(f"{v2}/cgroup.controllers").read().split()):
+        parent = os.path.join(v2 + _own_cgroup(""), f"grpo-fast-{os.getpid()}")
+        os.makedirs(parent, exist_ok=True)
+        with open(f"{parent}/cgroup.subtree_control", "w") as f:
+            f.write("+memory +pids +cpu")
+        d = f"{parent}/slot-{slot}"
+        os.makedirs(d, exist_ok=True)
+        values = (("memory.max", mem), ("memory.swap.max", 0), ("pids.max", limits.processes + OWN_PROCESSES),
+                  ("cpu.max", f"{cpu_period} {cpu_period}"), ("cpu.weight", 100))  # fmt: skip
+        for name, value in values:
+            if os.path.exists(f"{d}/{name}"):
+                with open(f"{d}/{name}", "w") as f:
+                    f.write(str(value))
+        return [d]
+    dirs = []
+    settings = {
+        "memory": (("memory.limit_in_bytes", mem), ("memory.memsw.limit_in_bytes", mem)),
+        "pids": (("pids.max", limits.processes + OWN_PROCESSES),),
+        "cpu": (("cpu.cfs_period_us", cpu_period), ("cpu.cfs_quota_us", cpu_period), ("cpu.shares", 1024)),
+    }
+    for controller, values in settings.items():
+        d = os.path.join(f"/sys/fs/cgroup/{controller}" + _own_cgroup(controller), tag)
+        os.makedirs(d, exist_ok=True)
+        for name, value in values:
+            if os.path.exists(f"{d}/{name}"):
+                with open(f"{d}/{name}", "w") as f:
+                    f.write(str(value))
+        dirs.append(d)
+    return dirs
+
+
+def _remove_cgroups():
+    """At exit: the slots' cgroups (empty by then: every sandbox was ended) and their parents."""
+    for dirs in _cgroups.values():
+        for d in dirs or []:
+            for path in (d, os.path.dirname(d)):
+                try:
+                    os.rmdir(path)
+                except OSError:
+                    pass
+
+
+atexit.register(_remove_cgroups)
+
+
+def slot_cgroups(slot: int, limits: SandboxLimits) -> list | None:
+    """The slot's cgroup directories (made once per process and limits), or None where none can be made."""
+    with _cgroup_lock:
+        if slot not in _cgroups:
             try:
-                exec(compile(job["code"], "<completion>", "exec"), {"__name__": "__main__"})
-                results.append({"ok": True, "out": buf.getvalue()[:1000000]})
-            except BaseException:
-                results.append({"ok": False})
-            sys.stdout = sys.__stdout__
-        out.write(json.dumps(results))
-        out.flush()
-        os._exit(0)
-    ns = {"__name__": "__main__"}
-    try:
-        exec(compile(job["code"], "<completion>", "exec"), ns)
-    except BaseException:
-        out.write("null")
-        out.flush()
-        os._exit(0)
-    results = []
-    for setup, expr in job["tests"]:
+                _cgroups[slot] = _make_slot_cgroups(slot, limits) if os.geteuid() == 0 else None
+            except OSError as exc:
+                _cgroups[slot] = None
+                why = f"{type(exc).__name__}: {exc}"
+            else:
+                why = "not root" if _cgroups[slot] is None else None
+            if _cgroups[slot] is None and not _cgroup_note:
+                _cgroup_note.append(why)
+                print(f"grpo-fast: no cgroup per sandbox slot ({why}): memory and process limits are per "
+                      "process / per uid only, and slots share the CPU unbounded (weaker)",
+                      flush=True)  # fmt: skip
+    return _cgroups[slot]
+
+
+def cgroup_processes(slot: int) -> list:
+    """PIDs in the slot's cgroups (empty when it has none)."""
+    pids = set()
+    for d in _cgroups.get(slot) or []:
         try:
-            exec(compile(setup, "<test>", "exec"), ns)
-            results.append({"ok": True, "v": enc(eval(compile(expr, "<test>", "eval"), ns))})
-        except BaseException:
-            results.append({"ok": False})
-    out.write(json.dumps(results))
-    out.flush()
-    os._exit(0)
-
-main()
-"""
-
-
-def _decode(v):
-    """Tagged plain data from the sandbox back into Python values (nothing else can come out)."""
-    if v is None or type(v) in (bool, int, float, str):
-        return v
-    if type(v) is not dict or "t" not in v:
-        raise ValueError("malformed value")
-    t = v["t"]
-    if t == "nan":
-        return float("nan")
-    if t == "bytes":
-        return base64.b64decode(v["v"])
-    if t in ("list", "tuple", "set", "frozenset"):
-        items = [_decode(x) for x in v["v"]]
-        return {"list": list, "tuple": tuple, "set": set, "frozenset": frozenset}[t](items)
-    if t == "dict":
-        return {_decode(k): _decode(x) for k, x in v["v"]}
-    raise ValueError(f"unknown tag {t!r}")
+            pids.update(int(x) for x in open(f"{d}/cgroup.procs").read().split())
+        except OSError:
+            pass
+    return sorted(pids)
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Tests: split into what runs inside and what is decided here
-# ---------------------------------------------------------------------------------------------------------
-_OPS = {
-    ast.Eq: lambda a, b: a == b,
-    ast.NotEq: lambda a, b: a != b,
-    ast.Lt: lambda a, b: a < b,
-    ast.LtE: lambda a, b: a <= b,
-    ast.Gt: lambda a, b: a > b,
-    ast.GtE: lambda a, b: a >= b,
-    ast.In: lambda a, b: a in b,
-    ast.NotIn: lambda a, b: a not in b,
-    ast.Is: lambda a, b: a is b if b is None or isinstance(b, bool) else a == b,
-    ast.IsNot: lambda a, b: a is not b if b is None or isinstance(b, bool) else a != b,
-}
-
-
-@dataclass(frozen=True)
-class _Check:
-    setup: str  # statements before the assert (the test's own code), run inside
-    actual: str  # the expression whose value the completion's process reports
-    op: object  # an _OPS key, "truthy" or "falsy"
-    expected: str | None  # the other side's source (None for truthiness)
-
-
-def _parse_test(test: str) -> _Check | None:
-    """An assert test as a _Check; None when it is not one we can decide outside."""
-    try:
-        tree = ast.parse(test)
-    except SyntaxError:
-        return None
-    if not tree.body or not isinstance(tree.body[-1], ast.Assert):
-        return None
-    setup = ast.unparse(ast.Module(body=tree.body[:-1], type_ignores=[]))
-    cond = tree.body[-1].test
-    if isinstance(cond, ast.Compare) and len(cond.ops) == 1 and type(cond.ops[0]) in _OPS:
-        return _Check(setup, ast.unparse(cond.left), type(cond.ops[0]), ast.unparse(cond.comparators[0]))
-    if isinstance(cond, ast.UnaryOp) and isinstance(cond.op, ast.Not):
-        return _Check(setup, ast.unparse(cond.operand), "falsy", None)
-    return _Check(setup, ast.unparse(cond), "truthy", None)
-
-
-def _verdict(check: _Check, actual, expected) -> bool:
-    if not actual["ok"]:
-        return False
-    try:
-        value = _decode(actual["v"])
-        if check.op == "truthy":
-            return bool(value)
-        if check.op == "falsy":
-            return not bool(value)
-        return bool(_OPS[check.op](value, expected))
-    except Exception:  # noqa: BLE001 - an uncomparable value fails its test
-        return False
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Entering the sandbox
+# Entering
 # ---------------------------------------------------------------------------------------------------------
 _seccomp_bpf = None
 _probe: dict = {}
@@ -253,123 +223,191 @@ def sandbox_python() -> str:
     return os.path.realpath(sys.executable)
 
 
-def _preexec(limits: SandboxLimits):
+def _tasks_of(uid: int) -> int:
+    """Threads of every live process of `uid` (what RLIMIT_NPROC counts)."""
+    n = 0
+    for p in os.listdir("/proc"):
+        if p.isdigit():
+            try:
+                fields = dict(line.split(":", 1) for line in open(f"/proc/{p}/status") if ":" in line)
+                if int(fields["Uid"].split()[0]) == uid:
+                    n += int(fields["Threads"])
+            except (OSError, ValueError, KeyError):
+                pass
+    return n
+
+
+def _preexec(limits: SandboxLimits, cgroups: list | None, nproc: int):
     def run():
-        os.setsid()  # own process group: the wall-clock kill takes every descendant
+        os.setsid()  # own process group (and no controlling terminal)
+        for d in cgroups or []:  # joined before the exec: everything the sandbox starts is counted there
+            with open(f"{d}/cgroup.procs", "w") as f:
+                f.write(str(os.getpid()))
         mem = limits.memory_mb * 2**20
         resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
         resource.setrlimit(resource.RLIMIT_CPU, (limits.cpu_seconds, limits.cpu_seconds + 1))
         resource.setrlimit(resource.RLIMIT_FSIZE, (limits.file_mb * 2**20,) * 2)
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-        resource.setrlimit(resource.RLIMIT_NPROC, (limits.processes, limits.processes))
+        resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
         resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
 
     return run
 
 
-def _bwrap_argv(work: str, python: str, seccomp_fd: int | None) -> list:
-    argv = ["bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--as-pid-1", "--cap-drop", "ALL"]
+def _bwrap_argv(python: str, limits: SandboxLimits, info_fd: int, seccomp_fd: int | None) -> list:
+    # --as-pid-1: the program is the namespace's PID 1, bubblewrap's monitor its parent, which reaps it (with
+    # bubblewrap's own init as PID 1 instead, the monitor exits on a status message and leaves PID 1 a zombie
+    # for whatever reaps orphans: seconds here, never where the trainer is a container's PID 1)
+    argv = ["bwrap", "--unshare-all", "--as-pid-1", "--die-with-parent", "--new-session", "--cap-drop", "ALL"]
     argv += ["--clearenv"]
+    argv += ["--info-fd", str(info_fd)]
     for d in _SYSTEM_DIRS:
         if os.path.isdir(d) and not os.path.islink(d):
             argv += ["--ro-bind", d, d]
         elif os.path.islink(d):
             argv += ["--symlink", os.readlink(d), d]
-    argv += ["--proc", "/proc", "--dev", "/dev", "--bind", work, "/work", "--bind", work + "/tmp", "/tmp"]
-    argv += ["--chdir", "/work", "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", "/work"]
+    argv += ["--proc", "/proc", "--dev", "/dev"]
+    argv += ["--size", str(limits.tmpfs_mb * 2**20), "--tmpfs", "/work", "--dir", "/work/tmp"]
+    argv += ["--symlink", "/work/tmp", "/tmp", "--chdir", "/work"]
+    argv += ["--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", "/work"]
     if seccomp_fd is not None:
         argv += ["--seccomp", str(seccomp_fd)]
-    return argv + [python, "-I", "-S", "-c", _RUNNER]
+    return argv + [python, "-I", "-S", "-c"]
 
 
-def _run(job: dict, limits: SandboxLimits, slot: int, sandboxed: bool) -> list | None:
-    """One process: `job` in on stdin, results out on fd 3 (JSON), None when it produced none."""
-    uid = SANDBOX_UID_BASE + slot
-    python = sandbox_python()
-    # only root can switch users; an unprivileged trainer's sandbox runs as the trainer's own user
-    root = os.geteuid() == 0
-    drop = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--inh-caps=-all", "--"]
-    drop = drop if root else []
-    with tempfile.TemporaryDirectory(prefix="grpo-sandbox-") as work:
-        os.makedirs(work + "/tmp")
-        if root:
-            for d in (work, work + "/tmp"):
-                os.chown(d, uid, uid)
-        read_fd, write_fd = os.pipe()
-        seccomp_fd = None
-        fds = [write_fd]
+class Sandbox:
+    """One program (`python -I -S -c SOURCE ARGS...`) in its own sandbox, started at construction: `stdin`
+    is written to it (then closed), `fds` are passed in under the same numbers. `end()` kills and reaps it."""
+
+    def __init__(self, source: str, args: list, stdin: bytes, limits: SandboxLimits, slot: int, role: str,
+                 sandboxed: bool, fds: tuple = ()):  # fmt: skip
+        self.uid = uid_of(slot, role)
+        self.root = os.geteuid() == 0  # only root can switch users: else the trainer's own uid
+        self.sandboxed, self.pidfd = sandboxed, None
+        drop = ["setpriv", f"--reuid={self.uid}", f"--regid={self.uid}", "--clear-groups", "--inh-caps=-all"]
+        drop = drop + ["--"] if self.root else []
+        cgroups = slot_cgroups(slot, limits) if sandboxed else None
+        uid_now = self.uid if self.root else os.getuid()
+        # per uid where no cgroup counts them; an unprivileged trainer's own threads are not the sandbox's
+        own = limits.processes + OWN_PROCESSES
+        nproc = 4096 if cgroups else own + (0 if self.root else _tasks_of(uid_now))
+        passed, info_r, seccomp_fd = list(fds), None, None
         if sandboxed:
+            info_r, info_w = os.pipe()
+            passed.append(info_w)
             bpf = _seccomp_filter()
             if bpf:
                 seccomp_fd = os.memfd_create("grpo-seccomp", 0)
                 os.write(seccomp_fd, bpf)
                 os.lseek(seccomp_fd, 0, os.SEEK_SET)
-                fds.append(seccomp_fd)
-            argv = drop + _bwrap_argv(work, python, seccomp_fd)
+                passed.append(seccomp_fd)
+            argv = drop + _bwrap_argv(sandbox_python(), limits, info_w, seccomp_fd) + [source, *args]
         else:
-            argv = drop + [python, "-I", "-S", "-c", _RUNNER]
-        try:  # setpriv and bwrap keep inherited descriptors: the result pipe has the same number inside
-            proc = subprocess.Popen(
-                argv, cwd=work, env={}, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL, pass_fds=fds, preexec_fn=_preexec(limits),
+            argv = drop + [sandbox_python(), "-I", "-S", "-c", source, *args]
+        try:
+            self.proc = subprocess.Popen(
+                argv, env={}, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=_STDERR,
+                pass_fds=passed, preexec_fn=_preexec(limits, cgroups, nproc), cwd="/",
             )  # fmt: skip
         finally:
-            os.close(write_fd)
-            if seccomp_fd is not None:
-                os.close(seccomp_fd)
-        job = dict(job, fd=write_fd)
-        chunks, total = [], 0
-        reader = threading.Thread(target=_read_all, args=(read_fd, chunks, MAX_RESULT_BYTES + 1))
-        reader.start()
-        try:
-            proc.stdin.write(json.dumps(job).encode())
-            proc.stdin.close()
-        except BrokenPipeError:
-            pass
-        try:
-            proc.wait(timeout=limits.wall_seconds)
-        except subprocess.TimeoutExpired:
-            pass
-        _kill(proc, uid if root else None)
-        reader.join(timeout=2)
-        os.close(read_fd)
-        data = b"".join(chunks)
-        total = len(data)
-    if total == 0 or total > MAX_RESULT_BYTES:
-        return None
-    try:
-        out = json.loads(data)
-    except ValueError:
-        return None
-    return out if isinstance(out, list) else None
+            for fd in passed[len(fds) :]:
+                os.close(fd)
+        if info_r is not None:
+            self._open_pid1(info_r, time.monotonic() + limits.wall_seconds)
+        self._writer = threading.Thread(target=self._write, args=(stdin,), daemon=True)
+        self._writer.start()
 
-
-def _read_all(fd, chunks, cap):
-    got = 0
-    while got < cap:
+    def _write(self, data: bytes):
         try:
-            b = os.read(fd, 65536)
+            self.proc.stdin.write(data)
+            self.proc.stdin.close()
+        except (BrokenPipeError, OSError, ValueError):
+            pass
+
+    def _open_pid1(self, info_r: int, deadline: float):
+        """The sandbox's PID 1 as a pidfd, from bubblewrap's `--info-fd` ({"child-pid": N}), checked to be
+        bubblewrap's own child (a pid reused in between is not ours)."""
+        data = b""
+        try:
+            while len(data) < 4096 and time.monotonic() < deadline:
+                ready, _, _ = select.select([info_r], [], [], max(0.0, deadline - time.monotonic()))
+                chunk = os.read(info_r, 4096) if ready else b""
+                if not chunk:
+                    break
+                data += chunk
+                try:
+                    pid = int(json.loads(data)["child-pid"])
+                except (ValueError, KeyError, TypeError):
+                    continue
+                fd = os.pidfd_open(pid)
+                if _parent_of(pid) == self.proc.pid:
+                    self.pidfd = fd
+                else:
+                    os.close(fd)
+                break
         except OSError:
-            return
-        if not b:
-            return
-        chunks.append(b)
-        got += len(b)
+            pass
+        finally:
+            os.close(info_r)
+
+    def wait(self, deadline: float) -> bool:
+        """True when the sandbox ended by itself before `deadline` (monotonic clock)."""
+        try:
+            self.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            return True
+        except subprocess.TimeoutExpired:
+            return False
+
+    def end(self):
+        """Kill the sandbox's PID 1 (its whole PID namespace goes with it); bubblewrap, its parent, reaps it,
+        exits and is reaped here. Only if bubblewrap hangs is it killed, and PID 1 then reaped here when it
+        was orphaned to this trainer (a container's PID 1, a subreaper)."""
+        if self.pidfd is not None:
+            try:
+                signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
+            except OSError:
+                pass
+        if not self.wait(time.monotonic() + 2):
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)  # bubblewrap (or the unsandboxed program), its group
+            except (ProcessLookupError, PermissionError):
+                pass
+            self.wait(time.monotonic() + 5)
+        if self.pidfd is not None:
+            _reap_if_ours(self.pidfd, time.monotonic() + 1)
+            os.close(self.pidfd)
+            self.pidfd = None
+        if not self.sandboxed and self.root:  # no PID namespace: whatever runs as the slot's uid
+            _kill_uid(self.uid)
+        try:
+            self.proc.stdin.close()
+        except (OSError, ValueError):
+            pass
 
 
-def _kill(proc, uid: int | None):
-    """The run's process group, then (root: the slot's own uid) every process left under its uid, until none
-    is: the PID namespace ends them when bwrap goes, but that teardown is asynchronous."""
+def _reap_if_ours(pidfd: int, deadline: float):
+    """Reap the process behind `pidfd` once it has exited, if it became this process's child (orphans come
+    to a container's PID 1 or a subreaper); elsewhere the system's init reaps it."""
+    while time.monotonic() < deadline:
+        try:
+            if os.waitid(os.P_PIDFD, pidfd, os.WEXITED | os.WNOHANG) is not None:
+                return
+        except ChildProcessError:
+            return
+        time.sleep(0.002)
+
+
+def _parent_of(pid: int) -> int | None:
     try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
+        for line in open(f"/proc/{pid}/status"):
+            if line.startswith("PPid:"):
+                return int(line.split()[1])
+    except (OSError, ValueError):
         pass
-    try:
-        proc.wait(timeout=5)
-    except subprocess.TimeoutExpired:
-        pass
-    if uid is None:
-        return
+    return None
+
+
+def _kill_uid(uid: int):
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
         left = processes_of(uid)
@@ -384,8 +422,7 @@ def _kill(proc, uid: int | None):
 
 
 def processes_of(uid: int) -> list:
-    """PIDs of live processes (zombies, already dead and waiting for init to reap them, excluded) whose
-    real uid is `uid`: a scan of /proc."""
+    """PIDs of live processes (zombies excluded) whose real uid is `uid`: a scan of /proc."""
     found = []
     for p in os.listdir("/proc"):
         if p.isdigit():
@@ -399,6 +436,28 @@ def processes_of(uid: int) -> list:
     return found
 
 
+def read_bounded(fd: int, cap: int, deadline: float) -> tuple[bytes, bool]:
+    """Bytes from `fd` until EOF, more than `cap` bytes, or `deadline` (monotonic clock); (data, reached EOF).
+    Never blocks past the deadline, never holds more than `cap` + 64 KiB."""
+    chunks, got = [], 0
+    while got <= cap:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return b"".join(chunks), False
+        ready, _, _ = select.select([fd], [], [], left)
+        if not ready:
+            continue
+        try:
+            b = os.read(fd, 65536)
+        except OSError:
+            return b"".join(chunks), False
+        if not b:
+            return b"".join(chunks), True
+        chunks.append(b)
+        got += len(b)
+    return b"".join(chunks), False
+
+
 def check_available(allow_unsandboxed: bool = False) -> str:
     """ "bwrap" when the OS sandbox works here, "unsandboxed" when it does not and that is allowed; else
     SandboxUnavailable naming the fix. Probed once per process."""
@@ -408,14 +467,11 @@ def check_available(allow_unsandboxed: bool = False) -> str:
             for tool in ("bwrap", "setpriv"):
                 if shutil.which(tool) is None:
                     why = f"`{tool}` is not installed (apt-get install bubblewrap util-linux)"
-            if why is None:
-                res = _run({"kind": "io", "code": "print('ok')", "inputs": [""]}, SandboxLimits(), 0, True)
-                if not (res and res[0].get("ok") and res[0].get("out") == "ok\n"):
-                    why = (
-                        "bubblewrap could not start a sandbox here (unprivileged user namespaces off?, or "
-                        f"{sandbox_python()} not runnable by an unprivileged user: set "
-                        "GRPO_FAST_SANDBOX_PYTHON)"
-                    )
+            if why is None and not _probe_runs():
+                why = (
+                    "bubblewrap could not start a sandbox here (unprivileged user namespaces off?, or "
+                    f"{sandbox_python()} not runnable by an unprivileged user: set GRPO_FAST_SANDBOX_PYTHON)"
+                )
             _probe["kind"], _probe["why"] = ("bwrap", None) if why is None else (None, why)
     if _probe["kind"]:
         return _probe["kind"]
@@ -428,88 +484,12 @@ def check_available(allow_unsandboxed: bool = False) -> str:
     )
 
 
-# ---------------------------------------------------------------------------------------------------------
-# The public functions
-# ---------------------------------------------------------------------------------------------------------
-_expected_cache: dict = {}
-
-
-def _expected_values(checks, limits, slot, sandboxed):
-    """EXPECTED sides: literals here; the rest computed by the test code alone in a clean sandbox."""
-    values, need = {}, []
-    for i, c in enumerate(checks):
-        if c is None or c.expected is None:
-            continue
-        try:
-            values[i] = ast.literal_eval(c.expected)
-        except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
-            key = (c.setup, c.expected)
-            if key in _expected_cache:
-                values[i] = _expected_cache[key]
-            else:
-                need.append((i, key))
-    if need:
-        res = _run({"kind": "asserts", "code": "", "tests": [k for _, k in need]}, limits, slot, sandboxed)
-        for j, (i, key) in enumerate(need):
-            if res and j < len(res) and res[j].get("ok"):
-                try:
-                    values[i] = _expected_cache[key] = _decode(res[j]["v"])
-                except ValueError:
-                    pass
-    return values
-
-
-def run_tests(code: str, tests: list, limits: SandboxLimits = SandboxLimits(), *, slot: int = 0,
-              allow_unsandboxed: bool = False) -> float:  # fmt: skip
-    """Fraction of `tests` the completion's `code` passes: assert snippets (strings), or stdin/stdout cases
-    ({"input": str, "output": str}). 0.0 when no test can fail (no assert, no case), when the code fails, a
-    limit is hit, or the tests cannot be decided outside the sandbox."""
-    sandboxed = check_available(allow_unsandboxed) == "bwrap"
-    cases = [t for t in tests if isinstance(t, dict)]
-    if cases:
-        if len(cases) != len(tests) or not all("input" in c and "output" in c for c in cases):
-            return 0.0
-        res = _run({"kind": "io", "code": code, "inputs": [str(c["input"]) for c in cases]}, limits, slot,
-                   sandboxed)  # fmt: skip
-        if not res or len(res) != len(cases):
-            return 0.0
-        norm = lambda s: "\n".join(line.rstrip() for line in str(s).strip().splitlines())  # noqa: E731
-        passed = sum(
-            bool(r.get("ok")) and norm(r.get("out", "")) == norm(c["output"]) for r, c in zip(res, cases)
-        )
-        return passed / len(cases)
-    checks = [_parse_test(t) if isinstance(t, str) else None for t in tests]
-    if not checks or all(c is None for c in checks):
-        return 0.0
-    expected = _expected_values(checks, limits, slot, sandboxed)
-    job = [(c.setup, c.actual) if c is not None else ("", "None") for c in checks]
-    res = _run({"kind": "asserts", "code": code, "tests": job}, limits, slot, sandboxed)
-    if not res or len(res) != len(checks):
-        return 0.0
-    passed = 0
-    for i, (c, r) in enumerate(zip(checks, res)):
-        decidable = c is not None and (c.expected is None or i in expected)
-        passed += decidable and _verdict(c, r, expected.get(i))
-    return passed / len(tests)
-
-
-def run_many(jobs: list, limits: SandboxLimits = SandboxLimits(), *, allow_unsandboxed: bool = False,
-             workers: int | None = None) -> list:  # fmt: skip
-    """`run_tests(code, tests)` for each (code, tests) in `jobs`, in parallel (one sandbox per core), each
-    slot with its own uid (process limits are per uid)."""
-    check_available(allow_unsandboxed)
-    workers = workers or max(1, min(len(jobs), os.cpu_count() or 1))
-    slots = list(range(workers))
-    lock = threading.Lock()
-
-    def one(job):
-        with lock:
-            slot = slots.pop()
-        try:
-            return run_tests(job[0], job[1], limits, slot=slot, allow_unsandboxed=allow_unsandboxed)
-        finally:
-            with lock:
-                slots.append(slot)
-
-    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-        return list(pool.map(one, jobs))
+def _probe_runs() -> bool:
+    r, w = os.pipe()
+    box = Sandbox("import os, sys; os.write(int(sys.argv[1]), b'ok')", [str(w)], b"", SandboxLimits(), 0,
+                  "completion", True, (w,))  # fmt: skip
+    os.close(w)
+    data, _ = read_bounded(r, 16, time.monotonic() + 10)
+    box.end()
+    os.close(r)
+    return data == b"ok"

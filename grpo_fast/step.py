@@ -102,6 +102,16 @@ def reward_columns(rows, G, completion_ids, completion_mask):
     return cols
 
 
+def reward_function_metrics(run) -> dict:
+    """What reward functions report of their last call (`f.last_metrics`: the code reward's sandbox
+    failures), this rank's, as rewards/<name>/<key>."""
+    return {
+        f"rewards/{name}/{k}": v
+        for f, name in zip(run.reward_funcs, run.reward_names)
+        for k, v in (getattr(f, "last_metrics", None) or {}).items()
+    }
+
+
 def advantages_of(rewards: torch.Tensor, G: int, scale: str) -> torch.Tensor:
     """Group advantages; samples no reward function scored (NaN) get 0 and do not move their group."""
     nan = rewards.isnan()
@@ -290,6 +300,7 @@ def step_record(run, ro: Rollout, sc: Scored, metrics: dict, grad_norm: float, t
         "reward_mean": float(rewards.nanmean()),
         "reward_std": float(valid.std()) if len(valid) > 1 else 0.0,
         **{f"rewards/{n}_mean": float(all_scores[:, j].nanmean()) for j, n in enumerate(run.reward_names)},
+        **reward_function_metrics(run),
         "kl": metrics.get("kl", 0.0),
         "clip_ratio": metrics["clip_ratio"],
         "loss": metrics["loss"],

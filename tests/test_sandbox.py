@@ -1,5 +1,6 @@
-"""The code reward's OS sandbox against an attack suite: every attack earns 0 and leaves no trace (no file
-outside, no process alive after scoring), honest code earns its fraction, scoring goes on after each.
+"""The code reward's OS sandbox against an attack suite on isolation: every attack earns 0 and leaves no trace
+(no file outside, no process alive after scoring), honest code earns its fraction, scoring goes on after each.
+The verdicts' own attack suite (the judge) is tests/test_judge.py.
 
 Each attack defines the function under test only when its exploit worked, so its score says whether it did.
 """
@@ -10,8 +11,9 @@ import stat
 
 import pytest
 
+from grpo_fast.judge import run_many, run_tests
 from grpo_fast.rewards import code_reward, score
-from grpo_fast.sandbox import SANDBOX_UID_BASE, SandboxLimits, processes_of, run_many, run_tests
+from grpo_fast.sandbox import SANDBOX_UID_BASE, SandboxLimits, cgroup_processes, processes_of
 
 if shutil.which("bwrap") is None or shutil.which("setpriv") is None:
     if os.environ.get("GRPO_FAST_REQUIRE_SANDBOX"):  # make test: the sandbox must be there, never skipped
@@ -22,7 +24,7 @@ TESTS = ["assert add(1, 2) == 3", "assert add(2, 2) == 4"]
 ADD = "\ndef add(a, b):\n    return a + b\n"
 FAST = SandboxLimits(wall_seconds=3.0, cpu_seconds=2, memory_mb=256, processes=16)
 SECRET_FILE = "/root/.grpo_fast_test_secret" if os.geteuid() == 0 else None
-# host paths an escape would write (the sandbox's own /tmp and /work are host directories deleted afterwards)
+# host paths an escape would write (the sandbox's own /tmp and /work are a tmpfs inside it)
 OUTSIDE = ["/root/grpo_escape", "/usr/grpo_escape", "/etc/grpo_escape", os.path.abspath("grpo_escape")]
 
 
@@ -128,8 +130,9 @@ def _secrets(monkeypatch):
 
 
 def _sandbox_processes() -> list:
-    """Live processes running as any sandbox slot's uid."""
-    return [pid for slot in range(64) for pid in processes_of(SANDBOX_UID_BASE + slot)]
+    """Live processes running as any sandbox slot's uid (both roles), or in any slot's cgroup."""
+    uids = [pid for k in range(128) for pid in processes_of(SANDBOX_UID_BASE + k)]
+    return uids + [pid for slot in range(64) for pid in cgroup_processes(slot)]
 
 
 def _no_trace():
@@ -157,8 +160,8 @@ def test_honest_code_earns_its_fraction():
         "assert add((1,), (2,)) == (1, 2)",
     ]
     assert run_tests(ADD, more, FAST) == 1.0
-    # a test whose expected side needs the completion's own code cannot be decided outside: it scores 0
-    assert run_tests(ADD, ["assert add(1, 2) == add(2, 1)", TESTS[0]], FAST) == 0.5
+    # both sides of a comparison may use the completion: the judge forwards each use, compares in its own
+    assert run_tests(ADD, ["assert add(1, 2) == add(2, 1)", TESTS[0]], FAST) == 1.0
     assert run_tests(ADD, ["add(1, 2)"], FAST) == 0.0  # nothing that can fail pays nothing
 
 

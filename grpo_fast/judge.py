@@ -1,0 +1,188 @@
+"""The code reward's verdicts: a judge that never runs completion code, and a trusted side nothing can crash.
+
+Assert tests (strings of Python: asserts, helpers, loops, `math.isclose`, anything) run in a sandbox of their
+own, the judge's, which never holds completion code. The completion runs alone in a second sandbox. Every name
+a test uses that neither the test nor Python's builtins define is the completion's: its uses (a call, an
+attribute, an item, iteration, an operator) are forwarded to the completion's sandbox, arguments and results
+crossing as plain data of exact types (None, bool, int, float, complex, str, bytes, list, tuple, dict, set,
+frozenset; bounded size, depth and element count). What is not plain data (a class, an instance, a
+generator) stays there as an opaque handle whose methods the test may call; a handle never compares equal to
+anything and cannot be hashed. So the test's comparisons, its reference values and its imports live where the
+completion cannot reach them: nothing the completion returns can act in the judge, only be compared there.
+
+The judge writes one byte per test to the trainer: P (passed, having used the completion), U (passed without
+using it: a test that cannot fail pays nothing), F (failed). The trainer reads at most one byte per test
+before the wall clock, accepts only those three, and counts P for tests that contain an `assert`. Anything
+else (a crash of either sandbox, a timeout, a malformed byte, a limit) fails the tests not yet judged for
+that completion: it scores 0 and is never a reward error, so crashing can never beat answering wrong.
+
+stdin/stdout cases ({"input", "output"}) run the program as a process of its own per case inside the
+completion's sandbox; the trainer reads length-prefixed frames (status, at most MAX_OUTPUT bytes), bounded
+and validated, and compares the outputs line by line. Decoding on the trusted side is linear in its input and
+hashes nothing it read. Isolation (namespaces, uids, seccomp, tmpfs, cgroups, ending) is grpo_fast/sandbox.py.
+"""
+
+import ast
+import concurrent.futures
+import json
+import os
+import struct
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from .sandbox import Sandbox, SandboxLimits, check_available, read_bounded
+
+RUNTIME = (Path(__file__).with_name("judge_runtime.py")).read_text()
+MAX_OUTPUT = 1 << 20  # one case's output, bytes (judge_runtime.MAX_OUTPUT)
+MAX_IO_BYTES = 8 << 20  # all cases' frames together
+_VERDICTS = {ord("P"): True, ord("U"): False, ord("F"): False}
+
+
+@dataclass(frozen=True)
+class Verdict:
+    passed: int  # tests passed that can fail
+    total: int
+    failure: str | None = None  # why judging stopped early: "timeout", "crashed", "malformed"; None if not
+
+    @property
+    def score(self) -> float:
+        return self.passed / self.total if self.total else 0.0
+
+
+def _has_assert(test: str) -> bool:
+    try:
+        return any(isinstance(n, ast.Assert) for n in ast.walk(ast.parse(test)))
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return False
+
+
+def _stopped(eof: bool) -> str:
+    return "crashed" if eof else "timeout"
+
+
+def judge_asserts(code: str, tests: list, limits: SandboxLimits, slot: int, sandboxed: bool) -> Verdict:
+    """The completion's `code` against assert `tests`, in two sandboxes joined by two pipes."""
+    deadline = time.monotonic() + limits.wall_seconds
+    req_r, req_w = os.pipe()  # judge -> completion
+    rep_r, rep_w = os.pipe()  # completion -> judge
+    ver_r, ver_w = os.pipe()  # judge -> trainer
+    boxes = []
+    try:
+        boxes.append(Sandbox(RUNTIME, ["serve", str(req_r), str(rep_w)], code.encode(), limits, slot,
+                             "completion", sandboxed, (req_r, rep_w)))  # fmt: skip
+        boxes.append(Sandbox(RUNTIME, ["judge", str(rep_r), str(req_w), str(ver_w)],
+                             json.dumps(tests).encode(), limits, slot, "judge", sandboxed,
+                             (rep_r, req_w, ver_w)))  # fmt: skip
+    except BaseException:  # a sandbox that could not start (our setup, not the completion): end the other
+        for box in boxes:
+            box.end()
+        raise
+    finally:
+        for fd in (req_r, rep_w, rep_r, req_w, ver_w):
+            os.close(fd)
+    try:
+        data, eof = read_bounded(ver_r, len(tests), deadline)
+    finally:
+        os.close(ver_r)
+        for box in boxes:
+            box.end()
+    passed, failure = 0, None
+    for i, test in enumerate(tests):
+        if i >= len(data):
+            failure = _stopped(eof)
+            break
+        if data[i] not in _VERDICTS:
+            failure = "malformed"
+            break
+        passed += _VERDICTS[data[i]] and _has_assert(test)
+    if len(data) > len(tests):
+        passed, failure = 0, "malformed"
+    return Verdict(passed, len(tests), failure)
+
+
+def _norm(text: str) -> str:
+    return "\n".join(line.rstrip() for line in text.strip().splitlines())
+
+
+def judge_io(code: str, cases: list, limits: SandboxLimits, slot: int, sandboxed: bool) -> Verdict:
+    """The program `code` on stdin/stdout `cases`, each a process of its own in the completion's sandbox."""
+    deadline = time.monotonic() + limits.wall_seconds
+    res_r, res_w = os.pipe()
+    job = json.dumps({"code": code, "inputs": [str(c["input"]) for c in cases]}).encode()
+    try:
+        box = Sandbox(RUNTIME, ["io", str(res_w)], job, limits, slot, "completion", sandboxed, (res_w,))
+    finally:
+        os.close(res_w)
+    try:
+        data, eof = read_bounded(res_r, min(MAX_IO_BYTES, len(cases) * (5 + MAX_OUTPUT)), deadline)
+    finally:
+        os.close(res_r)
+        box.end()
+    passed, pos, failure = 0, 0, None
+    for case in cases:
+        if pos + 5 > len(data):
+            failure = _stopped(eof)
+            break
+        status, (n,) = data[pos], struct.unpack(">I", data[pos + 1 : pos + 5])
+        if status not in b"01" or n > MAX_OUTPUT or pos + 5 + n > len(data):
+            failure = "malformed" if status not in b"01" or n > MAX_OUTPUT else _stopped(eof)
+            break
+        out = data[pos + 5 : pos + 5 + n].decode("utf-8", errors="replace")
+        passed += status == ord("0") and _norm(out) == _norm(str(case["output"]))
+        pos += 5 + n
+    return Verdict(passed, len(cases), failure)
+
+
+def judge(code: str, tests: list, limits: SandboxLimits = SandboxLimits(), *, slot: int = 0,
+          allow_unsandboxed: bool = False) -> Verdict:  # fmt: skip
+    """The completion's `code` against `tests`: assert snippets (strings), or stdin/stdout cases
+    ({"input": str, "output": str}); a mix, or a case without both keys, is a malformed test list and
+    scores 0 (with no test run). A test list with nothing that can fail scores 0."""
+    sandboxed = check_available(allow_unsandboxed) == "bwrap"
+    if not tests:
+        return Verdict(0, 0)
+    if all(isinstance(t, dict) for t in tests):
+        if not all("input" in c and "output" in c for c in tests):
+            return Verdict(0, len(tests), "malformed")
+        return judge_io(code, tests, limits, slot, sandboxed)
+    if not all(isinstance(t, str) for t in tests):
+        return Verdict(0, len(tests), "malformed")
+    if not any(_has_assert(t) for t in tests):
+        return Verdict(0, len(tests))
+    return judge_asserts(code, tests, limits, slot, sandboxed)
+
+
+def run_tests(code: str, tests: list, limits: SandboxLimits = SandboxLimits(), *, slot: int = 0,
+              allow_unsandboxed: bool = False) -> float:  # fmt: skip
+    """Fraction of `tests` the completion's `code` passes (see `judge`)."""
+    return judge(code, tests, limits, slot=slot, allow_unsandboxed=allow_unsandboxed).score
+
+
+def judge_many(jobs: list, limits: SandboxLimits = SandboxLimits(), *, allow_unsandboxed: bool = False,
+               workers: int | None = None) -> list:  # fmt: skip
+    """`judge(code, tests)` for each (code, tests) in `jobs`, in parallel (one slot per core: its own uids and
+    cgroup)."""
+    check_available(allow_unsandboxed)
+    workers = workers or max(1, min(len(jobs), os.cpu_count() or 1))
+    slots = list(range(workers))
+    lock = threading.Lock()
+
+    def one(job):
+        with lock:
+            slot = slots.pop()
+        try:
+            return judge(job[0], job[1], limits, slot=slot, allow_unsandboxed=allow_unsandboxed)
+        finally:
+            with lock:
+                slots.append(slot)
+
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        return list(pool.map(one, jobs))
+
+
+def run_many(jobs: list, limits: SandboxLimits = SandboxLimits(), *, allow_unsandboxed: bool = False,
+             workers: int | None = None) -> list:  # fmt: skip
+    """Scores of `judge_many`."""
+    return [v.score for v in judge_many(jobs, limits, allow_unsandboxed=allow_unsandboxed, workers=workers)]

@@ -1,0 +1,429 @@
+"""What runs inside the sandboxes of grpo_fast/judge.py (its source is passed to `python -I -S -c`; stdlib
+only, never imported by the trainer). One of three roles, the first argument:
+
+  serve FD_IN FD_OUT   the completion's sandbox: exec the completion (from stdin), then answer the judge's
+                       requests (a name, an attribute, a call, ...) with plain data or opaque handles
+  judge FD_IN FD_OUT FD_VERDICT
+                       the judge's sandbox: run each test (from stdin) in a namespace whose missing names are
+                       the completion's, forwarded; one verdict byte per test on FD_VERDICT
+  io FD_RESULT         the completion's sandbox for stdin/stdout cases: the program once per case, as a
+                       process of its own (any way of reading stdin works); one frame per case on FD_RESULT
+
+Frames between the sandboxes: 4-byte big-endian length, then JSON, at most MAX_FRAME bytes. Values cross as
+plain data of exact types (None, bool, int, float, complex, str, bytes, list, tuple, dict, set, frozenset),
+bounded in depth and element count; anything else stays in the completion's sandbox as a handle number.
+"""
+
+import base64
+import builtins
+import json
+import os
+import struct
+import sys
+
+MAX_FRAME = 1 << 20
+MAX_NODES = 100_000
+MAX_DEPTH = 64
+MAX_OUTPUT = 1 << 20  # a stdin/stdout case's output, bytes
+SAFE_INT = 2**53  # larger ints travel as hex (no decimal-digit limit, exact)
+_SEQ = {list: "l", tuple: "t", set: "s", frozenset: "fs"}
+_SEQ_TYPES = {v: k for k, v in _SEQ.items()}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Frames and values
+# ---------------------------------------------------------------------------------------------------------
+def send(fd, obj):
+    data = json.dumps(obj, allow_nan=False).encode()
+    if len(data) > MAX_FRAME:
+        raise ValueError("frame too large")
+    data = struct.pack(">I", len(data)) + data
+    while data:
+        data = data[os.write(fd, data) :]
+
+
+def _read_exact(fd, n):
+    buf = b""
+    while len(buf) < n:
+        chunk = os.read(fd, n - len(buf))
+        if not chunk:
+            raise EOFError
+        buf += chunk
+    return buf
+
+
+def recv(fd):
+    (n,) = struct.unpack(">I", _read_exact(fd, 4))
+    if n > MAX_FRAME:
+        raise ValueError("frame too large")
+    return json.loads(_read_exact(fd, n))
+
+
+def enc(v, to_handle, budget, depth=0):
+    """A value as JSON-able tagged data; `to_handle(v)` for what is not plain data (None: refuse)."""
+    budget[0] -= 1
+    if budget[0] < 0 or depth > MAX_DEPTH:
+        raise ValueError("value too large or too deep")
+    t = type(v)
+    if v is None or t is bool or t is str:
+        return v
+    if t is int:
+        return v if -SAFE_INT < v < SAFE_INT else {"t": "i", "v": hex(v)}
+    if t is float:
+        return v if v == v and v not in (float("inf"), float("-inf")) else {"t": "f", "v": repr(v)}
+    if t is complex:
+        return {"t": "c", "v": [enc(v.real, to_handle, budget), enc(v.imag, to_handle, budget)]}
+    if t is bytes:
+        return {"t": "b", "v": base64.b64encode(v).decode()}
+    if t in _SEQ:
+        return {"t": _SEQ[t], "v": [enc(x, to_handle, budget, depth + 1) for x in v]}
+    if t is dict:
+        d = depth + 1
+        pairs = [[enc(k, to_handle, budget, d), enc(x, to_handle, budget, d)] for k, x in v.items()]
+        return {"t": "d", "v": pairs}
+    if to_handle is None:
+        raise TypeError("not plain data: " + t.__name__)
+    return {"t": "h", "v": to_handle(v)}
+
+
+def dec(x, from_handle, budget, depth=0):
+    """Tagged data back into values of exact types; anything malformed raises ValueError."""
+    budget[0] -= 1
+    if budget[0] < 0 or depth > MAX_DEPTH:
+        raise ValueError("value too large or too deep")
+    t = type(x)
+    if x is None or t in (bool, int, float, str):
+        return x
+    if t is not dict or len(x) != 2 or "t" not in x or "v" not in x:
+        raise ValueError("malformed value")
+    tag, v = x["t"], x["v"]
+    if tag == "i" and type(v) is str and len(v) < 1_000_000:
+        return int(v, 16)
+    if tag == "f" and v in ("nan", "inf", "-inf"):
+        return float(v)
+    if tag == "c" and type(v) is list and len(v) == 2 and all(type(p) in (int, float, dict) for p in v):
+        return complex(float(dec(v[0], None, budget)), float(dec(v[1], None, budget)))
+    if tag == "b" and type(v) is str:
+        return base64.b64decode(v, validate=True)
+    if tag in _SEQ_TYPES and type(v) is list:
+        return _SEQ_TYPES[tag](dec(e, from_handle, budget, depth + 1) for e in v)
+    if tag == "d" and type(v) is list:
+        out = {}
+        for pair in v:
+            if type(pair) is not list or len(pair) != 2:
+                raise ValueError("malformed dict")
+            out[dec(pair[0], from_handle, budget, depth + 1)] = dec(pair[1], from_handle, budget, depth + 1)
+        return out
+    if tag == "h" and type(v) is int and from_handle is not None:
+        return from_handle(v)
+    raise ValueError("malformed value")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# serve: the completion's side
+# ---------------------------------------------------------------------------------------------------------
+_BINARY = {"add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul", "and_", "or_", "xor", "lshift",
+           "rshift"}  # fmt: skip
+_UNARY = {"neg": lambda a: -a, "pos": lambda a: +a, "abs": abs, "invert": lambda a: ~a}
+# the object's own value as a number (`float(obj)`): that answers for the object, not for a comparison
+_CONVERSIONS = {"int": lambda a: int(a), "float": lambda a: float(a), "index": lambda a: a.__index__()}
+_PLAIN_TYPES = {type(None), bool, int, float, complex, str, bytes, list, tuple, dict, set, frozenset}
+
+
+def serve(fd_in, fd_out):
+    import operator
+
+    code = sys.stdin.read()
+    sys.stdin.close()
+    ns = {"__name__": "__main__", "__builtins__": builtins}
+    try:
+        exec(compile(code, "<completion>", "exec"), ns)
+        broken = None
+    except BaseException as exc:  # noqa: BLE001 - the completion's own failure fails every test that uses it
+        broken = type(exc).__name__
+    objects = []
+
+    def to_handle(v):
+        objects.append(v)
+        return len(objects) - 1
+
+    def from_handle(i):
+        return objects[i]
+
+    def arg(x):
+        return dec(x, from_handle, [MAX_NODES])
+
+    def answer(value):
+        return {"r": enc(value, to_handle, [MAX_NODES])}
+
+    def answer_object(value):
+        """An operator's result on the completion's objects: only ever another of its objects, never plain
+        data, so no operator (`obj - expected`) can produce a value that answers the test's comparison."""
+        if type(value) in _PLAIN_TYPES:
+            raise TypeError("an operator on a completion's object gave plain data")
+        return {"r": {"t": "h", "v": to_handle(value)}}
+
+    while True:
+        try:
+            req = recv(fd_in)
+        except (EOFError, OSError, ValueError):
+            os._exit(0)
+        try:
+            op = req["op"]
+            if broken is not None:
+                raise RuntimeError(broken)
+            if op == "get":
+                if req["name"] not in ns or req["name"].startswith("__"):
+                    send(fd_out, {"missing": True})
+                    continue
+                reply = answer(ns[req["name"]])
+            else:
+                target = arg(req["a"])
+                if op == "attr":
+                    reply = answer(getattr(target, req["name"]))
+                elif op == "setattr":
+                    setattr(target, req["name"], arg(req["b"]))
+                    reply = answer(None)
+                elif op == "call":
+                    kwargs = {k: arg(v) for k, v in req["k"]}
+                    reply = answer(target(*[arg(x) for x in req["args"]], **kwargs))
+                elif op == "getitem":
+                    reply = answer(target[arg(req["b"])])
+                elif op == "setitem":
+                    target[arg(req["b"])] = arg(req["c"])
+                    reply = answer(None)
+                elif op == "delitem":
+                    del target[arg(req["b"])]
+                    reply = answer(None)
+                elif op == "len":
+                    reply = answer(int(len(target)))
+                elif op == "list":  # iteration, materialized (bounded by the frame)
+                    items = []
+                    for x in target:
+                        items.append(x)
+                        if len(items) > MAX_NODES:
+                            raise ValueError("too many items")
+                    reply = answer(items)
+                elif op == "contains":
+                    reply = answer(bool(arg(req["b"]) in target))
+                elif op == "bool":
+                    reply = answer(bool(target))
+                elif op in ("str", "repr"):
+                    reply = answer((str if op == "str" else repr)(target)[:MAX_OUTPUT])
+                elif op == "binop" and req["name"] in _BINARY:
+                    reply = answer_object(getattr(operator, req["name"])(target, arg(req["b"])))
+                elif op == "unop" and req["name"] in _CONVERSIONS:
+                    reply = answer(_CONVERSIONS[req["name"]](target))
+                elif op == "unop":
+                    reply = answer_object(_UNARY[req["name"]](target))
+                else:
+                    raise ValueError("unknown op")
+        except BaseException as exc:  # noqa: BLE001 - raised by the completion: the test sees its type
+            reply = {"e": type(exc).__name__[:100]}
+        try:
+            send(fd_out, reply)
+        except (ValueError, TypeError, OSError):
+            try:
+                send(fd_out, {"e": "ValueError"})
+            except OSError:
+                os._exit(0)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# judge: the tests' side
+# ---------------------------------------------------------------------------------------------------------
+class RemoteError(Exception):
+    """An exception of the completion's that is not a builtin exception type."""
+
+
+_NOT_FORWARDED = {"SystemExit", "KeyboardInterrupt", "GeneratorExit", "StopIteration", "StopAsyncIteration"}
+
+
+def judge(fd_in, fd_out, fd_verdict):
+    tests = json.loads(sys.stdin.read())
+    sys.stdin.close()
+    used = [0]
+
+    def remote(req):
+        """One request to the completion's sandbox; its value, or its exception raised here."""
+        used[0] += 1
+        send(fd_out, req)
+        reply = recv(fd_in)
+        if type(reply) is not dict or len(reply) != 1:
+            raise RemoteError("malformed reply")
+        if "e" in reply:
+            name = reply["e"]
+            cls = getattr(builtins, name, None) if type(name) is str and name not in _NOT_FORWARDED else None
+            if isinstance(cls, type) and issubclass(cls, Exception):
+                raise cls("raised by the completion")
+            raise RemoteError(str(name)[:100])
+        if "missing" in reply:
+            raise KeyError
+        if "r" not in reply:
+            raise RemoteError("malformed reply")
+        return dec(reply["r"], Handle, [MAX_NODES])
+
+    def handle_id(v):  # what a test sends that is not plain data: only the completion's own objects
+        if type(v) is not Handle:
+            raise TypeError("only plain data and the completion's objects can be passed to it")
+        return object.__getattribute__(v, "_id")
+
+    def h(v):
+        return enc(v, handle_id, [MAX_NODES])
+
+    def typed(value, t):
+        if type(value) is not t:
+            raise RemoteError("reply of the wrong type")
+        return value
+
+    class Handle:
+        """An object of the completion's that is not plain data: its uses are forwarded; it never compares
+        equal to anything and cannot be hashed."""
+
+        __slots__ = ("_id",)
+
+        def __init__(self, i):
+            object.__setattr__(self, "_id", i)
+
+        def __getattr__(self, name):
+            return remote({"op": "attr", "a": h(self), "name": name})
+
+        def __setattr__(self, name, value):
+            remote({"op": "setattr", "a": h(self), "name": name, "b": h(value)})
+
+        def __call__(self, *args, **kwargs):
+            return remote({"op": "call", "a": h(self), "args": [h(x) for x in args],
+                           "k": [[k, h(v)] for k, v in kwargs.items()]})  # fmt: skip
+
+        def __getitem__(self, key):
+            return remote({"op": "getitem", "a": h(self), "b": h(key)})
+
+        def __setitem__(self, key, value):
+            remote({"op": "setitem", "a": h(self), "b": h(key), "c": h(value)})
+
+        def __delitem__(self, key):
+            remote({"op": "delitem", "a": h(self), "b": h(key)})
+
+        def __len__(self):
+            n = typed(remote({"op": "len", "a": h(self)}), int)
+            if n < 0:
+                raise RemoteError("negative length")
+            return n
+
+        def __iter__(self):
+            return iter(typed(remote({"op": "list", "a": h(self)}), list))
+
+        def __contains__(self, x):
+            return typed(remote({"op": "contains", "a": h(self), "b": h(x)}), bool)
+
+        def __bool__(self):
+            return typed(remote({"op": "bool", "a": h(self)}), bool)
+
+        def __str__(self):
+            return typed(remote({"op": "str", "a": h(self)}), str)
+
+        def __repr__(self):
+            return typed(remote({"op": "repr", "a": h(self)}), str)
+
+        def __eq__(self, other):
+            return False
+
+        def __ne__(self, other):
+            return True
+
+        __hash__ = None
+
+        def __lt__(self, other):
+            raise TypeError("a completion's object is not ordered here")
+
+        __le__ = __gt__ = __ge__ = __lt__
+
+    def binop(name, swap=False):
+        def f(self, other):  # computed where the completion's object lives, operands in their order
+            a, b = (other, self) if swap else (self, other)
+            return remote({"op": "binop", "name": name, "a": h(a), "b": h(b)})
+
+        return f
+
+    for name in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul", "and", "or", "xor",
+                 "lshift", "rshift"):  # fmt: skip
+        dunder = "and_" if name == "and" else "or_" if name == "or" else name
+        setattr(Handle, f"__{name}__", binop(dunder))
+        setattr(Handle, f"__r{name}__", binop(dunder, swap=True))
+    for name in ("neg", "pos", "abs", "invert"):
+        setattr(Handle, f"__{name}__", lambda self, n=name: remote({"op": "unop", "name": n, "a": h(self)}))
+    Handle.__int__ = lambda self: typed(remote({"op": "unop", "name": "int", "a": h(self)}), int)
+    Handle.__float__ = lambda self: typed(remote({"op": "unop", "name": "float", "a": h(self)}), float)
+    Handle.__index__ = lambda self: typed(remote({"op": "unop", "name": "index", "a": h(self)}), int)
+
+    class Namespace(dict):
+        """A test's globals: its own names and the builtins first, then the completion's (forwarded)."""
+
+        def __missing__(self, name):
+            if hasattr(builtins, name):
+                raise KeyError(name)
+            value = remote({"op": "get", "name": name})
+            self[name] = value
+            return value
+
+    for test in tests:
+        before = used[0]
+        try:
+            ns = Namespace(__name__="__test__", __builtins__=builtins)
+            exec(compile(test, "<test>", "exec"), ns)
+            verdict = b"P" if used[0] > before else b"U"  # passed / passed without using the completion
+        except BaseException:  # noqa: BLE001 - a failed assert, an error, anything: the test failed
+            verdict = b"F"
+        os.write(fd_verdict, verdict)
+
+
+def _reap_orphans():
+    """This runtime is its sandbox's PID 1: what the program's processes orphan is reaped here."""
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+# ---------------------------------------------------------------------------------------------------------
+# io: stdin/stdout cases
+# ---------------------------------------------------------------------------------------------------------
+def io(fd_result):
+    import subprocess
+
+    job = json.loads(sys.stdin.read())
+    sys.stdin.close()
+    os.set_inheritable(fd_result, False)  # the program's processes never hold the result channel
+    with open("/work/prog.py", "w") as f:
+        f.write(job["code"])
+    for k, case in enumerate(job["inputs"]):
+        path = f"/work/tmp/.in{k}"
+        with open(path, "w") as f:
+            f.write(case)
+        with open(path) as stdin:
+            argv = [sys.executable, "-I", "-S", "/work/prog.py"]
+            proc = subprocess.Popen(argv, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                    cwd="/work")  # fmt: skip
+            out = proc.stdout.read(MAX_OUTPUT + 1)
+            if len(out) > MAX_OUTPUT:
+                proc.kill()
+            proc.stdout.close()
+            status = proc.wait()
+        _reap_orphans()
+        ok = status == 0 and len(out) <= MAX_OUTPUT
+        out = out[:MAX_OUTPUT]
+        os.write(fd_result, (b"0" if ok else b"1") + struct.pack(">I", len(out)) + out)
+
+
+if __name__ == "__main__":
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0: the code's processes cannot read ours
+    except Exception:  # noqa: BLE001 - without ctypes the sandbox's other walls still stand
+        pass
+    role, fds = sys.argv[1], [int(x) for x in sys.argv[2:]]
+    {"serve": serve, "judge": judge, "io": io}[role](*fds)
