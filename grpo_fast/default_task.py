@@ -18,6 +18,8 @@ import re
 from pathlib import Path
 
 ASSET_DIR = Path(__file__).resolve().parent / "assets" / "shop-base"
+# a small code task for `--reward code`: functions with assert tests, programs with stdin/stdout cases
+CODE_TASK = Path(__file__).resolve().parent / "assets" / "code_task.jsonl"
 TEMPLATES = [
     "A shop has {a} boxes of {b} items and sells {c} . How many items are left ?",
     "A store gets {a} crates with {b} apples each and sells {c} apples . How many apples are left ?",

@@ -23,7 +23,7 @@ from grpo_fast.rewards import load_reward, score
 from grpo_fast.sandbox import SandboxLimits
 
 ROOT = Path(__file__).resolve().parent.parent
-SQ = "def sq(x):\n    return x * x\n"  # the honest solution of most attacks' tests
+SQ = "def sq(x):\n    return x * x\ndef squares(n):\n    return [i * i for i in range(n)]\n"  # honest
 
 # ---------------------------------------------------------------------------------------------------------
 # 1. the test ran inside the completion's process: now it runs in the judge, the completion answers uses
@@ -105,6 +105,12 @@ TEST_CLASS = [
         "handles compared with each other",
         "class A:\n    pass\nINSTANCE = A()\ndef sq(x):\n    return INSTANCE",
         ["assert sq(3) == sq(3) and sq(3) is not None and sq(2) == sq(2)\nassert sq(2) == 4"],
+    ),
+    (
+        "a container of its own that contains everything",
+        "class A:\n    def __contains__(s, v): return True\n    def __iter__(s): return iter([])\n"
+        "def squares(n):\n    return A()",
+        ["assert 9 in squares(4) and 4 in squares(3)"],
     ),
     (
         "a handle hashed into the expected set",
@@ -491,3 +497,28 @@ def test_judge_many_reports_each_verdict():
     jobs = [(SQ, ["assert sq(3) == 9", "assert sq(2) == 5"]), ("def sq(x): return 0", ["assert sq(0) == 0"])]
     v = judge_many(jobs, FAST)
     assert [(x.passed, x.total) for x in v] == [(1, 2), (1, 1)] and all(x.failure is None for x in v)
+
+
+@pytest.mark.slow
+def test_a_grpo_run_on_the_code_task_trains_without_reward_errors(tmp_path):
+    """SmolLM2-135M-Instruct on the shipped code task (assert and stdin/stdout problems) with the code
+    reward, failures raising (the default): it trains, and every step's metrics count sandbox failures."""
+    import math
+
+    from grpo_fast.config import parse_config
+    from grpo_fast.default_task import CODE_TASK
+    from grpo_fast.smollm2 import build
+    from grpo_fast.train import train
+
+    argv = ["--model", str(build()), "--dataset", str(CODE_TASK), "--reward", "code",
+            "--num-generations", "2", "--prompts-per-step", "2", "--max-completion-length", "48",
+            "--max-steps", "2", "--save-steps", "0", "--eval-max-samples", "0",
+            "--output-dir", str(tmp_path / "run")]  # fmt: skip
+    train(parse_config(argv))
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    steps = [r for r in map(json.loads, lines) if "loss" in r]
+    assert len(steps) == 2
+    for r in steps:
+        assert math.isfinite(r["loss"]) and 0.0 <= r["rewards/code_mean"] <= 1.0
+        assert r["rewards/code/sandbox_failures"] >= 0 and "rewards/code/sandbox_timeout" in r
+    _no_trace()
