@@ -138,17 +138,20 @@ def judge_io(code: str, cases: list, limits: SandboxLimits, slot: int, sandboxed
 def judge(code: str, tests: list, limits: SandboxLimits = SandboxLimits(), *, slot: int = 0,
           allow_unsandboxed: bool = False) -> Verdict:  # fmt: skip
     """The completion's `code` against `tests`: assert snippets (strings), or stdin/stdout cases
-    ({"input": str, "output": str}); a mix, or a case without both keys, is a malformed test list and
-    scores 0 (with no test run). A test list with nothing that can fail scores 0."""
+    ({"input": str, "output": str}). A test list with nothing that can fail scores 0. A list that is neither
+    (a mix, a case without both keys) is the dataset's error, not the completion's: a ValueError."""
     sandboxed = check_available(allow_unsandboxed) == "bwrap"
     if not tests:
         return Verdict(0, 0)
     if all(isinstance(t, dict) for t in tests):
         if not all("input" in c and "output" in c for c in tests):
-            return Verdict(0, len(tests), "malformed")
+            raise ValueError("tests: a stdin/stdout case needs both 'input' and 'output'")
         return judge_io(code, tests, limits, slot, sandboxed)
     if not all(isinstance(t, str) for t in tests):
-        return Verdict(0, len(tests), "malformed")
+        kinds = sorted({type(t).__name__ for t in tests})
+        raise ValueError(
+            f"tests must be all assert snippets (str) or all stdin/stdout cases (dict), got a mix of {kinds}"
+        )
     if not any(_has_assert(t) for t in tests):
         return Verdict(0, len(tests))
     return judge_asserts(code, tests, limits, slot, sandboxed)

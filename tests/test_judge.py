@@ -522,3 +522,16 @@ def test_a_grpo_run_on_the_code_task_trains_without_reward_errors(tmp_path):
         assert math.isfinite(r["loss"]) and 0.0 <= r["rewards/code_mean"] <= 1.0
         assert r["rewards/code/sandbox_failures"] >= 0 and "rewards/code/sandbox_timeout" in r
     _no_trace()
+
+
+def test_a_malformed_test_list_is_the_datasets_error():
+    """Not the completion's fault, so not a score: a reward error naming the sample (on_error='raise')."""
+    from grpo_fast.rewards import RewardError
+
+    reward = load_reward("code")
+    comps = [f"```python\n{SQ}\n```"] * 2
+    bad = [["assert sq(3) == 9"], ["assert sq(3) == 9", {"input": "3", "output": "9"}]]
+    with pytest.raises(RewardError, match="on sample 1: raised ValueError: tests must be all assert"):
+        score([reward], [1.0], ["p"] * 2, comps, {"tests": bad})
+    with pytest.raises(ValueError, match="needs both 'input' and 'output'"):
+        judge(SQ, [{"input": "3"}], FAST)
