@@ -287,10 +287,9 @@ class Sandbox:
         drop = ["setpriv", f"--reuid={self.uid}", f"--regid={self.uid}", "--clear-groups", "--inh-caps=-all"]
         drop = drop + ["--"] if self.root else []
         cgroups = slot_cgroups(slot, limits) if sandboxed else None
-        uid_now = self.uid if self.root else os.getuid()
         # per uid where no cgroup counts them; an unprivileged trainer's own threads are not the sandbox's
         own = limits.processes + OWN_PROCESSES
-        nproc = 4096 if cgroups else own + (0 if self.root else _tasks_of(uid_now))
+        nproc = 4096 if cgroups else own + (0 if self.root else _tasks_of(os.getuid()))
         passed, info_r, seccomp_fd = list(fds), None, None
         if sandboxed:
             info_r, info_w = os.pipe()
