@@ -16,6 +16,7 @@ bounded in depth and element count; anything else stays in the completion's sand
 
 import base64
 import builtins
+import importlib
 import json
 import os
 import struct
@@ -355,12 +356,17 @@ def judge(fd_in, fd_out, fd_verdict):
     Handle.__index__ = lambda self: typed(remote({"op": "unop", "name": "index", "a": h(self)}), int)
 
     class Namespace(dict):
-        """A test's globals: its own names and the builtins first, then the completion's (forwarded)."""
+        """A test's globals: its own names and the builtins first, the standard library's modules (a test
+        that uses `math` without importing it gets the judge's, never a `math` the completion defines), then
+        the completion's names (forwarded)."""
 
         def __missing__(self, name):
             if hasattr(builtins, name):
                 raise KeyError(name)
-            value = remote({"op": "get", "name": name})
+            if name in sys.stdlib_module_names:
+                value = importlib.import_module(name)
+            else:
+                value = remote({"op": "get", "name": name})
             self[name] = value
             return value
 

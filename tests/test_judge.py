@@ -107,6 +107,12 @@ TEST_CLASS = [
         ["assert sq(3) == sq(3) and sq(3) is not None and sq(2) == sq(2)\nassert sq(2) == 4"],
     ),
     (
+        "a module of its own for a test that forgot to import it",
+        "class math:\n    @staticmethod\n    def isclose(*a, **k):\n        return True\n"
+        "def sq(x):\n    return 0",
+        ["assert math.isclose(sq(1.5), 2.25)"],
+    ),
+    (
         "a container of its own that contains everything",
         "class A:\n    def __contains__(s, v): return True\n    def __iter__(s): return iter([])\n"
         "def squares(n):\n    return A()",
