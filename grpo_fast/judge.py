@@ -24,7 +24,7 @@ hashes nothing it read. Isolation (namespaces, uids, seccomp, tmpfs, cgroups, en
 
 import ast
 import concurrent.futures
-import json
+import marshal
 import os
 import struct
 import threading
@@ -62,8 +62,10 @@ def _stopped(eof: bool) -> str:
     return "crashed" if eof else "timeout"
 
 
-def judge_asserts(code: str, tests: list, limits: SandboxLimits, slot: int, sandboxed: bool) -> Verdict:
-    """The completion's `code` against assert `tests`, in two sandboxes joined by two pipes."""
+def judge_asserts(code: str, tests: list, limits: SandboxLimits, slot: int, sandboxed: bool,
+                  names: list | None = None) -> Verdict:  # fmt: skip
+    """The completion's `code` against assert `tests`, in two sandboxes joined by two pipes; `names`: the
+    only names of the completion's the tests may use (None: any name the test does not define)."""
     deadline = time.monotonic() + limits.wall_seconds
     req_r, req_w = os.pipe()  # judge -> completion
     rep_r, rep_w = os.pipe()  # completion -> judge
@@ -72,9 +74,9 @@ def judge_asserts(code: str, tests: list, limits: SandboxLimits, slot: int, sand
     try:
         boxes.append(Sandbox(RUNTIME, ["serve", str(req_r), str(rep_w)], code.encode(), limits, slot,
                              "completion", sandboxed, (req_r, rep_w)))  # fmt: skip
-        boxes.append(Sandbox(RUNTIME, ["judge", str(rep_r), str(req_w), str(ver_w)],
-                             json.dumps(tests).encode(), limits, slot, "judge", sandboxed,
-                             (rep_r, req_w, ver_w)))  # fmt: skip
+        job = marshal.dumps({"tests": tests, "names": names})
+        boxes.append(Sandbox(RUNTIME, ["judge", str(rep_r), str(req_w), str(ver_w)], job, limits, slot,
+                             "judge", sandboxed, (rep_r, req_w, ver_w)))  # fmt: skip
     except BaseException:  # a sandbox that could not start (our setup, not the completion): end the other
         for box in boxes:
             box.end()
@@ -103,14 +105,21 @@ def judge_asserts(code: str, tests: list, limits: SandboxLimits, slot: int, sand
 
 
 def _norm(text: str) -> str:
-    return "\n".join(line.rstrip() for line in text.strip().splitlines())
+    """Lines without trailing whitespace, blank lines at the ends dropped (leading spaces kept: a pattern's
+    indentation is part of the answer)."""
+    lines = [line.rstrip() for line in text.splitlines()]
+    while lines and not lines[-1]:
+        lines.pop()
+    while lines and not lines[0]:
+        lines.pop(0)
+    return "\n".join(lines)
 
 
 def judge_io(code: str, cases: list, limits: SandboxLimits, slot: int, sandboxed: bool) -> Verdict:
     """The program `code` on stdin/stdout `cases`, each a process of its own in the completion's sandbox."""
     deadline = time.monotonic() + limits.wall_seconds
     res_r, res_w = os.pipe()
-    job = json.dumps({"code": code, "inputs": [str(c["input"]) for c in cases]}).encode()
+    job = marshal.dumps({"code": code, "inputs": [str(c["input"]) for c in cases]})
     try:
         box = Sandbox(RUNTIME, ["io", str(res_w)], job, limits, slot, "completion", sandboxed, (res_w,))
     finally:
@@ -136,10 +145,13 @@ def judge_io(code: str, cases: list, limits: SandboxLimits, slot: int, sandboxed
 
 
 def judge(code: str, tests: list, limits: SandboxLimits = SandboxLimits(), *, slot: int = 0,
-          allow_unsandboxed: bool = False) -> Verdict:  # fmt: skip
+          allow_unsandboxed: bool = False, entry_point=None) -> Verdict:  # fmt: skip
     """The completion's `code` against `tests`: assert snippets (strings), or stdin/stdout cases
     ({"input": str, "output": str}). A test list with nothing that can fail scores 0. A list that is neither
-    (a mix, a case without both keys) is the dataset's error, not the completion's: a ValueError."""
+    (a mix, a case without both keys) is the dataset's error, not the completion's: a ValueError.
+    `entry_point` (a name or a list of names, HumanEval's column): the only names of the completion's that
+    assert tests may use; without it, any name a test uses and does not define (a helper the test expects
+    from the prompt too, which the completion can then redefine)."""
     sandboxed = check_available(allow_unsandboxed) == "bwrap"
     if not tests:
         return Verdict(0, 0)
@@ -154,7 +166,10 @@ def judge(code: str, tests: list, limits: SandboxLimits = SandboxLimits(), *, sl
         )
     if not any(_has_assert(t) for t in tests):
         return Verdict(0, len(tests))
-    return judge_asserts(code, tests, limits, slot, sandboxed)
+    names = [entry_point] if isinstance(entry_point, str) else entry_point
+    if names is not None and not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
+        raise ValueError(f"entry_point must be a name or a list of names, got {entry_point!r}")
+    return judge_asserts(code, tests, limits, slot, sandboxed, names)
 
 
 def run_tests(code: str, tests: list, limits: SandboxLimits = SandboxLimits(), *, slot: int = 0,
@@ -165,8 +180,8 @@ def run_tests(code: str, tests: list, limits: SandboxLimits = SandboxLimits(), *
 
 def judge_many(jobs: list, limits: SandboxLimits = SandboxLimits(), *, allow_unsandboxed: bool = False,
                workers: int | None = None) -> list:  # fmt: skip
-    """`judge(code, tests)` for each (code, tests) in `jobs`, in parallel (one slot per core: its own uids and
-    cgroup)."""
+    """`judge(code, tests[, entry_point])` for each tuple in `jobs`, in parallel (one slot per core: its own
+    uids and cgroup)."""
     check_available(allow_unsandboxed)
     workers = workers or max(1, min(len(jobs), os.cpu_count() or 1))
     slots = list(range(workers))
@@ -176,7 +191,8 @@ def judge_many(jobs: list, limits: SandboxLimits = SandboxLimits(), *, allow_uns
         with lock:
             slot = slots.pop()
         try:
-            return judge(job[0], job[1], limits, slot=slot, allow_unsandboxed=allow_unsandboxed)
+            return judge(*job[:2], limits, slot=slot, allow_unsandboxed=allow_unsandboxed,
+                         entry_point=job[2] if len(job) > 2 else None)  # fmt: skip
         finally:
             with lock:
                 slots.append(slot)

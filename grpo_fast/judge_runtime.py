@@ -9,15 +9,17 @@ only, never imported by the trainer). One of three roles, the first argument:
   io FD_RESULT         the completion's sandbox for stdin/stdout cases: the program once per case, as a
                        process of its own (any way of reading stdin works); one frame per case on FD_RESULT
 
-Frames between the sandboxes: 4-byte big-endian length, then JSON, at most MAX_FRAME bytes. Values cross as
-plain data of exact types (None, bool, int, float, complex, str, bytes, list, tuple, dict, set, frozenset),
-bounded in depth and element count; anything else stays in the completion's sandbox as a handle number.
+Frames between the sandboxes: 4-byte big-endian length, then `marshal` data (builtin: no import, exact
+types, big ints, NaN, complex, bytes and sets as they are), at most MAX_FRAME bytes, walked and validated on
+receipt. Values cross as plain data of exact types (None, bool, int, float, complex, str, bytes, list, tuple,
+dict, set, frozenset), bounded in depth and element count; anything else stays in the completion's sandbox
+as a handle, sent as the marker (Ellipsis, number). Malformed data from the completion can at worst end the
+judge's sandbox, which fails the completion's tests.
 """
 
-import base64
 import builtins
 import importlib
-import json
+import marshal
 import os
 import struct
 import sys
@@ -26,16 +28,15 @@ MAX_FRAME = 1 << 20
 MAX_NODES = 100_000
 MAX_DEPTH = 64
 MAX_OUTPUT = 1 << 20  # a stdin/stdout case's output, bytes
-SAFE_INT = 2**53  # larger ints travel as hex (no decimal-digit limit, exact)
-_SEQ = {list: "l", tuple: "t", set: "s", frozenset: "fs"}
-_SEQ_TYPES = {v: k for k, v in _SEQ.items()}
+_SCALARS = (type(None), bool, int, float, complex, str, bytes)
+_CONTAINERS = (list, tuple, set, frozenset)
 
 
 # ---------------------------------------------------------------------------------------------------------
 # Frames and values
 # ---------------------------------------------------------------------------------------------------------
 def send(fd, obj):
-    data = json.dumps(obj, allow_nan=False).encode()
+    data = marshal.dumps(obj, 4)
     if len(data) > MAX_FRAME:
         raise ValueError("frame too large")
     data = struct.pack(">I", len(data)) + data
@@ -57,66 +58,49 @@ def recv(fd):
     (n,) = struct.unpack(">I", _read_exact(fd, 4))
     if n > MAX_FRAME:
         raise ValueError("frame too large")
-    return json.loads(_read_exact(fd, n))
+    return marshal.loads(_read_exact(fd, n))
 
 
 def enc(v, to_handle, budget, depth=0):
-    """A value as JSON-able tagged data; `to_handle(v)` for what is not plain data (None: refuse)."""
+    """A value with what is not plain data of exact types replaced by handle markers, `to_handle(v)` giving
+    the number (None: refuse)."""
     budget[0] -= 1
     if budget[0] < 0 or depth > MAX_DEPTH:
         raise ValueError("value too large or too deep")
     t = type(v)
-    if v is None or t is bool or t is str:
+    if t in _SCALARS:
         return v
-    if t is int:
-        return v if -SAFE_INT < v < SAFE_INT else {"t": "i", "v": hex(v)}
-    if t is float:
-        return v if v == v and v not in (float("inf"), float("-inf")) else {"t": "f", "v": repr(v)}
-    if t is complex:
-        return {"t": "c", "v": [enc(v.real, to_handle, budget), enc(v.imag, to_handle, budget)]}
-    if t is bytes:
-        return {"t": "b", "v": base64.b64encode(v).decode()}
-    if t in _SEQ:
-        return {"t": _SEQ[t], "v": [enc(x, to_handle, budget, depth + 1) for x in v]}
+    if t in _CONTAINERS:
+        return t(enc(x, to_handle, budget, depth + 1) for x in v)
     if t is dict:
-        d = depth + 1
-        pairs = [[enc(k, to_handle, budget, d), enc(x, to_handle, budget, d)] for k, x in v.items()]
-        return {"t": "d", "v": pairs}
+        return {
+            enc(k, to_handle, budget, depth + 1): enc(x, to_handle, budget, depth + 1) for k, x in v.items()
+        }
     if to_handle is None:
         raise TypeError("not plain data: " + t.__name__)
-    return {"t": "h", "v": to_handle(v)}
+    return (Ellipsis, to_handle(v))
 
 
 def dec(x, from_handle, budget, depth=0):
-    """Tagged data back into values of exact types; anything malformed raises ValueError."""
+    """Received data checked to be of exact plain types, handle markers turned into `from_handle(number)`;
+    anything else raises ValueError."""
     budget[0] -= 1
     if budget[0] < 0 or depth > MAX_DEPTH:
         raise ValueError("value too large or too deep")
     t = type(x)
-    if x is None or t in (bool, int, float, str):
+    if t in _SCALARS:
         return x
-    if t is not dict or len(x) != 2 or "t" not in x or "v" not in x:
-        raise ValueError("malformed value")
-    tag, v = x["t"], x["v"]
-    if tag == "i" and type(v) is str and len(v) < 1_000_000:
-        return int(v, 16)
-    if tag == "f" and v in ("nan", "inf", "-inf"):
-        return float(v)
-    if tag == "c" and type(v) is list and len(v) == 2 and all(type(p) in (int, float, dict) for p in v):
-        return complex(float(dec(v[0], None, budget)), float(dec(v[1], None, budget)))
-    if tag == "b" and type(v) is str:
-        return base64.b64decode(v, validate=True)
-    if tag in _SEQ_TYPES and type(v) is list:
-        return _SEQ_TYPES[tag](dec(e, from_handle, budget, depth + 1) for e in v)
-    if tag == "d" and type(v) is list:
-        out = {}
-        for pair in v:
-            if type(pair) is not list or len(pair) != 2:
-                raise ValueError("malformed dict")
-            out[dec(pair[0], from_handle, budget, depth + 1)] = dec(pair[1], from_handle, budget, depth + 1)
-        return out
-    if tag == "h" and type(v) is int and from_handle is not None:
-        return from_handle(v)
+    if t is tuple and len(x) == 2 and x[0] is Ellipsis:
+        if type(x[1]) is not int or from_handle is None:
+            raise ValueError("malformed handle")
+        return from_handle(x[1])
+    if t in _CONTAINERS:
+        return t(dec(e, from_handle, budget, depth + 1) for e in x)
+    if t is dict:
+        return {
+            dec(k, from_handle, budget, depth + 1): dec(e, from_handle, budget, depth + 1)
+            for k, e in x.items()
+        }
     raise ValueError("malformed value")
 
 
@@ -162,7 +146,7 @@ def serve(fd_in, fd_out):
         data, so no operator (`obj - expected`) can produce a value that answers the test's comparison."""
         if type(value) in _PLAIN_TYPES:
             raise TypeError("an operator on a completion's object gave plain data")
-        return {"r": {"t": "h", "v": to_handle(value)}}
+        return {"r": (Ellipsis, to_handle(value))}
 
     while True:
         try:
@@ -238,9 +222,25 @@ class RemoteError(Exception):
 _NOT_FORWARDED = {"SystemExit", "KeyboardInterrupt", "GeneratorExit", "StopIteration", "StopAsyncIteration"}
 
 
+def _holds_handle(v, handle_type) -> bool:
+    stack = [v]
+    while stack:
+        x = stack.pop()
+        t = type(x)
+        if t is handle_type:
+            return True
+        if t in (list, tuple, set, frozenset):
+            stack.extend(x)
+        elif t is dict:
+            stack.extend(x.keys())
+            stack.extend(x.values())
+    return False
+
+
 def judge(fd_in, fd_out, fd_verdict):
-    tests = json.loads(sys.stdin.read())
+    job = marshal.loads(sys.stdin.buffer.read())  # the trainer's
     sys.stdin.close()
+    tests, names = job["tests"], job["names"]  # names: the only ones forwarded (None: any the test lacks)
     used = [0]
 
     def remote(req):
@@ -277,12 +277,15 @@ def judge(fd_in, fd_out, fd_verdict):
 
     class Handle:
         """An object of the completion's that is not plain data: its uses are forwarded; it never compares
-        equal to anything and cannot be hashed."""
+        equal to anything and cannot be hashed. A call gives plain data only, unless the handle is a name
+        the test spelled capitalized (a class: `Stack()` gives an instance): so no function or method can hand
+        back an object whose own methods (`.startswith(expected)`) or conversions answer for it."""
 
-        __slots__ = ("_id",)
+        __slots__ = ("_id", "_constructs")
 
-        def __init__(self, i):
+        def __init__(self, i, constructs=False):
             object.__setattr__(self, "_id", i)
+            object.__setattr__(self, "_constructs", constructs)
 
         def __getattr__(self, name):
             return remote({"op": "attr", "a": h(self), "name": name})
@@ -291,8 +294,13 @@ def judge(fd_in, fd_out, fd_verdict):
             remote({"op": "setattr", "a": h(self), "name": name, "b": h(value)})
 
         def __call__(self, *args, **kwargs):
-            return remote({"op": "call", "a": h(self), "args": [h(x) for x in args],
-                           "k": [[k, h(v)] for k, v in kwargs.items()]})  # fmt: skip
+            value = remote({"op": "call", "a": h(self), "args": [h(x) for x in args],
+                            "k": [[k, h(v)] for k, v in kwargs.items()]})  # fmt: skip
+            if object.__getattribute__(self, "_constructs") or not _holds_handle(value, Handle):
+                return value
+            if type(value) is Handle:  # an iterator, a generator: its items only, each plain data
+                return Items(value)
+            raise TypeError("a function or method of the completion's returned an object, not plain data")
 
         def __getitem__(self, key):
             return remote({"op": "getitem", "a": h(self), "b": h(key)})
@@ -337,8 +345,38 @@ def judge(fd_in, fd_out, fd_verdict):
 
         __le__ = __gt__ = __ge__ = __lt__
 
+    class Items:
+        """What a function of the completion's returned that is not plain data (a generator): it can only be
+        iterated, its items crossing as plain data (compared here); no method, operator, truth or length."""
+
+        __slots__ = ("_handle",)
+
+        def __init__(self, handle):
+            object.__setattr__(self, "_handle", handle)
+
+        def __iter__(self):
+            items = typed(remote({"op": "list", "a": h(object.__getattribute__(self, "_handle"))}), list)
+            if _holds_handle(items, Handle):
+                raise TypeError("an item of the completion's iterator is not plain data")
+            return iter(items)
+
+        def __bool__(self):
+            raise TypeError("the truth of a completion's iterator is not decided")
+
+        def __eq__(self, other):
+            return False
+
+        def __ne__(self, other):
+            return True
+
+        __hash__ = None
+
     def binop(name, swap=False):
-        def f(self, other):  # computed where the completion's object lives, operands in their order
+        def f(self, other):
+            """Between two of the completion's objects only (`V(1) + V(2)`): an operand of the test's (an
+            expected value) never reaches the completion, and the result is another handle."""
+            if type(other) is not Handle:
+                return NotImplemented
             a, b = (other, self) if swap else (self, other)
             return remote({"op": "binop", "name": name, "a": h(a), "b": h(b)})
 
@@ -365,8 +403,12 @@ def judge(fd_in, fd_out, fd_verdict):
                 raise KeyError(name)
             if name in sys.stdlib_module_names:
                 value = importlib.import_module(name)
+            elif names is not None and name not in names:
+                raise KeyError(name)  # not one the sample forwards: a NameError, as for any undefined name
             else:
                 value = remote({"op": "get", "name": name})
+                if type(value) is Handle:
+                    object.__setattr__(value, "_constructs", name[:1].isupper())
             self[name] = value
             return value
 
@@ -396,21 +438,23 @@ def _reap_orphans():
 # io: stdin/stdout cases
 # ---------------------------------------------------------------------------------------------------------
 def io(fd_result):
+    import ctypes
     import subprocess
 
-    job = json.loads(sys.stdin.read())
+    ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0: the program's processes cannot read ours
+    job = marshal.loads(sys.stdin.buffer.read())  # the trainer's
     sys.stdin.close()
     os.set_inheritable(fd_result, False)  # the program's processes never hold the result channel
-    with open("/work/prog.py", "w") as f:
+    os.makedirs("tmp", exist_ok=True)  # the working directory: /work in the sandbox, a fresh one without
+    with open("prog.py", "w") as f:
         f.write(job["code"])
     for k, case in enumerate(job["inputs"]):
-        path = f"/work/tmp/.in{k}"
+        path = f"tmp/.in{k}"
         with open(path, "w") as f:
             f.write(case)
         with open(path) as stdin:
-            argv = [sys.executable, "-I", "-S", "/work/prog.py"]
-            proc = subprocess.Popen(argv, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                    cwd="/work")  # fmt: skip
+            argv = [sys.executable, "-I", "-S", "prog.py"]
+            proc = subprocess.Popen(argv, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
             out = proc.stdout.read(MAX_OUTPUT + 1)
             if len(out) > MAX_OUTPUT:
                 proc.kill()
@@ -423,11 +467,5 @@ def io(fd_result):
 
 
 if __name__ == "__main__":
-    try:
-        import ctypes
-
-        ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0: the code's processes cannot read ours
-    except Exception:  # noqa: BLE001 - without ctypes the sandbox's other walls still stand
-        pass
     role, fds = sys.argv[1], [int(x) for x in sys.argv[2:]]
     {"serve": serve, "judge": judge, "io": io}[role](*fds)

@@ -162,13 +162,16 @@ def _test_list(t) -> list:
 
 def code_reward(
     prompts, completions, tests, limits: SandboxLimits = SandboxLimits(), allow_unsandboxed=False,
-    metrics: dict | None = None, **_,
+    metrics: dict | None = None, entry_point=None, **_,
 ):  # fmt: skip
     """Fraction of the sample's `tests` passed by the completion's code (its last fenced Python block),
     judged in two OS sandboxes (grpo_fast/judge.py; completions in parallel); tests that cannot fail pay
-    nothing. `metrics`, when given, receives this call's count of completions whose judging stopped early,
-    per cause (timeout, crashed, malformed): they scored what they had passed, never a reward error."""
-    jobs = [(extract_code(_to_text(c)), _test_list(t)) for c, t in zip(completions, tests)]
+    nothing. An `entry_point` column (HumanEval's: the function's name, or a list of names) limits the names
+    of the completion's the tests may use to those. `metrics`, when given, receives this call's count of
+    completions whose judging stopped early, per cause (timeout, crashed, malformed): they scored what they
+    had passed, never a reward error."""
+    names = entry_point if entry_point is not None else [None] * len(completions)
+    jobs = [(extract_code(_to_text(c)), _test_list(t), e) for c, t, e in zip(completions, tests, names)]
     verdicts = judge_many(jobs, limits, allow_unsandboxed=allow_unsandboxed)
     if metrics is not None:
         metrics.clear()

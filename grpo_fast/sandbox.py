@@ -29,8 +29,8 @@ import atexit
 import ctypes
 import json
 import os
-import resource
 import select
+import shlex
 import shutil
 import signal
 import subprocess
@@ -237,21 +237,15 @@ def _tasks_of(uid: int) -> int:
     return n
 
 
-def _preexec(limits: SandboxLimits, cgroups: list | None, nproc: int):
-    def run():
-        os.setsid()  # own process group (and no controlling terminal)
-        for d in cgroups or []:  # joined before the exec: everything the sandbox starts is counted there
-            with open(f"{d}/cgroup.procs", "w") as f:
-                f.write(str(os.getpid()))
-        mem = limits.memory_mb * 2**20
-        resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
-        resource.setrlimit(resource.RLIMIT_CPU, (limits.cpu_seconds, limits.cpu_seconds + 1))
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limits.file_mb * 2**20,) * 2)
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-        resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
-        resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
-
-    return run
+def _limits_argv(limits: SandboxLimits, cgroups: list | None, nproc: int) -> list:
+    """What runs before the sandbox's own program, exec'ing each into the next (no Python `preexec_fn`, so
+    the trainer's process is never forked whole: subprocess spawns with vfork): `sh` joins the slot's cgroups
+    (everything the sandbox starts is counted there), util-linux `prlimit` sets the per-process limits."""
+    mem, cpu, fsize = limits.memory_mb * 2**20, limits.cpu_seconds, limits.file_mb * 2**20
+    join = "".join(f"echo $$ > {shlex.quote(d + '/cgroup.procs')} && " for d in cgroups or [])
+    argv = ["/bin/sh", "-c", join + 'exec "$@"', "sh"] if join else []
+    return argv + ["prlimit", f"--as={mem}:{mem}", f"--cpu={cpu}:{cpu + 1}", f"--fsize={fsize}:{fsize}",
+                   "--core=0:0", f"--nproc={nproc}:{nproc}", "--nofile=256:256", "--"]  # fmt: skip
 
 
 def _bwrap_argv(python: str, limits: SandboxLimits, info_fd: int, seccomp_fd: int | None) -> list:
@@ -266,9 +260,14 @@ def _bwrap_argv(python: str, limits: SandboxLimits, info_fd: int, seccomp_fd: in
             argv += ["--ro-bind", d, d]
         elif os.path.islink(d):
             argv += ["--symlink", os.readlink(d), d]
-    argv += ["--proc", "/proc", "--dev", "/dev"]
+    argv += ["--proc", "/proc", "--dev", "/dev", "--size", str(1 << 20), "--tmpfs", "/dev/shm"]
     argv += ["--size", str(limits.tmpfs_mb * 2**20), "--tmpfs", "/work", "--dir", "/work/tmp"]
     argv += ["--symlink", "/work/tmp", "/tmp", "--chdir", "/work"]
+    # the sandbox's own root and /dev are tmpfs without a size: read-only, so /work is the only place to write
+    argv += ["--remount-ro", "/dev", "--remount-ro", "/"]
+    # no user namespace inside (a raw clone(CLONE_NEWUSER) would give capabilities there, and with them the
+    # kernel's namespaced attack surface: the seccomp filter refuses unshare, not clone's flags)
+    argv += ["--unshare-user", "--disable-userns"]
     argv += ["--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", "/work"]
     if seccomp_fd is not None:
         argv += ["--seccomp", str(seccomp_fd)]
@@ -303,16 +302,20 @@ class Sandbox:
             argv = drop + _bwrap_argv(sandbox_python(), limits, info_w, seccomp_fd) + [source, *args]
         else:
             argv = drop + [sandbox_python(), "-I", "-S", "-c", source, *args]
-        try:
+        argv = _limits_argv(limits, cgroups, nproc) + argv
+        # unsandboxed: a fresh working directory on the host (the sandbox has its tmpfs /work)
+        self.workdir = None if sandboxed else tempfile.mkdtemp(prefix="grpo-unsandboxed-")
+        if self.workdir and self.root:
+            os.chown(self.workdir, self.uid, self.uid)
+        try:  # its own session and process group (no controlling terminal; one kill takes the group)
             self.proc = subprocess.Popen(
                 argv, env={}, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=_STDERR,
-                pass_fds=passed, preexec_fn=_preexec(limits, cgroups, nproc), cwd="/",
+                pass_fds=passed, start_new_session=True, cwd=self.workdir or "/",
             )  # fmt: skip
         finally:
             for fd in passed[len(fds) :]:
                 os.close(fd)
-        if info_r is not None:
-            self._open_pid1(info_r, time.monotonic() + limits.wall_seconds)
+        self._info_r = info_r  # read at the end: starting never waits for bubblewrap's setup
         self._writer = threading.Thread(target=self._write, args=(stdin,), daemon=True)
         self._writer.start()
 
@@ -329,8 +332,7 @@ class Sandbox:
         data = b""
         try:
             while len(data) < 4096 and time.monotonic() < deadline:
-                ready, _, _ = select.select([info_r], [], [], max(0.0, deadline - time.monotonic()))
-                chunk = os.read(info_r, 4096) if ready else b""
+                chunk = os.read(info_r, 4096) if _ready(info_r, deadline) else b""
                 if not chunk:
                     break
                 data += chunk
@@ -361,6 +363,9 @@ class Sandbox:
         """Kill the sandbox's PID 1 (its whole PID namespace goes with it); bubblewrap, its parent, reaps it,
         exits and is reaped here. Only if bubblewrap hangs is it killed, and PID 1 then reaped here when it
         was orphaned to this trainer (a container's PID 1, a subreaper)."""
+        if self._info_r is not None:
+            self._open_pid1(self._info_r, time.monotonic() + 2)
+            self._info_r = None
         if self.pidfd is not None:
             try:
                 signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
@@ -378,6 +383,11 @@ class Sandbox:
             self.pidfd = None
         if not self.sandboxed and self.root:  # no PID namespace: whatever runs as the slot's uid
             _kill_uid(self.uid)
+        if self.workdir:  # unsandboxed only (weaker: a tree too deep to remove stays behind)
+            try:
+                shutil.rmtree(self.workdir, ignore_errors=True)
+            except Exception:  # noqa: BLE001 - RecursionError on a deep tree: never the trainer's failure
+                pass
         try:
             self.proc.stdin.close()
         except (OSError, ValueError):
@@ -435,16 +445,21 @@ def processes_of(uid: int) -> list:
     return found
 
 
+def _ready(fd: int, deadline: float) -> bool:
+    """`fd` readable (or closed) before `deadline`: poll takes any descriptor number (select: < 1024)."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
+    return bool(poller.poll(max(0, int((deadline - time.monotonic()) * 1000) + 1)))
+
+
 def read_bounded(fd: int, cap: int, deadline: float) -> tuple[bytes, bool]:
     """Bytes from `fd` until EOF, more than `cap` bytes, or `deadline` (monotonic clock); (data, reached EOF).
     Never blocks past the deadline, never holds more than `cap` + 64 KiB."""
     chunks, got = [], 0
     while got <= cap:
-        left = deadline - time.monotonic()
-        if left <= 0:
+        if time.monotonic() >= deadline:
             return b"".join(chunks), False
-        ready, _, _ = select.select([fd], [], [], left)
-        if not ready:
+        if not _ready(fd, deadline):
             continue
         try:
             b = os.read(fd, 65536)

@@ -133,6 +133,79 @@ TEST_CLASS = [
     ("a test that cannot fail", "def sq(x):\n    return 0", ["assert 1 == 1", "sq(3)"]),
 ]
 
+# found by a red-team pass over the first judge: objects whose operators, conversions or methods answer
+ZERO_EVERYTHING = (
+    "class Z:\n    def _z(self, *a):\n        return self\n"
+    "    __sub__ = __rsub__ = __add__ = __radd__ = __mul__ = __rmul__ = __pow__ = __abs__ = __neg__ = _z\n"
+    "    __xor__ = __rxor__ = _z\n    def __float__(self):\n        return 0.0\n"
+    "    def __int__(self):\n        return 0\n    def __bool__(self):\n        return False\n"
+    "    def __len__(self):\n        return 0\n"
+)
+RED_TEAM = [
+    (
+        "an operator result's float",
+        ZERO_EVERYTHING + "def sq(x):\n    return Z()",
+        [
+            "import math\nassert math.fabs(sq(1.5) - 2.25) < 1e-9",
+            "assert float(sq(1.5) - 2.25) < 1e-9",
+            "assert int(sq(3) - 9) == 0",
+            "assert not (sq(3) - 9)",
+            "assert round(sq(1.5) - 2.25, 9) == 0",
+            "import math\nassert math.sqrt((sq(3) - 9) ** 2) < 1e-9",
+        ],
+    ),
+    (
+        "expected values learned from operators, replayed",
+        "SEEN = {}\nclass R:\n    def __init__(self, x):\n"
+        "        self.x = x\n    def __sub__(self, y):\n        SEEN[self.x] = y\n        return 0\n"
+        "def sq(x):\n    return SEEN.get(x, R(x))",
+        [
+            "assert abs(sq(1.5) - 2.25) < 1e-6",
+            "assert sq(1.5) == 2.25",
+            "import math\nassert math.isclose(sq(1.5), 2.25)",
+        ],
+    ),
+    (
+        "a str subclass whose methods say yes",
+        "class S(str):\n    def startswith(self, *a):\n        return True\n"
+        "    def isupper(self):\n        return True\ndef shout(s):\n    return S('nope')",
+        ["assert shout('hi').startswith('HI') and shout('x').isupper()"],
+    ),
+    (
+        "a method returning such an object",
+        "class S(str):\n    def endswith(self, *a):\n        return True\n"
+        "class Greeter:\n    def greet(self, n):\n        return S('nope')",
+        ["assert Greeter().greet('Bob').endswith('Bob!')"],
+    ),
+    (
+        "a set subclass that is a subset of anything",
+        "class St(set):\n    def issubset(self, o):\n        return True\ndef squares(n):\n    return St()",
+        ["assert squares(3) == [0, 1, 4] or squares(3).issubset({0, 1, 4})"],
+    ),
+    (
+        "an operand of the test's sent to the completion",
+        "class V:\n    def __eq__(s, o):\n        return True\n"
+        "    def __add__(s, o):\n        return o\ndef sq(x):\n    return V()",
+        ["assert sq(3) + 0 == 9"],
+    ),
+    (
+        "the root and /dev writable past the tmpfs cap",
+        "import os\nok = 0\nfor d in ('/', '/dev', '/dev/shm'):\n"
+        "    try:\n        with open(d.rstrip('/') + '/fill', 'wb') as f:\n"
+        "            f.write(b'0' * (8 << 20))\n"
+        "        ok += 1\n    except OSError:\n        pass\ndef sq(x):\n    return x * x if ok else 0",
+        ["assert sq(3) == 9"],
+    ),
+    (
+        "a user namespace by raw clone",
+        "import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+        "pid = libc.syscall(56, 0x10000000 | 17, 0, 0, 0, 0)\nif pid == 0:\n    os._exit(0)\nif pid > 0:\n"
+        "    os.waitpid(pid, 0)\ndef sq(x):\n    return x * x if pid > 0 else 0",
+        ["assert sq(3) == 9"],
+    ),
+]
+
+
 # ---------------------------------------------------------------------------------------------------------
 # 2. what comes back can crash or stall the trusted side: now it reaches only the judge, and is bounded
 # ---------------------------------------------------------------------------------------------------------
@@ -218,17 +291,19 @@ DISK_CLASS = [
 
 
 def _attack_cases():
-    for group in (TEST_CLASS, TRUSTED_CLASS, DISK_CLASS, IO_TRUSTED):
+    for group in (TEST_CLASS, RED_TEAM, TRUSTED_CLASS, DISK_CLASS, IO_TRUSTED):
         for name, code, tests in group:
             yield pytest.param(code, tests, id=name)
 
 
 def test_the_attacks_tests_pass_with_honest_code():
     """Each attack's tests are passable: an honest solution earns all of them (the cannot-fail ones none)."""
-    for group in (TEST_CLASS, TRUSTED_CLASS, DISK_CLASS):
+    honest = SQ + "def shout(s):\n    return s.upper()\nclass Greeter:\n    def greet(self, n):\n"
+    honest += "        return 'Hello, ' + n + '!'\n"
+    for group in (TEST_CLASS, RED_TEAM, TRUSTED_CLASS, DISK_CLASS):
         for name, _, tests in group:
             want = 0.0 if name == "a test that cannot fail" else 1.0
-            assert run_tests(SQ, tests, FAST) == want, name
+            assert run_tests(honest, tests, FAST) == want, name
     honest_io = "print(int(input()) ** 2)"
     for name, _, cases in IO_TRUSTED:
         assert run_tests(honest_io, cases, FAST) == 1.0, name
@@ -424,8 +499,8 @@ HONEST_ASSERTS = [
         "operators on the completion's objects",
         "class V:\n    def __init__(self, x):\n        self.x = x\n"
         "    def __add__(self, o):\n        return V(self.x + o.x)\n"
-        "    def __mul__(self, k):\n        return V(self.x * k)",
-        ["assert (V(1) + V(2)).x == 3", "assert (V(2) * 3).x == 6"],
+        "    def __mul__(self, o):\n        return V(self.x * o.x)",
+        ["assert (V(1) + V(2)).x == 3", "assert (V(2) * V(3)).x == 6"],
     ),
     (
         "floats, math.isclose, helpers, loops",
@@ -541,3 +616,42 @@ def test_a_malformed_test_list_is_the_datasets_error():
         score([reward], [1.0], ["p"] * 2, comps, {"tests": bad})
     with pytest.raises(ValueError, match="needs both 'input' and 'output'"):
         judge(SQ, [{"input": "3"}], FAST)
+
+
+def test_entry_point_limits_the_names_forwarded():
+    """With HumanEval's `entry_point` column only that name is the completion's: a helper the test expects
+    from the prompt (`poly`), or a name the test imports from nowhere (`isclose`), cannot be redefined by the
+    completion; without it they can (documented)."""
+    cheat = "def poly(xs, x):\n    return 0.0\ndef find_zero(xs):\n    return 99.0\n"
+    cheat += "isclose = lambda *a, **k: True"
+    tests = ["def poly(xs, x):\n    return sum(c * x ** i for i, c in enumerate(xs))\n"
+             "assert abs(poly([1, 1], find_zero([1, 1]))) < 1e-9",
+             "assert isclose(find_zero([2, 1]), -2.0)"]  # fmt: skip
+    honest = "def find_zero(xs):\n    return -xs[0] / xs[1]"
+    assert run_tests(cheat, tests[:1], FAST) == 0.0  # the test's own poly wins over the completion's
+    assert judge(cheat, tests[1:], FAST).passed == 1  # no entry_point: isclose is forwarded (the weakness)
+    assert judge(cheat, tests[1:], FAST, entry_point="find_zero").passed == 0
+    assert judge(honest, tests[:1], FAST, entry_point=["find_zero"]).passed == 1
+    reward = load_reward("code")
+    comps = [f"```python\n{c}\n```" for c in (cheat, honest)]
+    cols = {"tests": [tests[1:], ["assert find_zero([2, 1]) == -2.0"]], "entry_point": ["find_zero"] * 2}
+    assert score([reward], [1.0], ["p"] * 2, comps, cols).rewards.tolist() == [0.0, 1.0]
+
+
+def test_many_open_descriptors_in_the_trainer():
+    """A trainer holding over 1024 descriptors (select() cannot wait on those; poll can)."""
+    held = [os.pipe() for _ in range(600)]
+    try:
+        assert run_tests(SQ, ["assert sq(3) == 9"], FAST) == 1.0
+        assert run_tests("print(int(input()) ** 2)", [{"input": "3", "output": "9"}], FAST) == 1.0
+    finally:
+        for r, w in held:
+            os.close(r)
+            os.close(w)
+
+
+def test_output_comparison_keeps_leading_spaces():
+    pattern = "print('  *')\nprint(' ***')\nprint('*****')"
+    cases = [{"input": "", "output": "  *\n ***\n*****\n"}]
+    assert run_tests(pattern, cases, FAST) == 1.0
+    assert run_tests("print('*')\nprint('***')\nprint('*****')", cases, FAST) == 0.0

@@ -8,6 +8,7 @@ Each attack defines the function under test only when its exploit worked, so its
 import os
 import shutil
 import stat
+import tempfile
 
 import pytest
 
@@ -225,4 +226,9 @@ def test_without_bubblewrap_code_rewards_refuse_unless_allowed(monkeypatch):
     assert reward(["p"], [f"```python\n{ADD}\n```"], [TESTS]) == [1.0]
     assert run_tests(ATTACKS["object equal to anything"], TESTS, FAST, allow_unsandboxed=True) == 0.0
     assert run_tests(ATTACKS["infinite loop"], TESTS, FAST, allow_unsandboxed=True) == 0.0
+    # stdin/stdout cases work there too (a fresh working directory on the host, removed afterwards)
+    before = set(os.listdir(tempfile.gettempdir()))
+    case = [{"input": "3", "output": "6"}]
+    assert run_tests("print(int(input()) * 2)", case, FAST, allow_unsandboxed=True) == 1.0
+    assert {p for p in os.listdir(tempfile.gettempdir()) if p.startswith("grpo-unsandboxed-")} <= before
     assert _sandbox_processes() == []
