@@ -2,13 +2,15 @@
 
 Assert tests (strings of Python: asserts, helpers, loops, `math.isclose`, anything) run in a sandbox of their
 own, the judge's, which never holds completion code. The completion runs alone in a second sandbox. Every name
-a test uses that neither the test nor Python's builtins define is the completion's: its uses (a call, an
-attribute, an item, iteration, an operator) are forwarded to the completion's sandbox, arguments and results
-crossing as plain data of exact types (None, bool, int, float, complex, str, bytes, list, tuple, dict, set,
-frozenset; bounded size, depth and element count). What is not plain data (a class, an instance, a
-generator) stays there as an opaque handle whose methods the test may call; a handle never compares equal to
-anything and cannot be hashed. So the test's comparisons, its reference values and its imports live where the
-completion cannot reach them: nothing the completion returns can act in the judge, only be compared there.
+a test uses that neither the test, Python's builtins nor the standard library's modules define (or, with an
+`entry_point`, only those names) is the completion's: its uses are forwarded to the completion's sandbox,
+arguments and results crossing as plain data of exact types (None, bool, int, float, complex, str, bytes,
+list, tuple, dict, set, frozenset; bounded size, depth and element count). A function's or method's result
+must be plain data (an iterator it returns can only be iterated); a class (a name the test spells
+capitalized) gives an opaque handle to an instance, whose methods the test may call; a handle never compares
+equal to anything, cannot be hashed, and operators act only between handles. So the test's comparisons, its
+reference values and its imports live where the completion cannot reach them, and no object of the
+completion's answers for a comparison: the judge compares plain data only (judge_runtime.py).
 
 The judge writes one byte per test to the trainer: P (passed, having used the completion), U (passed without
 using it: a test that cannot fail pays nothing), F (failed). The trainer reads at most one byte per test
@@ -32,10 +34,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import judge_runtime
+from .judge_runtime import MAX_OUTPUT
 from .sandbox import Sandbox, SandboxLimits, check_available, read_bounded
 
-RUNTIME = (Path(__file__).with_name("judge_runtime.py")).read_text()
-MAX_OUTPUT = 1 << 20  # one case's output, bytes (judge_runtime.MAX_OUTPUT)
+RUNTIME = Path(judge_runtime.__file__).read_text()  # its source runs inside the sandboxes
 MAX_IO_BYTES = 8 << 20  # all cases' frames together
 _VERDICTS = {ord("P"): True, ord("U"): False, ord("F"): False}
 
@@ -62,10 +65,11 @@ def _stopped(eof: bool) -> str:
     return "crashed" if eof else "timeout"
 
 
-def judge_asserts(code: str, tests: list, limits: SandboxLimits, slot: int, sandboxed: bool,
+def judge_asserts(code: str, tests: list, countable: list, limits: SandboxLimits, slot: int, sandboxed: bool,
                   names: list | None = None) -> Verdict:  # fmt: skip
-    """The completion's `code` against assert `tests`, in two sandboxes joined by two pipes; `names`: the
-    only names of the completion's the tests may use (None: any name the test does not define)."""
+    """The completion's `code` against assert `tests`, in two sandboxes joined by two pipes; `countable`:
+    which tests hold an assert (only those pay); `names`: the only names of the completion's the tests may
+    use (None: any name the test does not define)."""
     deadline = time.monotonic() + limits.wall_seconds
     req_r, req_w = os.pipe()  # judge -> completion
     rep_r, rep_w = os.pipe()  # completion -> judge
@@ -98,7 +102,7 @@ def judge_asserts(code: str, tests: list, limits: SandboxLimits, slot: int, sand
         if data[i] not in _VERDICTS:
             failure = "malformed"
             break
-        passed += _VERDICTS[data[i]] and _has_assert(test)
+        passed += _VERDICTS[data[i]] and countable[i]
     if len(data) > len(tests):
         passed, failure = 0, "malformed"
     return Verdict(passed, len(tests), failure)
@@ -164,12 +168,13 @@ def judge(code: str, tests: list, limits: SandboxLimits = SandboxLimits(), *, sl
         raise ValueError(
             f"tests must be all assert snippets (str) or all stdin/stdout cases (dict), got a mix of {kinds}"
         )
-    if not any(_has_assert(t) for t in tests):
+    countable = [_has_assert(t) for t in tests]
+    if not any(countable):
         return Verdict(0, len(tests))
     names = [entry_point] if isinstance(entry_point, str) else entry_point
     if names is not None and not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
         raise ValueError(f"entry_point must be a name or a list of names, got {entry_point!r}")
-    return judge_asserts(code, tests, limits, slot, sandboxed, names)
+    return judge_asserts(code, tests, countable, limits, slot, sandboxed, names)
 
 
 def run_tests(code: str, tests: list, limits: SandboxLimits = SandboxLimits(), *, slot: int = 0,

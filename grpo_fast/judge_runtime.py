@@ -1,5 +1,5 @@
 """What runs inside the sandboxes of grpo_fast/judge.py (its source is passed to `python -I -S -c`; stdlib
-only, never imported by the trainer). One of three roles, the first argument:
+only; the trainer imports it only for its constants and source). One of three roles, the first argument:
 
   serve FD_IN FD_OUT   the completion's sandbox: exec the completion (from stdin), then answer the judge's
                        requests (a name, an attribute, a call, ...) with plain data or opaque handles
@@ -112,7 +112,7 @@ _BINARY = {"add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul", "
 _UNARY = {"neg": lambda a: -a, "pos": lambda a: +a, "abs": abs, "invert": lambda a: ~a}
 # the object's own value as a number (`float(obj)`): that answers for the object, not for a comparison
 _CONVERSIONS = {"int": lambda a: int(a), "float": lambda a: float(a), "index": lambda a: a.__index__()}
-_PLAIN_TYPES = {type(None), bool, int, float, complex, str, bytes, list, tuple, dict, set, frozenset}
+_PLAIN_TYPES = {*_SCALARS, *_CONTAINERS, dict}
 
 
 def serve(fd_in, fd_out):

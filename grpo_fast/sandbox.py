@@ -223,18 +223,22 @@ def sandbox_python() -> str:
     return os.path.realpath(sys.executable)
 
 
-def _tasks_of(uid: int) -> int:
-    """Threads of every live process of `uid` (what RLIMIT_NPROC counts)."""
-    n = 0
+def _statuses_of(uid: int):
+    """(pid, /proc/PID/status fields) of every process whose real uid is `uid`."""
     for p in os.listdir("/proc"):
         if p.isdigit():
             try:
-                fields = dict(line.split(":", 1) for line in open(f"/proc/{p}/status") if ":" in line)
+                with open(f"/proc/{p}/status") as f:
+                    fields = dict(line.split(":", 1) for line in f if ":" in line)
                 if int(fields["Uid"].split()[0]) == uid:
-                    n += int(fields["Threads"])
+                    yield int(p), fields
             except (OSError, ValueError, KeyError):
                 pass
-    return n
+
+
+def _tasks_of(uid: int) -> int:
+    """Threads of every process of `uid` (what RLIMIT_NPROC counts)."""
+    return sum(int(fields.get("Threads", 1)) for _, fields in _statuses_of(uid))
 
 
 def _limits_argv(limits: SandboxLimits, cgroups: list | None, nproc: int) -> list:
@@ -432,17 +436,7 @@ def _kill_uid(uid: int):
 
 def processes_of(uid: int) -> list:
     """PIDs of live processes (zombies excluded) whose real uid is `uid`: a scan of /proc."""
-    found = []
-    for p in os.listdir("/proc"):
-        if p.isdigit():
-            try:
-                with open(f"/proc/{p}/status") as f:
-                    fields = dict(line.split(":", 1) for line in f if ":" in line)
-                if int(fields["Uid"].split()[0]) == uid and not fields["State"].strip().startswith("Z"):
-                    found.append(int(p))
-            except (OSError, ValueError, KeyError):
-                pass
-    return found
+    return [pid for pid, fields in _statuses_of(uid) if not fields.get("State", "").strip().startswith("Z")]
 
 
 def _ready(fd: int, deadline: float) -> bool:

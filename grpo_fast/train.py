@@ -236,7 +236,7 @@ def setup(cfg: GRPOConfig) -> Run:
     check_distributed(cfg, dist)
     # everything that reads only files is checked before anything heavy (memory probes, the model) runs
     model_path(cfg)
-    train_rows, eval_rows, reward_funcs = load_data_and_rewards(cfg)
+    train_rows, eval_rows, reward_funcs, reward_names = load_data_and_rewards(cfg)
     cfg, memory_plan, packer = plan_memory(cfg, dist, device)
     model, tokenizer, info = load_model_and_tokenizer(cfg, device)
     info["memory_plan"] = memory_plan
@@ -261,7 +261,7 @@ def setup(cfg: GRPOConfig) -> Run:
         ref_policy=wrap(ref_model, dist, trainable=False) if ref_model is not None else None, params=params,
         optimizer=optimizer, scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg)),
         sampler=sampler, generator=generator, reward_funcs=reward_funcs,
-        reward_names=[reward_name(f) for f in reward_funcs],
+        reward_names=reward_names,
         reward_weights=cfg.reward_weights or [1.0] * len(reward_funcs),
         eval_rows=eval_rows[: cfg.eval_max_samples], resume_from=resume_from, packer=packer,
     )  # fmt: skip
@@ -271,9 +271,9 @@ def setup(cfg: GRPOConfig) -> Run:
     return run
 
 
-def load_data_and_rewards(cfg: GRPOConfig) -> tuple[list, list, list]:
-    """The train and eval rows and the reward functions, each row checked against what will read it (the
-    train rows: every reward function; the eval rows: the first, which decides held-out accuracy)."""
+def load_data_and_rewards(cfg: GRPOConfig) -> tuple[list, list, list, list]:
+    """The train and eval rows, the reward functions and their names; each row checked against what reads
+    it (the train rows: every reward function; the eval rows: the first, which decides held-out accuracy)."""
     train_rows, eval_rows = train_and_eval_rows(cfg)
     reward_funcs = [load_reward(s, cfg.max_completion_length, cfg.allow_unsandboxed_code) for s in cfg.reward]
     names = [reward_name(f) for f in reward_funcs]
@@ -286,7 +286,7 @@ def load_data_and_rewards(cfg: GRPOConfig) -> tuple[list, list, list]:
             f"prompts): every step would train on some prompts twice; pass --prompts-per-step "
             f"{len(train_rows)} or fewer"
         )
-    return train_rows, eval_rows, reward_funcs
+    return train_rows, eval_rows, reward_funcs, names
 
 
 def plan_memory(cfg: GRPOConfig, dist: DistInfo, device):
