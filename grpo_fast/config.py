@@ -78,7 +78,44 @@ class GRPOConfig:
     beta: float = _f(0.0, "KL coefficient (k3 estimator against the reference model)")
     epsilon: float = _f(0.2, "lower clip epsilon")
     epsilon_high: float = _f(None, "upper clip epsilon (default: epsilon)", type=float)
-    loss_type: str = _f("dapo", "loss normalization", choices=("grpo", "bnpo", "dr_grpo", "dapo"))
+    loss_type: str = _f(
+        "dapo",
+        "the loss (TRL's): grpo / bnpo / dr_grpo / dapo / luspo (clipped ratio, each its normalizer), cispo "
+        "(clipped IS weight), sapo (soft gate), vespo (gamma-weighted sequence ratio)",
+        choices=("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"),
+    )
+    delta: float = _f(None, "two-sided clipping: cap the unclipped ratio at delta (clip family)", type=float)
+    sapo_temperature_pos: float = _f(1.0, "sapo: the gate's temperature for positive advantages")
+    sapo_temperature_neg: float = _f(1.05, "sapo: the gate's temperature for other advantages")
+    vespo_k_pos: float = _f(2.0, "vespo: gamma shape for non-negative advantages")
+    vespo_lambda_pos: float = _f(3.0, "vespo: gamma rate for non-negative advantages")
+    vespo_k_neg: float = _f(3.0, "vespo: gamma shape for negative advantages")
+    vespo_lambda_neg: float = _f(2.0, "vespo: gamma rate for negative advantages")
+    vllm_importance_sampling_correction: bool = _f(
+        True,
+        "correct the mismatch between the rollout engine's log-probs and the trainer's (TRL's name and "
+        "default) whenever the engine is not the training forward: vllm (native and reference are exact)",
+    )
+    vllm_importance_sampling_mode: str = _f(
+        "sequence_mask",
+        "the correction: the ratio exp(trainer - engine) per token or per sequence, truncated to the clip "
+        "bounds or zeroed outside them (TRL's)",
+        choices=("token_truncate", "token_mask", "sequence_truncate", "sequence_mask"),
+    )
+    vllm_importance_sampling_clip_max: float = _f(3.0, "the correction's upper bound", type=float)
+    vllm_importance_sampling_clip_min: float = _f(
+        None, "the correction's lower bound (default: none)", type=float
+    )
+    off_policy_mask_threshold: float = _f(
+        None,
+        "DeepSeek-V3.2's off-policy sequence mask: drop a negative-advantage sequence whose mean "
+        "log(engine / policy) exceeds this (default: off)",
+        type=float,
+    )
+    top_entropy_quantile: float = _f(
+        1.0, "train only on each micro-batch's highest-entropy tokens, this fraction of them (1 = all)"
+    )
+    entropy_coef: float = _f(0.0, "entropy bonus: the loss minus this x the mean entropy of trained tokens")
     scale_rewards: str = _f("group", "advantage scaling", choices=("group", "batch", "none"))
     importance_sampling_level: str = _f(
         "token", "importance ratio per token or per sequence (GSPO)", choices=("token", "sequence")
@@ -255,6 +292,25 @@ def validate(cfg: GRPOConfig, require_reward: bool = True) -> GRPOConfig:
         raise ValueError(f"vllm_kv_cache_gb must be >= 1 (whole GiB), got {cfg.vllm_kv_cache_gb}")
     if cfg.dist_timeout_s <= 0:
         raise ValueError(f"dist_timeout_s must be > 0, got {cfg.dist_timeout_s}")
+    if cfg.delta is not None and not cfg.delta > 0:
+        raise ValueError(
+            f"delta must be > 0 (a cap on the ratio; TRL suggests > 1 + epsilon_high), got {cfg.delta}"
+        )
+    if not 0 <= cfg.top_entropy_quantile <= 1:
+        raise ValueError(f"top_entropy_quantile must be in [0, 1], got {cfg.top_entropy_quantile}")
+    correcting = cfg.vllm_importance_sampling_correction and cfg.rollout == "vllm"
+    if correcting and cfg.loss_type == "vespo" and cfg.vllm_importance_sampling_mode.startswith("sequence"):
+        raise ValueError(
+            "loss_type vespo needs vllm_importance_sampling_mode token_truncate or token_mask (it folds the "
+            f"correction into its sequence weight), got {cfg.vllm_importance_sampling_mode}"
+        )
+    if correcting and (cfg.top_p < 1 or cfg.top_k) and cfg.temperature != 1:
+        raise ValueError(
+            f"--rollout vllm with top_p={cfg.top_p} / top_k={cfg.top_k} at temperature {cfg.temperature}: "
+            "vLLM reports log-probs renormalized over the kept tokens, not softmax(logits / T) as the "
+            "trainer scores them, which biases the rollout-mismatch correction; sample at temperature 1, or "
+            "without top_p / top_k, or pass --no-vllm-importance-sampling-correction"
+        )
     if require_reward and not cfg.reward:
         raise ValueError("no reward function: pass --reward NAME or --reward path/file.py:func")
     return cfg

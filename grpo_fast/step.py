@@ -19,7 +19,8 @@ from .kernels import fused_linear_grpo_loss, fused_linear_logprobs, group_advant
 from .model_parts import lm_head_of
 from .modeling import completion_hidden_states
 from .rewards import score
-from .rollout import generate_groups
+from .rollout import EXACT_ENGINES, generate_groups, resolve_engine
+from .rollout.vllm_engine import logprobs_mode_for
 
 
 @dataclass
@@ -29,6 +30,8 @@ class Rollout:
     prompt_mask: torch.Tensor
     completion_ids: torch.Tensor  # (n * G, C)
     completion_mask: torch.Tensor
+    sampling_logps: torch.Tensor  # (n * G, C) the engine's log-probs of its samples (rollout mismatch)
+    engine: str  # the engine that ran: native | reference | vllm
 
 
 @dataclass
@@ -64,6 +67,7 @@ def engine_options(cfg: GRPOConfig) -> dict:
             "max_model_len": cfg.max_prompt_length + cfg.max_completion_length,
             "gpu_memory_utilization": cfg.vllm_gpu_memory_utilization,
             "kv_cache_gb": cfg.vllm_kv_cache_gb,
+            "logprobs_mode": logprobs_mode_for(cfg.temperature),  # the training temperature, even in eval
         }
     return opts
 
@@ -74,7 +78,7 @@ def rollout(run, rows) -> Rollout:
     texts, p_ids, p_mask = encode_prompts(rows, run.tokenizer, cfg.max_prompt_length, run.device)
     run.policy.eval()
     with torch.no_grad():
-        c_ids, c_mask = run.policy(
+        c_ids, c_mask, c_logp = run.policy(
             generate_groups,
             p_ids,
             p_mask,
@@ -87,9 +91,11 @@ def rollout(run, rows) -> Rollout:
             share_prefix=cfg.share_prefix,
             generator=run.generator,
             all_done=(lambda done: all_done(done, run.dist)) if run.dist.on else None,
+            return_logprobs=True,
             **engine_options(cfg),
         )
-    return Rollout(texts, p_ids, p_mask, c_ids, c_mask)
+    engine, _ = resolve_engine(run.model, cfg.rollout)
+    return Rollout(texts, p_ids, p_mask, c_ids, c_mask, c_logp, engine)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -157,7 +163,40 @@ def sequence_logps(model, batch, cfg: GRPOConfig):
     return fused_linear_logprobs(hidden, head.weight, batch[2], bias=head.bias, temperature=cfg.temperature)
 
 
-def policy_loss(model, batch, loss_mask, advantages, old_logps, ref_logps, cfg: GRPOConfig, n_items):
+def sampling_correction(cfg: GRPOConfig, engine: str):
+    """The rollout-mismatch correction mode, or None when the engine is the training forward (TRL's
+    vllm_importance_sampling_correction, on for every engine that is not exact)."""
+    exact = EXACT_ENGINES.get(engine, False)
+    return None if exact or not cfg.vllm_importance_sampling_correction else cfg.vllm_importance_sampling_mode
+
+
+def loss_options(cfg: GRPOConfig, engine: str) -> dict:
+    """The fused loss's options from the config (TRL's names mapped to the kernel's)."""
+    return dict(
+        beta=cfg.beta,
+        epsilon_low=cfg.epsilon,
+        epsilon_high=cfg.epsilon_high,
+        loss_type=cfg.loss_type,
+        importance_sampling_level=cfg.importance_sampling_level,
+        max_completion_length=cfg.max_completion_length,
+        delta=cfg.delta,
+        sampling_correction=sampling_correction(cfg, engine),
+        sampling_clip_max=cfg.vllm_importance_sampling_clip_max,
+        sampling_clip_min=cfg.vllm_importance_sampling_clip_min,
+        off_policy_mask_threshold=cfg.off_policy_mask_threshold,
+        sapo_temperature_pos=cfg.sapo_temperature_pos,
+        sapo_temperature_neg=cfg.sapo_temperature_neg,
+        vespo_k_pos=cfg.vespo_k_pos,
+        vespo_lambda_pos=cfg.vespo_lambda_pos,
+        vespo_k_neg=cfg.vespo_k_neg,
+        vespo_lambda_neg=cfg.vespo_lambda_neg,
+        top_entropy_quantile=cfg.top_entropy_quantile,
+    )
+
+
+def policy_loss(
+    model, batch, loss_mask, advantages, old_logps, ref_logps, sampling_logps, n_items, cfg, options
+):
     """The GRPO loss of one micro-batch, from the policy's last hidden states through the fused kernel."""
     hidden = completion_hidden_states(model, *batch[:4], share_prefix=cfg.share_prefix, counts=batch[4])
     head = lm_head_of(model)
@@ -171,13 +210,9 @@ def policy_loss(model, batch, loss_mask, advantages, old_logps, ref_logps, cfg: 
         temperature=cfg.temperature,
         old_logps=old_logps,
         ref_logps=ref_logps,
-        beta=cfg.beta,
-        epsilon_low=cfg.epsilon,
-        epsilon_high=cfg.epsilon_high,
-        loss_type=cfg.loss_type,
-        importance_sampling_level=cfg.importance_sampling_level,
-        max_completion_length=cfg.max_completion_length,
+        sampling_logps=sampling_logps,
         num_items_in_batch=n_items,
+        **options,
     )
 
 
@@ -217,6 +252,17 @@ def micro_batches(ro: Rollout, loss_mask, cfg: GRPOConfig, packer=None, dist: Di
     return prompts, rows, counts, weights
 
 
+def accumulate(key, total, value, share):
+    """A micro-batch's metric into the step's: min / max over micro-batches, else the token-share mean."""
+    if total is None:
+        return value if key.endswith(("_min", "_max")) else value * share
+    if key.endswith("_min"):
+        return torch.minimum(total, value)
+    if key.endswith("_max"):
+        return torch.maximum(total, value)
+    return total + value * share
+
+
 def optimize(run, ro: Rollout, sc: Scored) -> tuple[dict, float, int]:
     """`num_iterations` optimizer steps on the clipped loss; old / reference log-probs only when needed.
     Returns the step's metrics (summed over micro-batches), the last gradient norm and the micro-batches."""
@@ -236,10 +282,14 @@ def optimize(run, ro: Rollout, sc: Scored) -> tuple[dict, float, int]:
             ctx = run.model.disable_adapter() if run.info["lora"] else nullcontext()
             with ctx:
                 ref = [(run.ref_policy or run.policy)(sequence_logps, b, cfg) for b in batches]
+    options = loss_options(cfg, ro.engine)
     run.policy.train()
     for _ in range(cfg.num_iterations):
         metrics = {}
         for k, (i, b) in enumerate(zip(micro, batches)):
+            share = sc.loss_mask[i].sum() / active.clamp(min=1)  # token metrics: their mean
+            # the entropy bonus is a mean over the step's tokens: this micro-batch's share of it
+            coef = cfg.entropy_coef * float(share) / weights[k] if cfg.entropy_coef else 0.0
             with gradient_sync(run.policy, k == len(micro) - 1):
                 loss, m = run.policy(
                     policy_loss,
@@ -248,14 +298,15 @@ def optimize(run, ro: Rollout, sc: Scored) -> tuple[dict, float, int]:
                     sc.advantages[i],
                     old[k] if old else None,
                     ref[k] if ref else None,
-                    cfg,
+                    ro.sampling_logps[i],
                     n_items,
+                    cfg,
+                    {**options, "entropy_coef": coef},
                 )
                 (loss * weights[k]).backward()
             metrics["loss"] = metrics.get("loss", 0.0) + loss.detach() * weights[k]
-            share = sc.loss_mask[i].sum() / active.clamp(min=1)  # token metrics: their mean
             for key, v in m.items():
-                metrics[key] = metrics.get(key, 0.0) + v.detach() * share
+                metrics[key] = accumulate(key, metrics.get(key), v.detach(), share)
         grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(run.params, cfg.max_grad_norm)).item()
         run.optimizer.step()
         run.scheduler.step()
@@ -301,9 +352,10 @@ def step_record(run, ro: Rollout, sc: Scored, metrics: dict, grad_norm: float, t
         "reward_std": float(valid.std()) if len(valid) > 1 else 0.0,
         **{f"rewards/{n}_mean": float(all_scores[:, j].nanmean()) for j, n in enumerate(run.reward_names)},
         **reward_function_metrics(run),
-        "kl": metrics.get("kl", 0.0),
-        "clip_ratio": metrics["clip_ratio"],
-        "loss": metrics["loss"],
+        "kl": metrics.pop("kl", 0.0),
+        "clip_ratio": metrics.pop("clip_ratio", 0.0),
+        "loss": metrics.pop("loss"),
+        **{f"loss/{k}": v for k, v in metrics.items()},  # the loss type's clip ratios, the mismatch, masks
         "grad_norm": grad_norm,
         "completion_len_mean": n_completion_tokens / len(rewards),
         "completion_len_max": int(all_gather_rows(ro.completion_mask.sum(1), dist).max()),

@@ -103,18 +103,26 @@ def base_model():
 
 
 @pytest.mark.parametrize(
-    "loss_type,beta,level",
+    "loss_type,beta,level,extra",
     [
-        ("grpo", 0.0, "token"),
-        ("bnpo", 0.0, "token"),
-        ("dr_grpo", 0.0, "token"),
-        ("dapo", 0.0, "token"),
-        ("dapo", 0.04, "token"),
-        ("grpo", 0.04, "sequence"),
+        ("grpo", 0.0, "token", {}),
+        ("bnpo", 0.0, "token", {}),
+        ("dr_grpo", 0.0, "token", {}),
+        ("dapo", 0.0, "token", {}),
+        ("dapo", 0.04, "token", {}),
+        ("grpo", 0.04, "sequence", {}),
+        ("cispo", 0.0, "token", {"epsilon_high": 1.3}),
+        ("sapo", 0.04, "token", {}),
+        ("luspo", 0.0, "sequence", {}),
+        ("vespo", 0.0, "token", {}),
+        ("dapo", 0.0, "token", {"delta": 1.5}),
+        ("dapo", 0.0, "token", {"off_policy_mask_threshold": 0.2}),
+        ("dapo", 0.0, "token", {"top_entropy_quantile": 0.5}),
+        ("grpo", 0.0, "token", {"entropy_coef": 0.05, "top_entropy_quantile": 0.6}),
     ],
 )
-def test_loss_and_gradients_equal_trl(base_model, tmp_path, monkeypatch, loss_type, beta, level):
-    kw = dict(loss_type=loss_type, beta=beta, importance_sampling_level=level, epsilon_high=0.28)
+def test_loss_and_gradients_equal_trl(base_model, tmp_path, monkeypatch, loss_type, beta, level, extra):
+    kw = dict(loss_type=loss_type, beta=beta, importance_sampling_level=level, **{"epsilon_high": 0.28, **extra})
     theirs = _trainer(trl.GRPOTrainer, copy.deepcopy(base_model), tmp_path, **kw)
     ours = _trainer(integ.GRPOTrainer, copy.deepcopy(base_model), tmp_path, **kw)
     assert ours.fused_fallback_reason is None
@@ -134,9 +142,13 @@ def test_loss_and_gradients_equal_trl(base_model, tmp_path, monkeypatch, loss_ty
     for name, ref in ref_grads.items():
         err = (grads[name] - ref).abs().max().item()
         assert err <= 1e-5 * max(1.0, ref.abs().max().item()), f"{name}: grad max err {err:.3g}"
-    clip_ours = ours._metrics["train"]["clip_ratio/region_mean"][-1]
-    clip_theirs = theirs._metrics["train"]["clip_ratio/region_mean"][-1]
-    assert clip_theirs > 0 and abs(clip_ours - clip_theirs) < 1e-6
+    logged = set(ours._metrics["train"]) - {"entropy"}  # TRL logs the entropy always, we when computed
+    assert logged and logged <= set(theirs._metrics["train"])
+    for key in logged:
+        mine, ref = ours._metrics["train"][key][-1], theirs._metrics["train"][key][-1]
+        assert abs(mine - ref) <= 1e-5 * max(1.0, abs(ref)), (key, mine, ref)
+    if loss_type in ("grpo", "bnpo", "dr_grpo", "dapo") and not extra:
+        assert theirs._metrics["train"]["clip_ratio/region_mean"][-1] > 0  # clipping is exercised
 
 
 def test_reference_logps_and_entropy_equal_trl(base_model, tmp_path):
@@ -156,9 +168,10 @@ def test_reference_logps_and_entropy_equal_trl(base_model, tmp_path):
 
 
 def test_unsupported_options_fall_back_to_trl_with_a_warning(base_model, tmp_path):
-    theirs = _trainer(trl.GRPOTrainer, copy.deepcopy(base_model), tmp_path, loss_type="cispo")
-    with pytest.warns(UserWarning, match="loss_type='cispo'"):
-        ours = _trainer(integ.GRPOTrainer, copy.deepcopy(base_model), tmp_path, loss_type="cispo")
+    kw = dict(use_adaptive_entropy=True, entropy_coef=0.01)
+    theirs = _trainer(trl.GRPOTrainer, copy.deepcopy(base_model), tmp_path, **kw)
+    with pytest.warns(UserWarning, match="adaptive entropy controller"):
+        ours = _trainer(integ.GRPOTrainer, copy.deepcopy(base_model), tmp_path, **kw)
     batch = _batch(base_model, 0.0)
     ref_loss, _ = _loss_and_grads(theirs, batch)
     loss, _ = _loss_and_grads(ours, batch)

@@ -123,7 +123,7 @@ def test_fused_loss_bad_input():
     with pytest.raises(ValueError, match="targets must lie in"):
         fused_linear_grpo_loss(h, w, t + V, mask, adv)
     with pytest.raises(ValueError, match="loss_type must be one of"):
-        fused_linear_grpo_loss(h, w, t, mask, adv, loss_type="sapo")
+        fused_linear_grpo_loss(h, w, t, mask, adv, loss_type="ppo")
     with pytest.raises(ValueError, match="beta != 0 needs ref_logps"):
         fused_linear_grpo_loss(h, w, t, mask, adv, beta=0.1)
     with pytest.raises(ValueError, match="temperature must be"):

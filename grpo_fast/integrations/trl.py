@@ -17,13 +17,17 @@ prompt prefilled once per group, no per-token host sync; `grpo_fast.rollout`) in
 repetition penalty, a model it does not support, a distributed wrapper) keeps TRL's generation, with a
 warning saying why.
 
+Every loss option of TRL 1.16 goes to the kernel with TRL's meaning: every loss_type (grpo, bnpo, dr_grpo,
+dapo, cispo, sapo, luspo, vespo), delta, the vLLM importance-sampling correction (the kernel recomputes TRL's
+ratio from old_per_token_logps and sampling_per_token_logps), off_policy_mask_threshold, top_entropy_quantile
+and a static entropy_coef (entropies come from the same sweep over the vocabulary).
+
 What does not change: generation (by default), rewards, advantages, logging, checkpoints, accelerate. Anything
-this path does not cover (loss types beyond grpo/bnpo/dr_grpo/dapo, entropy masking or bonus, delta clipping,
-the off-policy mask, vLLM importance-sampling correction, MoE aux losses, multimodal inputs, logit scaling or
+this path does not cover (the adaptive entropy controller, MoE aux losses, multimodal inputs, logit scaling or
 soft-capping, a model wrapped or sharded for distributed training: DDP, FSDP, ZeRO-3) runs TRL's own code,
-with a one-line warning saying why. Metrics: kl and clip_ratio/{low,high,region}_mean as TRL's; `entropy`,
-clip_ratio/low_min and clip_ratio/high_max are not logged on the fused path (entropy would cost one more pass
-over the vocabulary).
+with a one-line warning saying why. Metrics: kl, clip_ratio/{low,high,region}_mean, cispo_clip_ratio and
+vespo/phi_seq_mean as TRL's; `entropy` when the options compute it; clip_ratio/low_min and
+clip_ratio/high_max are not logged on the fused path.
 """
 
 import warnings
@@ -36,7 +40,12 @@ from ..model_parts import decoder_of, lm_head_of
 from ..rollout import generate_groups, native
 from ..shared_prefix import shared_prefix_forward
 
-FUSED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+FUSED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
+ITEM_NORMALIZED = (
+    "dapo",
+    "cispo",
+    "vespo",
+)  # TRL divides these by num_items_in_batch, the others by accumulation
 SHARED_PREFIX_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 _LOGIT_SCALES = ("final_logit_softcapping", "logit_scale", "output_multiplier", "lm_head_multiplier")
 _MULTIMODAL_KEYS = (
@@ -83,7 +92,6 @@ class GRPOTrainer(trl.GRPOTrainer):
     # When TRL's own path runs instead
     # ---------------------------------------------------------------------------------------------------
     def _config_fallback_reason(self) -> str | None:
-        args = self.args
         text_config = self.model.config.get_text_config()
         scaled = [n for n in _LOGIT_SCALES if getattr(text_config, n, None) not in (None, 1.0)] + (
             ["logits_scaling"] if getattr(text_config, "logits_scaling", None) not in (None, 1.0) else []
@@ -93,17 +101,7 @@ class GRPOTrainer(trl.GRPOTrainer):
                 self.loss_type not in FUSED_LOSS_TYPES,
                 f"loss_type={self.loss_type!r} is not one of {FUSED_LOSS_TYPES}",
             ),
-            (self.top_entropy_quantile < 1.0, "top_entropy_quantile < 1 (entropy masking)"),
-            (self._entropy_bonus_enabled, "an entropy bonus (entropy_coef / use_adaptive_entropy)"),
-            (args.delta is not None, "delta (two-sided clipping of the ratio)"),
-            (
-                self.off_policy_mask_threshold is not None,
-                "off_policy_mask_threshold (off-policy sequence mask)",
-            ),
-            (
-                self.use_vllm and self.vllm_importance_sampling_correction,
-                "vLLM importance-sampling correction",
-            ),
+            (getattr(self, "use_adaptive_entropy", False), "the adaptive entropy controller"),
             (self.aux_loss_enabled, "a MoE router aux loss"),
             (bool(scaled), f"the model scales or soft-caps its logits ({', '.join(scaled)})"),
             (not isinstance(lm_head_of(self.model), torch.nn.Linear), "the LM head is not a plain nn.Linear"),
@@ -276,12 +274,15 @@ class GRPOTrainer(trl.GRPOTrainer):
         mode = "train" if self.model.training else "eval"
         accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
         num_items = None
-        if (
-            self.loss_type == "dapo"
-        ):  # TRL's normalizer: the generation batch's tokens, per accumulation window
+        if self.loss_type in ITEM_NORMALIZED:  # TRL's normalizer: the generation batch's tokens, per window
             num_items = inputs["num_items_in_batch"].clamp(min=1.0).float() / self.accelerator.num_processes
             if mode == "train":
                 num_items = num_items * accumulation / self.args.steps_per_generation
+        correcting = self.use_vllm and self.vllm_importance_sampling_correction
+        entropy_coef = self.entropy_coef if self._entropy_bonus_enabled else 0.0
+        if self.loss_type in ITEM_NORMALIZED:  # TRL's bonus is / accumulation whatever the loss type
+            entropy_coef = entropy_coef / accumulation
+        args = self.args
         loss, metrics = fused_linear_grpo_loss(
             hidden,
             weight,
@@ -292,6 +293,7 @@ class GRPOTrainer(trl.GRPOTrainer):
             temperature=self.temperature,
             old_logps=inputs.get("old_per_token_logps"),
             ref_logps=inputs.get("ref_per_token_logps") if self.beta != 0.0 else None,
+            sampling_logps=inputs.get("sampling_per_token_logps"),
             beta=self.beta,
             epsilon_low=self.epsilon_low,
             epsilon_high=self.epsilon_high,
@@ -299,9 +301,22 @@ class GRPOTrainer(trl.GRPOTrainer):
             importance_sampling_level=self.importance_sampling_level,
             max_completion_length=self.max_completion_length,
             num_items_in_batch=num_items,
-            use_bias_correction_kl=self.args.use_bias_correction_kl,
+            use_bias_correction_kl=args.use_bias_correction_kl,
+            delta=args.delta,
+            sampling_correction=self.vllm_importance_sampling_mode if correcting else None,
+            sampling_clip_max=self.vllm_importance_sampling_clip_max,
+            sampling_clip_min=self.vllm_importance_sampling_clip_min,
+            off_policy_mask_threshold=self.off_policy_mask_threshold,
+            sapo_temperature_pos=args.sapo_temperature_pos,
+            sapo_temperature_neg=args.sapo_temperature_neg,
+            vespo_k_pos=args.vespo_k_pos,
+            vespo_lambda_pos=args.vespo_lambda_pos,
+            vespo_k_neg=args.vespo_k_neg,
+            vespo_lambda_neg=args.vespo_lambda_neg,
+            top_entropy_quantile=self.top_entropy_quantile,
+            entropy_coef=entropy_coef,
         )
-        if self.loss_type != "dapo":  # TRL scales these for gradient accumulation; dapo's normalizer does it
+        if self.loss_type not in ITEM_NORMALIZED:  # TRL scales these for accumulation; num_items does it
             loss = loss / accumulation
 
         def reduce_mean(value):  # token-weighted across ranks, as TRL's global_masked_mean
@@ -309,9 +324,16 @@ class GRPOTrainer(trl.GRPOTrainer):
             totals = self.accelerator.reduce(torch.stack([value.detach() * count, count]), reduction="sum")
             return (totals[0] / totals[1].clamp(min=1.0)).item()
 
-        if self.beta != 0.0:
-            self._metrics[mode]["kl"].append(reduce_mean(metrics["kl"]))
-        self._metrics[mode]["clip_ratio/low_mean"].append(reduce_mean(metrics["clip_ratio_low"]))
-        self._metrics[mode]["clip_ratio/high_mean"].append(reduce_mean(metrics["clip_ratio_high"]))
-        self._metrics[mode]["clip_ratio/region_mean"].append(reduce_mean(metrics["clip_ratio"]))
+        names = {
+            "kl": "kl",
+            "entropy": "entropy",
+            "clip_ratio_low": "clip_ratio/low_mean",
+            "clip_ratio_high": "clip_ratio/high_mean",
+            "clip_ratio": "clip_ratio/region_mean",
+            "cispo_clip_ratio": "cispo_clip_ratio",
+            "vespo_phi_mean": "vespo/phi_seq_mean",
+        }
+        for ours, theirs in names.items():
+            if ours in metrics:
+                self._metrics[mode][theirs].append(reduce_mean(metrics[ours]))
         return loss

@@ -17,6 +17,8 @@ from . import native, reference, vllm_engine
 from .sampling import check_counts
 
 ENGINES = ("auto", "native", "reference", "vllm")
+# whether an engine's log-probs are the training forward's up to rounding (fp32 here: no mismatch to correct)
+EXACT_ENGINES = {"native": True, "reference": True, "vllm": False}
 _said: set = set()  # fallback reasons already printed
 
 
@@ -70,12 +72,16 @@ def generate_groups(
         compile: native engine only: "auto" (compile the decode step; eager with a one-line reason when that
             fails), True (fail if it fails) or False.
         vllm_options: vllm engine only, used when it is built (the first call for this model): max_model_len
-            (default: the model's max_position_embeddings), gpu_memory_utilization, kv_cache_gb, threads.
-        return_logprobs: native and vllm engines: also return the (n_prompts * G, C') fp32 log-probs of the
-            sampled tokens under softmax(logits / T) (T = 1 when greedy), 0 on padding.
+            (default: the model's max_position_embeddings), gpu_memory_utilization, kv_cache_gb, threads,
+            logprobs_mode (default: the one whose log-probs are the trainer's at this temperature).
+        return_logprobs: also return the (n_prompts * G, C') fp32 log-probs of the sampled tokens under
+            softmax(logits / T) (T = 1 when greedy) over the whole vocabulary, before top-k / top-p: the
+            distribution the trainer's loss scores, so an exact engine's ratio to the trainer is 1 whatever
+            the truncation; 0 on padding.
 
     Returns:
-        (completion_ids, completion_mask), (n_prompts * G, C') with C' <= C the longest completion.
+        (completion_ids, completion_mask), (n_prompts * G, C') with C' <= C the longest completion, and the
+        log-probs third with return_logprobs.
     """
     check_counts(num_generations, max_new_tokens)
     kind, reason = resolve_engine(model, engine)
@@ -86,22 +92,19 @@ def generate_groups(
             generator=generator, all_done=all_done, return_logprobs=return_logprobs, compile=compile, **kw,
         )  # fmt: skip
     if kind == "vllm":  # prefix caching shares each group's prompt KV by itself
-        return vllm_engine.engine_for(model, **(vllm_options or {})).generate(
+        opts = {"logprobs_mode": vllm_engine.logprobs_mode_for(temperature), **(vllm_options or {})}
+        return vllm_engine.engine_for(model, **opts).generate(
             model, prompt_ids, prompt_mask, num_generations, max_new_tokens, generator=generator,
             return_logprobs=return_logprobs, **kw,
         )  # fmt: skip
-    if return_logprobs:
-        raise ValueError(
-            f"return_logprobs needs the native or vllm engine (native cannot run this model: {reason})"
-        )
     if engine == "auto" and reason not in _said:
         _said.add(reason)
         print(f"grpo-fast rollout: reference engine ({reason})", flush=True)
     gen = reference.generate_shared if share_prefix else reference.generate_plain
     return gen(
         model, prompt_ids, prompt_mask, num_generations, max_new_tokens, generator=generator,
-        all_done=all_done, **kw,
+        all_done=all_done, return_logprobs=return_logprobs, **kw,
     )  # fmt: skip
 
 
-__all__ = ["generate_groups", "resolve_engine", "ENGINES"]
+__all__ = ["generate_groups", "resolve_engine", "ENGINES", "EXACT_ENGINES"]

