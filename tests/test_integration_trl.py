@@ -122,7 +122,13 @@ def base_model():
     ],
 )
 def test_loss_and_gradients_equal_trl(base_model, tmp_path, monkeypatch, loss_type, beta, level, extra):
-    kw = dict(loss_type=loss_type, beta=beta, importance_sampling_level=level, **{"epsilon_high": 0.28, **extra})
+    kw = {
+        "loss_type": loss_type,
+        "beta": beta,
+        "importance_sampling_level": level,
+        "epsilon_high": 0.28,
+        **extra,
+    }
     theirs = _trainer(trl.GRPOTrainer, copy.deepcopy(base_model), tmp_path, **kw)
     ours = _trainer(integ.GRPOTrainer, copy.deepcopy(base_model), tmp_path, **kw)
     assert ours.fused_fallback_reason is None

@@ -14,7 +14,7 @@ import grpo_fast.rollout.native as native
 from grpo_fast.model_parts import lm_head_of
 from grpo_fast.rollout import generate_groups
 from grpo_fast.rollout.reference import generate_plain
-from grpo_fast.rollout.sampling import draw
+from grpo_fast.rollout.sampling import draw, filtered
 from grpo_fast.shared_prefix import shared_prefix_forward
 
 pytestmark = pytest.mark.transformers_range
@@ -92,20 +92,38 @@ def test_sampled_tokens_follow_the_softmax():
         assert torch.allclose(logp, torch.log_softmax(logits[0] / T, 0)[tok], atol=1e-6)
 
 
-@pytest.mark.parametrize("share_prefix", [True, False])
-def test_sampled_completions_logprobs_equal_the_training_forward(share_prefix):
+@pytest.mark.parametrize(
+    "engine,share_prefix,top_p,top_k",
+    [
+        ("native", True, 1.0, 0),
+        ("native", False, 1.0, 0),
+        ("native", True, 0.9, 20),
+        ("reference", True, 0.9, 20),
+        ("reference", False, 1.0, 0),
+    ],
+)
+def test_sampled_completions_logprobs_equal_the_training_forward(engine, share_prefix, top_p, top_k):
+    """The engine's log-probs are the trainer's (the rollout-mismatch ratio exp(trainer - engine) is 1), also
+    under top-p / top-k truncation: both score softmax(logits / T) over the whole vocabulary."""
     model = _model("qwen2")
     ids, mask = _prompts()
     G, T = 4, 0.8
     c_ids, c_mask, logp = generate_groups(
-        model, ids, mask, G, 20, temperature=T, eos_token_id=EOS, share_prefix=share_prefix,
-        generator=torch.Generator().manual_seed(0), engine="native", return_logprobs=True,
+        model, ids, mask, G, 20, temperature=T, eos_token_id=EOS, share_prefix=share_prefix, top_p=top_p,
+        top_k=top_k, generator=torch.Generator().manual_seed(0), engine=engine, return_logprobs=True,
     )  # fmt: skip
     assert len({tuple(r.tolist()) for r in c_ids[:G]}) > 1  # the samples of a group differ
     with torch.no_grad():
         hidden = shared_prefix_forward(model, ids, mask, c_ids, c_mask)
         ref = fused_linear_logprobs(hidden, lm_head_of(model).weight, c_ids, temperature=T)
     assert torch.allclose(logp, ref * c_mask, atol=1e-5), (logp - ref * c_mask).abs().max()
+    ratio = torch.exp(ref - logp)[c_mask.bool()]
+    assert (ratio - 1).abs().max() < 1e-4, ratio
+    if top_p < 1:  # the truncation is real: renormalized (vLLM's processed) log-probs would be biased
+        scaled = (hidden @ lm_head_of(model).weight.T / T).reshape(-1, model.config.vocab_size)
+        kept = torch.log_softmax(filtered(scaled, top_k, top_p), -1).gather(-1, c_ids.reshape(-1, 1))
+        bias = (kept.view_as(ref) - ref)[c_mask.bool()]
+        assert (bias >= -1e-6).all() and bias.max() > 1e-2, bias.max()
 
 
 def test_sampling_is_reproducible_with_a_generator():

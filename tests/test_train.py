@@ -17,6 +17,7 @@ from grpo_fast.config import parse_config
 from grpo_fast.data import PromptSampler, train_and_eval_rows
 from grpo_fast.rewards import RewardError
 from grpo_fast.rollout import generate_groups
+from grpo_fast.step import sampling_correction
 from grpo_fast.train import encode_prompts, train
 
 ASSET = default_task.ASSET_DIR
@@ -147,6 +148,26 @@ def test_one_step_equals_naive_grpo(tmp_path, monkeypatch, loss_type, beta, extr
         checked += 1
     assert checked == len(after)
     assert any(p.grad.abs().max() > 0 for p in before.values())
+
+
+def test_engine_logprobs_reach_the_loss_with_every_option(tmp_path):
+    """The native engine's log-probs travel to the loss: its mismatch to the trainer is rounding, the
+    off-policy mask keeps everything, and VESPO's weight is phi(1) = 1 on-policy; TRL's correction is on only
+    for an engine that is not the training forward (vLLM)."""
+    cfg = _cfg(
+        tmp_path, "--max-steps", "2", "--loss-type", "vespo", "--off-policy-mask-threshold", "0.1",
+        "--top-entropy-quantile", "0.5", "--entropy-coef", "0.01", "--beta", "0.04",
+    )  # fmt: skip
+    train(cfg)
+    rec = [r for r in _records(tmp_path) if "loss" in r][-1]
+    assert abs(rec["loss/sampling_k3"]) < 1e-6 and rec["loss/sampling_logp_diff_max"] < 1e-3
+    assert rec["loss/off_policy_masked_fraction"] == 0.0
+    assert abs(rec["loss/vespo_phi_mean"] - 1.0) < 1e-4
+    assert rec["loss/entropy"] > 0 and "loss/is_ratio_mean" not in rec  # exact engine: no correction
+    assert sampling_correction(cfg, "native") is None and sampling_correction(cfg, "reference") is None
+    assert sampling_correction(cfg, "vllm") == "sequence_mask"
+    off = parse_config(["--no-vllm-importance-sampling-correction"])
+    assert sampling_correction(off, "vllm") is None
 
 
 def test_resume_reproduces_uninterrupted_run(tmp_path):
@@ -415,6 +436,13 @@ def test_unknown_flag_values(argv, words, capsys):
         (["--reward", "nonsense"], "--reward 'nonsense': expected a built-in"),
         (["--dist-timeout-s", "0"], "dist_timeout_s must be > 0"),
         (["--num-generations", "1"], "num_generations must be >= 2, got 1: .*every advantage is 0"),
+        (["--delta", "0"], "delta must be > 0"),
+        (["--top-entropy-quantile", "1.5"], r"top_entropy_quantile must be in \[0, 1\]"),
+        (["--rollout", "vllm", "--loss-type", "vespo"], "vespo needs vllm_importance_sampling_mode token_"),
+        (
+            ["--rollout", "vllm", "--top-p", "0.9", "--temperature", "0.8"],
+            "renormalized over the kept tokens",
+        ),
     ]
     + ([] if torch.cuda.is_available() else [(["--liger-kernels"], "--liger-kernels: .* need a CUDA")]),
 )

@@ -115,6 +115,26 @@ def test_lora_pushes_merged_weights_of_the_adapted_layers_only():
 
 
 @needs_vllm
+def test_truncated_sampling_logprobs_are_the_full_softmax_at_temperature_one():
+    """top-p / top-k at T = 1: vLLM's raw log-probs are softmax(logits) over the whole vocabulary, the
+    trainer's distribution (ratio 1); at T != 1 only processed (renormalized) ones exist: refused."""
+    model = _model("qwen2", seed=4)
+    ids, mask = _prompts()
+    kw = dict(eos_token_id=EOS, engine="vllm", vllm_options=OPTS, return_logprobs=True)
+    c_ids, c_mask, logp = generate_groups(
+        model, ids, mask, 4, 20, temperature=1.0, top_p=0.9, top_k=20,
+        generator=torch.Generator().manual_seed(0), **kw,
+    )  # fmt: skip
+    with torch.no_grad():
+        hidden = shared_prefix_forward(model, ids, mask, c_ids, c_mask)
+        ref = fused_linear_logprobs(hidden, lm_head_of(model).weight, c_ids)
+    ratio = torch.exp(ref - logp)[c_mask.bool()]
+    assert (ratio - 1).abs().max() <= 1e-4, ratio
+    with pytest.raises(ValueError, match="raw log-probs"):
+        generate_groups(model, ids, mask, 4, 20, temperature=0.8, top_p=0.9, **kw)
+
+
+@needs_vllm
 def test_sampled_logprobs_equal_the_trainers_and_sampling_options_map():
     model = _model("qwen2", seed=2)
     ids, mask = _prompts()
@@ -182,6 +202,11 @@ def test_training_with_vllm_rollouts_learns_like_native_and_resumes(tmp_path):
     assert acc["vllm"][1] >= acc["vllm"][0] + 0.3
     assert acc["vllm"][1] >= acc["native"][1] - 0.15  # within noise of the native run
     assert len([m for m in runs["vllm"] if "loss" in m]) == steps
+    # vLLM is not the training forward: TRL's sequence_mask correction ran, with its mismatch logged
+    steps_vllm = [m for m in runs["vllm"] if "loss" in m]
+    assert all("loss/is_ratio_mean" in m and m["loss/sampling_k3"] >= -1e-6 for m in steps_vllm)
+    assert all(abs(m["loss/sampling_k3"]) < 1e-6 for m in runs["native"] if "loss" in m)
+    print("vLLM mismatch (mean k3) per step:", [round(m["loss/sampling_k3"], 8) for m in steps_vllm][:10])
     assert json.loads((tmp_path / "vllm" / "config.json").read_text())["rollout"] == "vllm"
     # resume from the final checkpoint (step 60): the run goes on to 80 with vLLM rollouts
     resumed = _train(tmp_path / "vllm", "vllm", steps + 20, "--resume", "--no-overwrite-output-dir")
