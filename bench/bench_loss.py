@@ -1,6 +1,7 @@
 """GRPO loss from the last hidden state, forward and forward+backward: ours vs naive torch, TRL and Liger.
 
     python -m bench.bench_loss [--quick]
+    python -m bench.bench_loss --options [--ns 512]   # each loss-family option vs our dapo path
 
 Every provider computes the same TRL-semantics loss (dapo, beta 0.04 with reference log-probs, old log-probs,
 two-sided clip) from hidden (N, H) and an LM head (V, H), each measured in its own process.
@@ -63,13 +64,73 @@ def make_provider(name, h, w, tgt, mask, adv, old, ref):
             loss_type="dapo",
         )
         return lambda: lg(h, w, tgt, mask, adv, ref_per_token_logps=ref, old_per_token_logps=old)[0]
-    if name == "grpo_fast":
+    if name == "grpo_fast" or name.startswith("grpo_fast:"):
         from grpo_fast.kernels import fused_linear_grpo_loss
 
-        return lambda: fused_linear_grpo_loss(
-            h, w, tgt, mask, adv, old_logps=old, ref_logps=ref, beta=BETA, epsilon_low=EPS, loss_type="dapo"
-        )[0]
+        kw = dict(old_logps=old, ref_logps=ref, beta=BETA, epsilon_low=EPS, loss_type="dapo")
+        kw.update(OPTIONS[name.partition(":")[2]] if ":" in name else {})
+        if "sampling_correction" in kw or "off_policy_mask_threshold" in kw:
+            kw["sampling_logps"] = old + 0.05 * torch.randn_like(old)  # an engine a little off the trainer
+        return lambda: fused_linear_grpo_loss(h, w, tgt, mask, adv, **kw)[0]
     raise ValueError(f"unknown provider {name!r}")
+
+
+# each option of the loss family, measured against "grpo_fast" (dapo, token level) in the same run
+OPTIONS = {
+    "gspo": dict(importance_sampling_level="sequence"),  # today's row-wise (two-pass) path
+    "cispo": dict(loss_type="cispo", epsilon_high=5.0),
+    "sapo": dict(loss_type="sapo"),
+    "luspo": dict(loss_type="luspo"),
+    "vespo": dict(loss_type="vespo"),
+    "delta": dict(delta=1.5),
+    "token_truncate": dict(sampling_correction="token_truncate"),
+    "token_mask": dict(sampling_correction="token_mask"),
+    "sequence_mask": dict(sampling_correction="sequence_mask"),
+    "off_policy_mask": dict(off_policy_mask_threshold=0.5),
+    "top_entropy": dict(top_entropy_quantile=0.2),
+    "entropy_coef": dict(entropy_coef=0.01),
+}
+
+
+def options_main(argv):
+    """Each option's fwd+bwd time and memory on the CPU shape next to the dapo path, one process each."""
+    import argparse
+
+    from bench._utils import cpu_line, machine_info, markdown_table, sweep, write_results
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ns", default="512")
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args(argv)
+    H, V = 1024, 151936
+    base = dict(H=H, V=V, dtype="float32", repeats=args.repeats)
+    providers = ["grpo_fast"] + [f"grpo_fast:{k}" for k in OPTIONS] + ["grpo_fast"]  # dapo first and last
+    rows = sweep("bench_loss", providers, [int(n) for n in args.ns.split(",")], ["fwd_bwd"], base)
+    for r in rows:
+        if "error" in r:
+            continue
+        dapo = [x["median_ms"] for x in rows if x["provider"] == "grpo_fast" and x["N"] == r["N"]]
+        dapo_mem = [x["peak_mem_mb"] for x in rows if x["provider"] == "grpo_fast" and x["N"] == r["N"]]
+        r["time_vs_dapo"] = r["median_ms"] / (sum(dapo) / len(dapo))
+        r["mem_vs_dapo"] = r["peak_mem_mb"] / max(sum(dapo_mem) / len(dapo_mem), 1e-9)
+    info = machine_info()
+    cols = [
+        ("N", "N"),
+        ("provider", "option"),
+        ("median_ms", "median ms"),
+        ("peak_mem_mb", "peak MiB above inputs"),
+        ("time_vs_dapo", "time / dapo"),
+        ("mem_vs_dapo", "memory / dapo"),
+        ("error", "error"),
+    ]
+    md = (
+        f"# Loss-family options, fused loss forward+backward on the twin (H={H}, V={V}, fp32)\n\nMachine: "
+        f"{cpu_line(info)}, torch {info['versions']['torch']}, commit {info['git_commit']}. The dapo row "
+        "runs first and last (its mean is the reference).\n\n" + markdown_table(rows, cols) + "\n"
+    )
+    out = write_results("bench_loss_options", {"machine": info, "config": base, "rows": rows}, md)
+    print(md)
+    print(f"wrote {out}/bench_loss_options.{{json,md}}")
 
 
 def measure_one(a):
@@ -102,4 +163,4 @@ def main(argv=None):
 
 if __name__ == "__main__":
     if not worker_main(measure_one):
-        main(sys.argv[1:])
+        options_main(sys.argv[2:]) if sys.argv[1:2] == ["--options"] else main(sys.argv[1:])
