@@ -435,9 +435,12 @@ def twin_grad_from_logits(z, lse, targets, g_logp, inv_t, g_ent=None, ez=None):
     """Turn the fp32 logits tile `z` into d loss / d logits in place and return it."""
     ent_term = None
     if g_ent is not None:
-        # d entropy / dz = p * (E_p[z] - z), taken while z is still intact
-        ent_term = torch.exp(z - lse[:, None]).mul_(ez[:, None] - z).mul_(g_ent[:, None])
-    return twin_grad_from_probs(z.sub_(lse[:, None]).exp_(), targets, g_logp, inv_t, ent_term)
+        # d entropy / dz = p * (E_p[z] - z): (E_p[z] - z) g taken while z is intact, times p once p exists
+        ent_term = torch.sub(ez[:, None], z).mul_(g_ent[:, None])
+    p = z.sub_(lse[:, None]).exp_()
+    if ent_term is not None:
+        ent_term.mul_(p)
+    return twin_grad_from_probs(p, targets, g_logp, inv_t, ent_term)
 
 
 def twin_grad_from_probs(p, targets, g_logp, inv_t, extra=None):
@@ -474,6 +477,7 @@ def _twin_fwd(hidden, weight, bias, targets, inv_t, with_entropy):
     rows = max(1, min(N, TWIN_MAX_ROWS))
     vc = min(V, max(128, TWIN_TILE_ELEMS // rows))
     buf = torch.empty(rows * vc, **f32)
+    ebuf = torch.empty(rows * vc, **f32) if with_entropy else None  # the entropy's one temporary
     for i in range(0, N, rows):
         h, t = hidden[i : i + rows], targets[i : i + rows]
         n = h.shape[0]
@@ -489,9 +493,12 @@ def _twin_fwd(hidden, weight, bias, targets, inv_t, with_entropy):
             # 2. online logsumexp (and sum p*z for the entropy), consuming z in place
             m_new = torch.maximum(m, z.amax(dim=1))
             alpha = torch.exp(m - m_new)
-            if with_entropy:
-                sz = sz * alpha + (torch.exp(z - m_new[:, None]) * z).sum(1)
-            s = s * alpha + z.sub_(m_new[:, None]).exp_().sum(1)
+            if with_entropy:  # one exp of the slice: e = exp(z - m) gives s, then e * z (in place) gives sz
+                e = torch.sub(z, m_new[:, None], out=ebuf[: z.numel()].view_as(z)).exp_()
+                s = s * alpha + e.sum(1)
+                sz = sz * alpha + e.mul_(z).sum(1)
+            else:
+                s = s * alpha + z.sub_(m_new[:, None]).exp_().sum(1)
             m = m_new
         lse[i : i + n] = m + torch.log(s)
         logp[i : i + n] = zt - lse[i : i + n]
