@@ -5,8 +5,12 @@ Variant: GRPO (DeepSeekMath) with TRL 1.16 GRPOTrainer semantics. Per step: samp
 `(r - group mean) / (group std + eps)` (or batch std, or unscaled: `scale_rewards`); then `num_iterations`
 AdamW updates on the clipped probability-ratio loss, two-sided clip [1 - epsilon, 1 + epsilon_high], token-
 or sequence-level (GSPO) ratios, optional k3 KL to the reference model (beta), normalized as `loss_type`
-(default "dapo": summed over tokens, divided by the active tokens of the whole step). With num_iterations 1
-the update is on-policy (ratio 1, old log-probs never computed). Log-probs come from the model's last hidden
+(default "dapo": summed over tokens, divided by the active tokens of the whole step), or any other loss type
+of TRL 1.16 (cispo, sapo, luspo, vespo) with its options (delta, the off-policy mask, the entropy mask and
+bonus). With num_iterations 1 the update is on-policy (ratio 1, old log-probs never computed). The rollout
+engine's log-probs of its samples travel to the loss: their mismatch to the trainer's is logged every step,
+and for an engine that is not the training forward (vLLM) TRL's importance-sampling correction (default
+sequence_mask, clip 3) multiplies each sample's loss. Log-probs come from the model's last hidden
 state and LM head through `fused_linear_grpo_loss`: the (tokens x vocab) logits are never materialized.
 Under torchrun (DDP or FSDP2, `distributed.py`) each rank takes whole groups of the same global batch;
 advantages and the dapo normalizer are the global batch's, so a step equals the single-process step.

@@ -494,7 +494,8 @@ def _twin_fwd(hidden, weight, bias, targets, inv_t, with_entropy):
             m_new = torch.maximum(m, z.amax(dim=1))
             alpha = torch.exp(m - m_new)
             if with_entropy:  # one exp of the slice: e = exp(z - m) gives s, then e * z (in place) gives sz
-                e = torch.sub(z, m_new[:, None], out=ebuf[: z.numel()].view_as(z)).exp_()
+                e = ebuf[: z.numel()].as_strided(z.shape, z.stride())  # z's layout: no strided copy
+                e = torch.sub(z, m_new[:, None], out=e).exp_()
                 s = s * alpha + e.sum(1)
                 sz = sz * alpha + e.mul_(z).sum(1)
             else:
