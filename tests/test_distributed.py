@@ -40,8 +40,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _fixed_completions(model, prompt_ids, prompt_mask, G, C, **kwargs):
-    """G completions per prompt drawn from a generator seeded by the prompt's tokens: rank-independent."""
+def _fixed_completions(model, prompt_ids, prompt_mask, G, C, return_logprobs=False, **kwargs):
+    """G completions per prompt drawn from a generator seeded by the prompt's tokens: rank-independent; their
+    engine log-probs NaN (not scored: the loss treats them as ratio 1)."""
     V = model.config.vocab_size if hasattr(model, "config") else 64
     ids, lens = [], []
     for p, m in zip(prompt_ids.cpu(), prompt_mask.cpu()):
@@ -51,7 +52,8 @@ def _fixed_completions(model, prompt_ids, prompt_mask, G, C, **kwargs):
         lens.append(torch.randint(1, C + 1, (G,), generator=g))
     ids, lens = torch.cat(ids), torch.cat(lens)
     mask = (torch.arange(C)[None] < lens[:, None]).long()
-    return (ids * mask).to(prompt_ids.device), mask.to(prompt_ids.device)
+    out = (ids * mask).to(prompt_ids.device), mask.to(prompt_ids.device)
+    return (*out, torch.full(ids.shape, float("nan"), device=prompt_ids.device)) if return_logprobs else out
 
 
 def _completion_tokens(groups, P, C):  # a packed micro-batch's cost here: its completions' tokens
