@@ -7,6 +7,9 @@ Providers (same prompts, same sampling: T=1, no top-k / top-p, EOS ends a sample
   hf          HF `model.generate(num_return_sequences=G, do_sample=True)`: every prompt repeated G times
   reference   `generate_groups(engine="reference")`: our previous path (shared prompt KV, eager, per token)
   native      `generate_groups(engine="native")`: static KV cache, packed weights, no per-token host sync
+  native_bf16, native_int8   the native engine with its decode step's linear layers in a bf16 / int8
+              (weight-only, per-channel; fp32 LM head) copy (`rollout_dtype`); every native row also reports
+              the mismatch of its samples' log-probs to the fp32 training forward (mean k3, max ratio)
   native_compiled   the same with the decode step compiled (demo workload only on a CPU: compiling a 10- or
               30-layer step takes minutes here; it is the default on CUDA)
   vllm        `generate_groups(engine="vllm")`: vLLM in the worker's process (its own environment, `make
@@ -129,12 +132,16 @@ def measure_one(a: dict) -> dict:
             return _hf(model, ids, mask, G, c, eos, seed)
         engine = p.split("_")[0] if p.startswith(("reference", "vllm")) else "native"
         vllm = {"max_model_len": ids.shape[1] + C, "kv_cache_gb": 4, "threads": 1 if p == "vllm_1t" else None}
-        _, m = generate_groups(
+        kw = {"rollout_dtype": p.split("_")[1]} if p in ("native_bf16", "native_int8") else {}
+        out = generate_groups(
             model, ids, mask, G, c, temperature=1.0, eos_token_id=eos, engine=engine,
             compile=True if p == "native_compiled" else False, generator=torch.Generator().manual_seed(seed),
-            vllm_options=vllm if engine == "vllm" else None,
+            vllm_options=vllm if engine == "vllm" else None, return_logprobs=engine != "reference", **kw,
         )  # fmt: skip
-        return int(m.sum())
+        samples.append(out)
+        return int(out[1].sum())
+
+    samples = []
 
     with torch.no_grad():
         t0 = time.perf_counter()
@@ -150,6 +157,7 @@ def measure_one(a: dict) -> dict:
             tokens += call(C, seed)
             secs += time.perf_counter() - t0
         peak = peak_mib("cpu") - base
+    mismatch = _mismatch(model, ids, mask, samples[-1]) if p.startswith("native") else {}
     import transformers
 
     env = f"transformers {transformers.__version__}"
@@ -158,8 +166,23 @@ def measure_one(a: dict) -> dict:
 
         env += f", vllm {vllm_pkg.__version__}"
     return dict(
-        tokens=tokens, seconds=secs, tokens_per_s=tokens / secs, peak_mem_mb=peak, warmup_s=warm, env=env
-    )
+        tokens=tokens, seconds=secs, tokens_per_s=tokens / secs, peak_mem_mb=peak, warmup_s=warm, env=env,
+        **mismatch,
+    )  # fmt: skip
+
+
+def _mismatch(model, ids, mask, sample):
+    """The engine's log-probs of its samples vs the fp32 training forward's (what the correction sees)."""
+    from grpo_fast.kernels import fused_linear_logprobs
+
+    from grpo_fast.model_parts import lm_head_of
+    from grpo_fast.shared_prefix import shared_prefix_forward
+
+    c_ids, c_mask, logp = sample
+    hidden = shared_prefix_forward(model, ids, mask, c_ids, c_mask)
+    train = fused_linear_logprobs(hidden, lm_head_of(model).weight, c_ids, bias=lm_head_of(model).bias)
+    d = (train - logp)[c_mask.bool()]
+    return {"mismatch_k3": float((d.exp() - d - 1).mean()), "ratio_max": float(d.exp().max())}
 
 
 COLUMNS = [
@@ -171,6 +194,8 @@ COLUMNS = [
     ("tokens_per_s", "tokens/s"),
     ("vs_hf", "vs HF generate"),
     ("peak_mem_mb", "peak MiB"),
+    ("mismatch_k3", "mismatch to fp32 trainer (mean k3)"),
+    ("ratio_max", "max ratio"),
     ("warmup_s", "warm-up s (compile, start)"),
     ("env", "environment"),
     ("error", "note"),
@@ -183,6 +208,7 @@ def main(argv=None) -> None:
     ap.add_argument("--workloads", default="bench,real,real8,demo")
     ap.add_argument("--providers", default=",".join(PROVIDERS))
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--name", default="bench_generate", help="results file name")
     args = ap.parse_args(argv)
     rows = []
     for w in args.workloads.split(","):
@@ -216,7 +242,7 @@ def main(argv=None) -> None:
         + markdown_table(rows, COLUMNS)
         + "\n"
     )
-    name = "bench_generate" + ("_quick" if args.quick else "")
+    name = args.name + ("_quick" if args.quick else "")
     out = write_results(name, {"machine": info, "rows": rows, "repeats": args.repeats}, md)
     print(md)
     print(f"wrote {out}/{name}.{{json,md}}")

@@ -70,6 +70,13 @@ class GRPOConfig:
         "takes minutes), on, off",
         choices=("auto", "on", "off"),
     )
+    rollout_dtype: str = _f(
+        "model",
+        "native engine on the CPU: the decode step's linear layers in the policy's dtype (model), or a copy "
+        "in bf16 / int8 (weight-only; fp32 LM head) made after each optimizer step, or auto (bf16 where the "
+        "CPU multiplies bf16 natively); not the training forward, so the mismatch correction applies",
+        choices=("model", "auto", "fp32", "bf16", "int8"),
+    )
     vllm_gpu_memory_utilization: float = _f(
         0.3, "--rollout vllm on CUDA: the share of GPU memory vLLM takes for its weights and KV cache"
     )

@@ -6,8 +6,9 @@ Parts, from the model's config alone (no weights are loaded):
 - parameters, gradients, AdamW state, the reference model: counted on a model built on the meta device (LoRA
   adapters as the trainer adds them; AdamW keeps two tensors of each trainable parameter's dtype);
 - the rollout (native engine): the prompt KV (once per group with prefix sharing, else once per sample) and
-  each sample's completion KV at its fixed capacity, the prefill's working set, and on a CPU the linear
-  weights the engine packs for oneDNN for the call;
+  each sample's completion KV at its fixed capacity, the prefill's working set, and on a CPU the copy of the
+  linear weights the engine makes for the call (fp32 oneDNN-packed, or the --rollout-dtype's: bf16 half of
+  it, int8 a quarter with the LM head kept fp32);
 - training activations of one micro-batch: a probe runs the trainer's own forward (`completion_hidden_states`,
   gradient checkpointing and LoRA applied the same way) and backward on a 1- and a 2-layer model of this
   config at three small token counts, counting every tensor the step allocates and frees (a dispatch mode over
@@ -110,7 +111,28 @@ def parameter_bytes(config, cfg: GRPOConfig) -> dict:
         "weights": sum(p.numel() * p.element_size() for p in params),
         "trainable": sum(p.numel() * p.element_size() for p in params if p.requires_grad),
         "linear_weights": sum(w.numel() * 4 for w in linear),
+        "head_elements": lm_head_of(model).weight.numel(),
     }
+
+
+# bytes per weight element of the native engine's per-call copy, by rollout dtype: (layers, LM head)
+COPY_BYTES = {"fp32": (4, 4), "bf16": (2, 2), "int8": (1, 4)}
+
+
+def engine_copy_bytes(p: dict, cfg: GRPOConfig, device: str) -> float:
+    """The native CPU engine's copy of the linear weights for a call (fp32 packed, or the rollout dtype's)."""
+    dtype = cfg.rollout_dtype
+    if dtype == "auto":
+        from .rollout.native import auto_rollout_dtype
+
+        dtype = auto_rollout_dtype(
+            torch.device(device), torch.float32 if cfg.dtype == "fp32" else torch.bfloat16
+        )[0]
+    if device != "cpu" or (dtype == "model" and cfg.dtype != "fp32"):
+        return 0.0
+    layers_b, head_b = COPY_BYTES["fp32" if dtype == "model" else dtype]
+    head = p["head_elements"]
+    return (p["linear_weights"] / 4 - head) * layers_b + head * head_b
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -272,13 +294,13 @@ class Estimator:
             "reference model": p["weights"] if cfg.beta != 0 and cfg.lora_r == 0 else 0.0,
             "optimizer state": 2 * p["trainable"],
         }
-        # rollout: the native engine's KV, its prefill, and (CPU, fp32, eager) the packed linear weights
+        # rollout: the native engine's KV, its prefill, and (CPU, eager) its copy of the linear weights
         kv_tok = L * 2 * kvh * hd * b
         prompt_rows = n if cfg.share_prefix else n * G
         cap = max(1, -(-(C - 1) // 64) * 64)
         kv = kv_tok * (prompt_rows * P + n * G * cap)
         kv_unshared = kv_tok * (n * G * P + n * G * cap)
-        packed = p["linear_weights"] if self.device == "cpu" and cfg.dtype == "fp32" else 0.0
+        packed = engine_copy_bytes(p, cfg, self.device)
         prefill = self.probe(plan.gradient_checkpointing, cfg.share_prefix).forward_nograd(P, prompt_rows)
         prefill += kv_tok * prompt_rows * P
         decode = n * G * (V * 4 * 3 + C * 12)  # logits, probabilities, the draw's buffers; tokens, log-probs

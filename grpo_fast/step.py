@@ -19,7 +19,7 @@ from .kernels import fused_linear_grpo_loss, fused_linear_logprobs, group_advant
 from .model_parts import lm_head_of
 from .modeling import completion_hidden_states
 from .rewards import score
-from .rollout import EXACT_ENGINES, generate_groups, resolve_engine
+from .rollout import generate_groups, is_exact, native, resolve_engine
 from .rollout.vllm_engine import logprobs_mode_for
 
 
@@ -32,6 +32,7 @@ class Rollout:
     completion_mask: torch.Tensor
     sampling_logps: torch.Tensor  # (n * G, C) the engine's log-probs of its samples (rollout mismatch)
     engine: str  # the engine that ran: native | reference | vllm
+    rollout_dtype: str = "model"  # the precision it ran in ("model": the policy's own)
 
 
 @dataclass
@@ -62,6 +63,8 @@ def encode_prompts(rows, tokenizer, max_prompt_length, device):
 def engine_options(cfg: GRPOConfig) -> dict:
     """The rollout engine and its settings, as `generate_groups` takes them."""
     opts = {"engine": cfg.rollout, "compile": {"auto": "auto", "on": True, "off": False}[cfg.rollout_compile]}
+    if cfg.rollout_dtype != "model":
+        opts["rollout_dtype"] = cfg.rollout_dtype
     if cfg.rollout == "vllm":
         opts["vllm_options"] = {
             "max_model_len": cfg.max_prompt_length + cfg.max_completion_length,
@@ -95,7 +98,8 @@ def rollout(run, rows) -> Rollout:
             **engine_options(cfg),
         )
     engine, _ = resolve_engine(run.model, cfg.rollout)
-    return Rollout(texts, p_ids, p_mask, c_ids, c_mask, c_logp, engine)
+    dtype = native.engine_for(run.model).rollout_dtype if engine == "native" else "model"
+    return Rollout(texts, p_ids, p_mask, c_ids, c_mask, c_logp, engine, dtype)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -163,14 +167,15 @@ def sequence_logps(model, batch, cfg: GRPOConfig):
     return fused_linear_logprobs(hidden, head.weight, batch[2], bias=head.bias, temperature=cfg.temperature)
 
 
-def sampling_correction(cfg: GRPOConfig, engine: str):
+def sampling_correction(cfg: GRPOConfig, engine: str, rollout_dtype: str = "model"):
     """The rollout-mismatch correction mode, or None when the engine is the training forward (TRL's
-    vllm_importance_sampling_correction, on for every engine that is not exact)."""
-    exact = EXACT_ENGINES.get(engine, False)
-    return None if exact or not cfg.vllm_importance_sampling_correction else cfg.vllm_importance_sampling_mode
+    vllm_importance_sampling_correction, on for every engine or rollout dtype that is not exact)."""
+    if is_exact(engine, rollout_dtype) or not cfg.vllm_importance_sampling_correction:
+        return None
+    return cfg.vllm_importance_sampling_mode
 
 
-def loss_options(cfg: GRPOConfig, engine: str) -> dict:
+def loss_options(cfg: GRPOConfig, engine: str, rollout_dtype: str = "model") -> dict:
     """The fused loss's options from the config (TRL's names mapped to the kernel's)."""
     return dict(
         beta=cfg.beta,
@@ -180,7 +185,7 @@ def loss_options(cfg: GRPOConfig, engine: str) -> dict:
         importance_sampling_level=cfg.importance_sampling_level,
         max_completion_length=cfg.max_completion_length,
         delta=cfg.delta,
-        sampling_correction=sampling_correction(cfg, engine),
+        sampling_correction=sampling_correction(cfg, engine, rollout_dtype),
         sampling_clip_max=cfg.vllm_importance_sampling_clip_max,
         sampling_clip_min=cfg.vllm_importance_sampling_clip_min,
         off_policy_mask_threshold=cfg.off_policy_mask_threshold,
@@ -282,7 +287,7 @@ def optimize(run, ro: Rollout, sc: Scored) -> tuple[dict, float, int]:
             ctx = run.model.disable_adapter() if run.info["lora"] else nullcontext()
             with ctx:
                 ref = [(run.ref_policy or run.policy)(sequence_logps, b, cfg) for b in batches]
-    options = loss_options(cfg, ro.engine)
+    options = loss_options(cfg, ro.engine, ro.rollout_dtype)
     run.policy.train()
     for _ in range(cfg.num_iterations):
         metrics = {}

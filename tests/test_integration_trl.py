@@ -195,6 +195,20 @@ def test_three_training_steps_run(base_model, tmp_path):
     assert any((p.detach() - before[n]).abs().max() > 0 for n, p in model.named_parameters())
 
 
+def test_low_precision_native_rollout_is_corrected(base_model, tmp_path):
+    """rollout_dtype="bf16": the native engine's log-probs reach TRL's batch and the loss applies TRL's
+    correction (the default sequence_mask), its ratio logged; bad values are named."""
+    model = copy.deepcopy(base_model)
+    trainer = _trainer(integ.GRPOTrainer, model, tmp_path, {"rollout": "native", "rollout_dtype": "bf16"})
+    trainer.train()
+    ratios = trainer.state.log_history[-2].get("sampling/importance_sampling_ratio/mean")
+    assert trainer.state.global_step == 3 and ratios is not None and 0.5 < ratios < 1.5, (
+        trainer.state.log_history
+    )
+    with pytest.raises(ValueError, match="rollout_dtype must be one of"):
+        _trainer(integ.GRPOTrainer, copy.deepcopy(base_model), tmp_path, {"rollout_dtype": "bf16"})
+
+
 def test_native_rollout_opt_in_generates_what_trl_generates(tmp_path):
     # near-greedy sampling (a temperature so low that the softmax is one-hot): the native engine's completions
     # for TRL's batch (each prompt repeated for its samples) equal TRL's own `model.generate` ones

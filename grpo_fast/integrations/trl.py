@@ -37,7 +37,7 @@ import trl
 
 from ..kernels import fused_linear_grpo_loss, fused_linear_logprobs
 from ..model_parts import decoder_of, lm_head_of
-from ..rollout import generate_groups, native
+from ..rollout import generate_groups, is_exact, native
 from ..shared_prefix import shared_prefix_forward
 
 FUSED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
@@ -76,13 +76,19 @@ def equal_groups(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor):
 class GRPOTrainer(trl.GRPOTrainer):
     __doc__ = (trl.GRPOTrainer.__doc__ or "") + "\n\n(grpo-fast: " + __doc__.split("\n\n")[1] + ")"
 
-    def __init__(self, *args, rollout: str = "trl", **kwargs):
+    def __init__(self, *args, rollout: str = "trl", rollout_dtype: str = "model", **kwargs):
         if rollout not in ("trl", "native"):
             raise ValueError(
                 f"rollout must be 'trl' (TRL's generation) or 'native' (grpo-fast's), got {rollout!r}"
             )
+        if rollout_dtype not in native.ROLLOUT_DTYPES or (rollout_dtype != "model" and rollout != "native"):
+            raise ValueError(
+                f"rollout_dtype must be one of {native.ROLLOUT_DTYPES} (other than 'model' only with "
+                f"rollout='native'), got {rollout_dtype!r}"
+            )
         super().__init__(*args, **kwargs)
         self.grpo_fast_rollout = rollout
+        self.grpo_fast_rollout_dtype = rollout_dtype
         self.fused_fallback_reason = self._config_fallback_reason()
         self._fallback_warned = set()
         if self.fused_fallback_reason:
@@ -177,12 +183,18 @@ class GRPOTrainer(trl.GRPOTrainer):
         pad = self._tokenizer.pad_token_id or 0
         ids = torch.tensor([[pad] * (P - len(p)) + list(p) for p in unique], device=device)
         mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in unique], device=device)
-        completion, cmask = generate_groups(
+        completion, cmask, logp = generate_groups(
             self.accelerator.unwrap_model(self.model), ids, mask, G, self.max_completion_length,
             temperature=self.temperature, top_p=self.top_p if self.top_p is not None else 1.0,
             top_k=self.top_k or 0, eos_token_id=list(self.eos_token_ids), share_prefix=G > 1, engine="native",
+            rollout_dtype=self.grpo_fast_rollout_dtype, return_logprobs=True,
         )  # fmt: skip
-        return [c[m.bool()].tolist() for c, m in zip(completion.cpu(), cmask.cpu())], None
+        rows = [
+            (c[m.bool()].tolist(), lp[m.bool()].tolist())
+            for c, m, lp in zip(completion.cpu(), cmask.cpu(), logp.cpu())
+        ]
+        # the engine's log-probs reach TRL's batch as sampling_per_token_logps (the correction's input)
+        return [c for c, _ in rows], [lp for _, lp in rows]
 
     # ---------------------------------------------------------------------------------------------------
     # Hidden states and log-probs without logits
@@ -278,7 +290,12 @@ class GRPOTrainer(trl.GRPOTrainer):
             num_items = inputs["num_items_in_batch"].clamp(min=1.0).float() / self.accelerator.num_processes
             if mode == "train":
                 num_items = num_items * accumulation / self.args.steps_per_generation
-        correcting = self.use_vllm and self.vllm_importance_sampling_correction
+        # TRL corrects vLLM's samples; ours too when the native engine ran a low-precision copy of the policy
+        inexact = self.use_vllm or (
+            self.grpo_fast_rollout == "native"
+            and not is_exact("native", native.engine_for(model).rollout_dtype)
+        )
+        correcting = inexact and self.vllm_importance_sampling_correction
         entropy_coef = self.entropy_coef if self._entropy_bonus_enabled else 0.0
         if self.loss_type in ITEM_NORMALIZED:  # TRL's bonus is / accumulation whatever the loss type
             entropy_coef = entropy_coef / accumulation
@@ -332,8 +349,11 @@ class GRPOTrainer(trl.GRPOTrainer):
             "clip_ratio": "clip_ratio/region_mean",
             "cispo_clip_ratio": "cispo_clip_ratio",
             "vespo_phi_mean": "vespo/phi_seq_mean",
+            # our rollout's correction (TRL logs vLLM's at generation)
+            "is_ratio_mean": "sampling/importance_sampling_ratio/mean",
+            "sampling_logp_diff_mean": "sampling/sampling_logp_difference/mean",
         }
         for ours, theirs in names.items():
-            if ours in metrics:
+            if ours in metrics and not (self.use_vllm and theirs.startswith("sampling/")):
                 self._metrics[mode][theirs].append(reduce_mean(metrics[ours]))
         return loss

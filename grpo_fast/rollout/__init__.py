@@ -17,8 +17,15 @@ from . import native, reference, vllm_engine
 from .sampling import check_counts
 
 ENGINES = ("auto", "native", "reference", "vllm")
-# whether an engine's log-probs are the training forward's up to rounding (fp32 here: no mismatch to correct)
+# whether an engine's log-probs are the training forward's up to rounding (no mismatch to correct), when it
+# runs the policy's own dtype (rollout_dtype "model"); a low-precision rollout never is
 EXACT_ENGINES = {"native": True, "reference": True, "vllm": False}
+
+
+def is_exact(engine: str, rollout_dtype: str = "model") -> bool:
+    return EXACT_ENGINES.get(engine, False) and rollout_dtype in ("model", "fp32")
+
+
 _said: set = set()  # fallback reasons already printed
 
 
@@ -55,6 +62,7 @@ def generate_groups(
     compile="auto",
     return_logprobs=False,
     vllm_options=None,
+    rollout_dtype="model",
 ):
     """G sampled completions per prompt; sample s belongs to prompt s // G.
 
@@ -74,6 +82,10 @@ def generate_groups(
         vllm_options: vllm engine only, used when it is built (the first call for this model): max_model_len
             (default: the model's max_position_embeddings), gpu_memory_utilization, kv_cache_gb, threads,
             logprobs_mode (default: the one whose log-probs are the trainer's at this temperature).
+        rollout_dtype: native engine on the CPU: the precision of the decode step's linear layers, a copy
+            of the policy's weights made per call: "model" (the policy's own), "fp32", "bf16", "int8"
+            (weight-only, per-channel scales; fp32 LM head), or "auto" (bf16 where the CPU multiplies bf16
+            natively, printed with the reason). Not the training forward: the mismatch correction applies.
         return_logprobs: also return the (n_prompts * G, C') fp32 log-probs of the sampled tokens under
             softmax(logits / T) (T = 1 when greedy) over the whole vocabulary, before top-k / top-p: the
             distribution the trainer's loss scores, so an exact engine's ratio to the trainer is 1 whatever
@@ -89,8 +101,11 @@ def generate_groups(
     if kind == "native":
         return native.engine_for(model).generate(
             prompt_ids, prompt_mask, num_generations, max_new_tokens, share_prefix=share_prefix,
-            generator=generator, all_done=all_done, return_logprobs=return_logprobs, compile=compile, **kw,
+            generator=generator, all_done=all_done, return_logprobs=return_logprobs, compile=compile,
+            rollout_dtype=rollout_dtype, **kw,
         )  # fmt: skip
+    if rollout_dtype not in ("model", "auto"):
+        raise ValueError(f"rollout_dtype={rollout_dtype!r} needs the native engine, got engine {kind!r}")
     if kind == "vllm":  # prefix caching shares each group's prompt KV by itself
         opts = {"logprobs_mode": vllm_engine.logprobs_mode_for(temperature), **(vllm_options or {})}
         return vllm_engine.engine_for(model, **opts).generate(
@@ -107,4 +122,4 @@ def generate_groups(
     )  # fmt: skip
 
 
-__all__ = ["generate_groups", "resolve_engine", "ENGINES", "EXACT_ENGINES"]
+__all__ = ["generate_groups", "resolve_engine", "is_exact", "ENGINES", "EXACT_ENGINES"]

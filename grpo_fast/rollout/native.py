@@ -81,23 +81,69 @@ class _Buffers:
     noise: torch.Tensor  # (C, R) uniforms for the draws
 
 
-def _linear(mods, pack: bool, rows: int):
-    """x -> the outputs of the Linear modules `mods` on x, concatenated. On the CPU in fp32 their weights are
-    copied once per call into one oneDNN-packed matrix (3-4x faster than `F.linear` for the LM head at 16
-    rows, 1.5x for the layers); elsewhere the modules run as they are (LoRA included)."""
-    if pack:
-        w = torch.cat([m.weight for m in mods]) if len(mods) > 1 else mods[0].weight
-        biases = [m.bias for m in mods]
+def _weight_of(m):
+    """(weight, bias) of a Linear, or of a LoRA layer with its adapters merged (W + scale * B A)."""
+    if type(m) is torch.nn.Linear:
+        return m.weight.detach(), m.bias
+    from .vllm_engine import _merged_weight
+
+    return _merged_weight(m), m.get_base_layer().bias
+
+
+def _packed(w, bias, rows, dtype):
+    """oneDNN-packed weight in `dtype` (fp32 activations in and out)."""
+    packed = torch.ops.mkldnn._reorder_linear_weight(w.to(dtype), rows)
+    b = None if bias is None else bias.detach().to(dtype)
+    if dtype == torch.float32:
+        return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")
+    return lambda x: torch.ops.mkldnn._linear_pointwise(x.to(dtype), packed, b, "none", [], "").float()
+
+
+def _int8(w, bias, rows):
+    """Weight-only int8, one symmetric scale per output channel; activations stay fp32."""
+    scales = (w.float().abs().amax(1) / 127).clamp(min=1e-12)
+    wq = torch.round(w.float() / scales[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
+    b = None if bias is None else bias.detach().float()
+    if b is None:
+        return lambda x: torch.ops.aten._weight_int8pack_mm(x, wq, scales)
+    return lambda x: torch.ops.aten._weight_int8pack_mm(x, wq, scales) + b
+
+
+# how the decode step runs a linear layer, by rollout dtype (CPU; weights copied from the policy per call)
+LINEAR_FORMATS = {
+    "fp32": lambda w, b, rows: _packed(w, b, rows, torch.float32),
+    "bf16": lambda w, b, rows: _packed(w, b, rows, torch.bfloat16),
+    "int8": _int8,
+}
+# the LM head's format for each rollout dtype (int8 keeps an fp32 head: the logits are what is sampled)
+HEAD_FORMATS = {"fp32": "fp32", "bf16": "bf16", "int8": "fp32"}
+ROLLOUT_DTYPES = ("model", "auto", *LINEAR_FORMATS)
+
+
+def _linear(mods, fmt, rows: int):
+    """x -> the outputs of the Linear modules `mods` on x, concatenated. With a format (LINEAR_FORMATS) their
+    weights are copied once per call into one matrix of that format (fp32 oneDNN-packed: 3-4x faster than
+    `F.linear` for the LM head at 16 rows, 1.5x for the layers); None: the modules run as they are."""
+    if fmt is not None:
+        weights, biases = zip(*(_weight_of(m) for m in mods))
+        w = torch.cat(weights) if len(mods) > 1 else weights[0]
         bias = None
         if any(b is not None for b in biases):
             bias = torch.cat(
-                [b if b is not None else m.weight.new_zeros(m.out_features) for b, m in zip(biases, mods)]
+                [b if b is not None else w.new_zeros(m.out_features) for b, m in zip(biases, mods)]
             )
-        packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), rows)
-        return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+        return LINEAR_FORMATS[fmt](w, bias, rows)
     if len(mods) == 1:
         return mods[0]
     return lambda x: torch.cat([m(x) for m in mods], dim=-1)
+
+
+def _packable(m, fmt) -> bool:
+    """Whether `m` can be copied into `fmt`: a plain Linear, or (low precision) a LoRA layer, merged."""
+    if type(m) is torch.nn.Linear:
+        return True
+    base = getattr(m, "get_base_layer", None)
+    return fmt != "fp32" and base is not None and type(base()) is torch.nn.Linear
 
 
 def _norm(mod):
@@ -124,24 +170,27 @@ class _Layer:
     mlp: object
 
 
-def _layers(base, pack: bool, rows: int) -> list:
+def _layers(base, fmt, rows: int) -> list:
+    """The decoder layers as the step calls them; `fmt` a LINEAR_FORMATS key or None (the modules)."""
     out = []
     for layer in base.layers:
         a, m = layer.self_attn, layer.mlp
-        plain = all(type(x) is torch.nn.Linear for x in (a.q_proj, a.k_proj, a.v_proj, a.o_proj))
+        attn = [a.q_proj, a.k_proj, a.v_proj, a.o_proj]
+        f_attn = fmt if fmt and all(_packable(x, fmt) for x in attn) else None
         mlp_ok = all(hasattr(m, x) for x in ("gate_proj", "up_proj", "down_proj", "act_fn"))
-        plain_mlp = mlp_ok and all(type(x) is torch.nn.Linear for x in (m.gate_proj, m.up_proj, m.down_proj))
+        mlp = [m.gate_proj, m.up_proj, m.down_proj] if mlp_ok else []
+        f_mlp = fmt if fmt and mlp_ok and all(_packable(x, fmt) for x in mlp) else None
         out.append(
             _Layer(
                 norm1=_norm(layer.input_layernorm),
-                qkv=_linear([a.q_proj, a.k_proj, a.v_proj], pack and plain, rows),
+                qkv=_linear([a.q_proj, a.k_proj, a.v_proj], f_attn, rows),
                 q_norm=_norm(a.q_norm) if hasattr(a, "q_norm") else None,
                 k_norm=_norm(a.k_norm) if hasattr(a, "k_norm") else None,
-                o=_linear([a.o_proj], pack and plain, rows),
+                o=_linear([a.o_proj], f_attn, rows),
                 norm2=_norm(layer.post_attention_layernorm),
-                gate_up=_linear([m.gate_proj, m.up_proj], pack and plain_mlp, rows) if mlp_ok else None,
+                gate_up=_linear([m.gate_proj, m.up_proj], f_mlp, rows) if mlp_ok else None,
                 act=m.act_fn if mlp_ok else None,
-                down=_linear([m.down_proj], pack and plain_mlp, rows) if mlp_ok else None,
+                down=_linear([m.down_proj], f_mlp, rows) if mlp_ok else None,
                 mlp=m,
             )
         )
@@ -193,6 +242,7 @@ class NativeEngine:
         self.scaling = attn.scaling
         self.final_norm = _norm(self.base.norm)
         self.compile_mode = "auto"  # of the call in progress
+        self.rollout_dtype = "model"  # of the call in progress
         self._compiled = None
         self._module_weights = None
         self.stats = {"compile_s": 0.0, "compiled": False, "eager_reason": None, "calls": 0}
@@ -253,18 +303,23 @@ class NativeEngine:
         return bool(self.compile_mode) and not self.stats["eager_reason"]
 
     def _weights(self, rows, device, dtype):
-        """The layers and LM head as the step calls them: packed afresh for this call (eager CPU fp32: the
-        optimizer has moved the weights since the last call), or the modules themselves (built once, so that
-        a compiled step keeps seeing the same functions)."""
-        pack = (
-            PACK_CPU_WEIGHTS and device.type == "cpu" and dtype == torch.float32
-            and torch.backends.mkldnn.is_available() and not self.compiles(device)
-        )  # fmt: skip
-        if pack:
+        """The layers and LM head as the step calls them: copied afresh for this call into the rollout
+        dtype's format (eager CPU: the optimizer has moved the weights since the last call; fp32 packed, or a
+        low-precision copy), or the modules themselves (built once, so that a compiled step keeps seeing the
+        same functions)."""
+        fmt = self.rollout_dtype
+        if fmt == "model":
+            pack = (
+                PACK_CPU_WEIGHTS and device.type == "cpu" and dtype == torch.float32
+                and torch.backends.mkldnn.is_available() and not self.compiles(device)
+            )  # fmt: skip
+            fmt = "fp32" if pack else None
+        if fmt is not None:
             head = self.lm.lm_head
-            return _layers(self.base, True, rows), _linear([head], type(head) is torch.nn.Linear, rows)
+            head_fmt = HEAD_FORMATS[fmt] if _packable(head, HEAD_FORMATS[fmt]) else None
+            return _layers(self.base, fmt, rows), _linear([head], head_fmt, rows)
         if self._module_weights is None:
-            self._module_weights = (_layers(self.base, False, rows), self.lm.lm_head)
+            self._module_weights = (_layers(self.base, None, rows), self.lm.lm_head)
         return self._module_weights
 
     def _run_step(self, b, *args):
@@ -295,9 +350,10 @@ class NativeEngine:
     @torch.no_grad()
     def generate(
         self, prompt_ids, prompt_mask, G, max_new_tokens, *, temperature, top_p, top_k, eos_token_id,
-        share_prefix, generator, all_done, return_logprobs, compile="auto",
+        share_prefix, generator, all_done, return_logprobs, compile="auto", rollout_dtype="model",
     ):  # fmt: skip
-        self.compile_mode = compile
+        self.rollout_dtype = check_rollout_dtype(rollout_dtype, prompt_ids.device, self.lm.dtype)
+        self.compile_mode = compile if self.rollout_dtype == "model" else False
         n = prompt_ids.shape[0]
         if not share_prefix:  # one prompt copy per sample: groups of one
             prompt_ids = prompt_ids.repeat_interleave(G, 0)
@@ -419,6 +475,55 @@ def _compact(b: _Buffers, rows, final: _Final, produced: int):
 
 
 _ENGINES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def check_rollout_dtype(rollout_dtype, device, model_dtype) -> str:
+    """The rollout dtype as the engine runs it ("model" = the policy's own), or a ValueError saying why."""
+    if rollout_dtype not in ROLLOUT_DTYPES:
+        raise ValueError(f"rollout_dtype must be one of {ROLLOUT_DTYPES}, got {rollout_dtype!r}")
+    if rollout_dtype == "auto":
+        rollout_dtype = auto_rollout_dtype(device, model_dtype)[0]
+    if rollout_dtype != "model" and device.type != "cpu":
+        raise ValueError(
+            f"rollout_dtype={rollout_dtype!r} runs on the CPU engine's packed kernels; on {device.type} the "
+            "native engine runs the policy's dtype (rollout_dtype='model')"
+        )
+    if rollout_dtype != "model" and model_dtype != torch.float32:
+        raise ValueError(
+            f"rollout_dtype={rollout_dtype!r} is a copy of an fp32 policy, got a {model_dtype} one"
+        )
+    return "model" if rollout_dtype == "fp32" else rollout_dtype
+
+
+def cpu_flags() -> set:
+    try:
+        text = open("/proc/cpuinfo").read()
+    except OSError:
+        return set()
+    line = next((x for x in text.splitlines() if x.startswith("flags")), "")
+    return set(line.split(":", 1)[-1].split())
+
+
+_auto_said: set = set()
+
+
+def auto_rollout_dtype(device, model_dtype) -> tuple[str, str]:
+    """(rollout dtype, reason) for "auto": bf16 where the CPU multiplies bf16 natively (avx512_bf16 / AMX)
+    and the policy is fp32, else the policy's dtype. int8 (per-channel weight-only) is never picked: its
+    mismatch to the fp32 policy is too large (bench/results/cpu/bench_generate_rollout_dtype.md)."""
+    flags = cpu_flags() if device.type == "cpu" else set()
+    if device.type != "cpu":
+        pick, why = "model", f"{device.type}: the native engine runs the policy's dtype"
+    elif model_dtype != torch.float32:
+        pick, why = "model", f"the policy is {model_dtype}"
+    elif flags & {"avx512_bf16", "amx_bf16"}:
+        pick, why = "bf16", f"the CPU has {', '.join(sorted(flags & {'avx512_bf16', 'amx_bf16'}))}"
+    else:
+        pick, why = "model", "the CPU has no native bf16 (avx512_bf16 / amx_bf16)"
+    if why not in _auto_said:
+        _auto_said.add(why)
+        print(f"grpo-fast rollout dtype auto: {pick if pick != 'model' else 'fp32'} ({why})", flush=True)
+    return pick, why
 
 
 def engine_for(model) -> NativeEngine:
