@@ -15,6 +15,8 @@ Providers:
   trl_grpo_fast       grpo_fast.integrations.trl.GRPOTrainer (same arguments, our kernels)
   grpo_fast_unshared  grpo-fast's trainer, share_prefix off
   grpo_fast           grpo-fast's trainer, share_prefix on (the default)
+  grpo_fast_bf16      the same with --rollout-dtype bf16 (a bf16 copy of the policy decodes; the loss corrects
+                      the mismatch, TRL's sequence_mask)
   grpo_fast_vllm      the same with --rollout vllm (vLLM in the trainer's process, weights pushed every step;
                       run in the vLLM environment, `make setup-vllm`: transformers 5.19 there)
 
@@ -49,7 +51,8 @@ from grpo_fast.plotting import pyplot
 
 PROVIDERS = ["trl", "trl_liger", "trl_grpo_fast", "grpo_fast_unshared", "grpo_fast", "grpo_fast_vllm"]
 REAL_PROVIDERS = [
-    "trl", "trl_static_cache", "trl_grpo_fast", "trl_grpo_fast_native", "grpo_fast", "grpo_fast_vllm"
+    "trl", "trl_static_cache", "trl_grpo_fast", "trl_grpo_fast_native", "grpo_fast", "grpo_fast_bf16",
+    "grpo_fast_vllm",
 ]  # fmt: skip
 LABELS = {
     "trl": "TRL GRPOTrainer",
@@ -61,6 +64,7 @@ LABELS = {
     "grpo_fast_unshared": "grpo-fast, sharing off",
     "grpo_fast": "grpo-fast, sharing on",
     "grpo_fast_vllm": "grpo-fast, --rollout vllm",
+    "grpo_fast_bf16": "grpo-fast, --rollout-dtype bf16 (corrected)",
 }
 # the training settings both trainers get, under the names both use
 SAME_FOR_BOTH = dict(temperature=1.0, beta=0.0, loss_type="dapo", learning_rate=1e-6)
@@ -291,6 +295,7 @@ def run_grpo_fast(a: dict) -> dict:
         **SAME_FOR_BOTH,
         share_prefix=a["provider"] != "grpo_fast_unshared",
         rollout="vllm" if a["provider"] == "grpo_fast_vllm" else "auto",
+        rollout_dtype="bf16" if a["provider"] == "grpo_fast_bf16" else "model",
         output_dir=a["out"],
         overwrite_output_dir=True,
         max_memory_gb=(base_mib / 1024 + above) if above else 0.0,

@@ -121,6 +121,15 @@ def e2e_real_section(res, summary) -> str:
             f"{ours['step_s']:.1f} s.\n"
         )
     text += _vllm_e2e_line(rows, trl, ours, summary, "e2e_real_vllm_speedup_vs_trl")
+    low = _row(rows, provider="grpo_fast_bf16")
+    if trl and low:
+        speed = low["tokens_per_s"] / trl["tokens_per_s"]
+        summary.update(e2e_real_lowprec_speedup_vs_trl=speed)
+        text += (
+            f"With the rollout in a bf16 copy of the policy (`--rollout-dtype bf16`, mismatch corrected): "
+            f"**{speed:.2f}x** TRL's tokens/s (generation {low['generate_s']:.1f} s of a "
+            f"{low['step_s']:.1f} s step).\n"
+        )
     return text + _not_measured(rows)
 
 
