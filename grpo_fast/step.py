@@ -404,7 +404,8 @@ def evaluate(policy, tokenizer, rows, reward_funcs, cfg, device, dist: DistInfo 
             eos_token_id=tokenizer.eos_token_id,
             share_prefix=False,
             all_done=(lambda done: all_done(done, dist)) if dist.on else None,
-            **engine_options(cfg),
+            # the policy's own accuracy: never a low-precision copy of it
+            **{k: v for k, v in engine_options(cfg).items() if k != "rollout_dtype"},
         )
         completions = tokenizer.batch_decode(comp * cmask, skip_special_tokens=True)
         cols = reward_columns(chunk, 1, comp, cmask)
