@@ -47,3 +47,12 @@ def attention_implementation(model, name):
     finally:
         for c, impl in saved:
             c._attn_implementation = impl
+
+
+def merged_lora_weight(layer) -> torch.Tensor:
+    """W + scale * B A of a PEFT LoRA layer, from its active adapters (fp32 math), in W's dtype."""
+    w = layer.get_base_layer().weight.detach()
+    if getattr(layer, "merged", False):
+        return w
+    delta = sum(layer.get_delta_weight(a).float() for a in layer.active_adapters if a in layer.lora_A)
+    return (w.float() + delta).to(w.dtype) if torch.is_tensor(delta) else w

@@ -35,16 +35,16 @@ class LossParams:
     sequence_level: bool
     max_completion_length: int | None
     use_bias_correction_kl: bool
-    delta: float | None = None
-    correction: str | None = None
-    clip_min: float | None = None
-    clip_max: float | None = 3.0
-    off_policy_threshold: float | None = None
-    sapo_temperature_pos: float = 1.0
-    sapo_temperature_neg: float = 1.05
-    vespo: tuple = (2.0, 3.0, 3.0, 2.0)  # k_pos, lambda_pos, k_neg, lambda_neg
-    top_entropy_quantile: float = 1.0
-    entropy_coef: float = 0.0
+    delta: float | None
+    correction: str | None
+    clip_min: float | None
+    clip_max: float | None
+    off_policy_threshold: float | None
+    sapo_temperature_pos: float
+    sapo_temperature_neg: float
+    vespo: tuple  # k_pos, lambda_pos, k_neg, lambda_neg
+    top_entropy_quantile: float
+    entropy_coef: float
 
     @property
     def kind(self) -> int:
@@ -85,18 +85,18 @@ def make_loss_params(
     importance_sampling_level,
     max_completion_length,
     use_bias_correction_kl,
-    delta=None,
-    sampling_correction=None,
-    sampling_clip_max=3.0,
-    sampling_clip_min=None,
-    off_policy_mask_threshold=None,
-    sapo_temperature_pos=1.0,
-    sapo_temperature_neg=1.05,
-    vespo_k_pos=2.0,
-    vespo_lambda_pos=3.0,
-    vespo_k_neg=3.0,
-    vespo_lambda_neg=2.0,
-    top_entropy_quantile=1.0,
+    delta,
+    sampling_correction,
+    sampling_clip_max,
+    sampling_clip_min,
+    off_policy_mask_threshold,
+    sapo_temperature_pos,
+    sapo_temperature_neg,
+    vespo_k_pos,
+    vespo_lambda_pos,
+    vespo_k_neg,
+    vespo_lambda_neg,
+    top_entropy_quantile=1.0,  # the fused path's only; grpo_loss's defaults are in its signature
     entropy_coef=0.0,
 ) -> LossParams:
     if loss_type not in LOSS_TYPES:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..model_parts import causal_lm, position_ids_from_mask
+from ..model_parts import causal_lm, merged_lora_weight, position_ids_from_mask
 from .sampling import draw, eos_and_pad
 
 SUPPORTED_TYPES = ("llama", "qwen2", "qwen3", "mistral")
@@ -85,9 +85,7 @@ def _weight_of(m):
     """(weight, bias) of a Linear, or of a LoRA layer with its adapters merged (W + scale * B A)."""
     if type(m) is torch.nn.Linear:
         return m.weight.detach(), m.bias
-    from .vllm_engine import _merged_weight
-
-    return _merged_weight(m), m.get_base_layer().bias
+    return merged_lora_weight(m), m.get_base_layer().bias
 
 
 def _packed(w, bias, rows, dtype):

