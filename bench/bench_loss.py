@@ -11,6 +11,7 @@ import statistics
 import sys
 
 import torch
+from grpo_fast.kernels.logprobs import twin_chunk_rows
 
 from bench._utils import measure_mode, sweep_main, worker_main
 
@@ -103,8 +104,10 @@ def options_main(argv):
     ap.add_argument("--ns", default="512")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds over every option")
+    ap.add_argument("--hv", default="1024,151936", help="hidden size, vocabulary (576,49152: SmolLM2)")
+    ap.add_argument("--name", default="bench_loss_options", help="results file name")
     args = ap.parse_args(argv)
-    H, V = 1024, 151936
+    H, V = (int(x) for x in args.hv.split(","))
     base = dict(H=H, V=V, dtype="float32", repeats=args.repeats)
     providers = (["grpo_fast"] + [f"grpo_fast:{k}" for k in OPTIONS]) * args.rounds + ["grpo_fast"]
     runs = sweep("bench_loss", providers, [int(n) for n in args.ns.split(",")], ["fwd_bwd"], base)
@@ -143,13 +146,14 @@ def options_main(argv):
     ]
     md = (
         f"# Loss-family options, fused loss forward+backward on the twin (H={H}, V={V}, fp32)\n\nMachine: "
-        f"{cpu_line(info)}, torch {info['versions']['torch']}, commit {info['git_commit']}. Rounds "
+        f"{cpu_line(info)}, torch {info['versions']['torch']}, commit {info['git_commit']}; rows of {T_LEN} "
+        f"tokens, {twin_chunk_rows(V)} tokens per twin chunk. Rounds "
         f"interleaved ({args.rounds}, each option in its own process, dapo also last); each row the median "
         "over rounds.\n\n" + markdown_table(rows, cols) + "\n"
     )
-    out = write_results("bench_loss_options", {"machine": info, "config": base, "rows": rows}, md)
+    out = write_results(args.name, {"machine": info, "config": base, "rows": rows}, md)
     print(md)
-    print(f"wrote {out}/bench_loss_options.{{json,md}}")
+    print(f"wrote {out}/{args.name}.{{json,md}}")
 
 
 def measure_one(a):

@@ -4,8 +4,9 @@
 Only active (mask != 0) tokens are scored. Triton: the fused log-prob kernels (logits never whole) feed the
 loss kernel, whose gradient flows back through the log-prob backward. PyTorch twin: at token level one pass
 over chunks of tokens computes logits, log-probs, the loss and, since the loss is then known, every gradient
-(three matmuls, as plain PyTorch); at sequence level (GSPO) a first pass takes the log-probs and a second
-the gradients.
+(three matmuls, as plain PyTorch); options that need a whole row (sequence level, sequence-mode corrections,
+the off-policy mask, VESPO) take the same single pass over chunks of whole rows; only every token's entropy
+(top_entropy_quantile, entropy_coef) or a row longer than a chunk needs a scoring pass before the gradients.
 """
 
 import torch
@@ -34,9 +35,31 @@ from .loss import (
 from .loss_variants import loss_gates, token_weights
 
 
-def _one_pass(h, weight, bias, tgt, inv_t, w, adv, old, sampling, ref, m, params, need_grad, need_w=True):
-    """Token-local options (`params.token_local`) over active tokens (flat): loss, metric sums, the detached
-    log-probs and, when asked, every gradient (d weight only with need_w)."""
+def _row_chunks(mask, step):
+    """Chunks of whole rows with at most `step` active tokens each, as (first row, end row, first token, end
+    token) over the flat active tokens; None when a row alone holds more than `step`."""
+    counts = mask.reshape(mask.shape[0], -1).ne(0).sum(1).tolist()
+    if max(counts, default=0) > step:
+        return None
+    chunks, r0, t0, n = [], 0, 0, 0
+    for r, c in enumerate(counts):
+        if n + c > step:
+            chunks.append((r0, r, t0, t0 + n))
+            r0, t0, n = r, t0 + n, 0
+        n += c
+    if n:
+        chunks.append((r0, len(counts), t0, t0 + n))
+    return chunks
+
+
+def _one_pass(h, weight, bias, tgt, inv_t, w, adv, old, sampling, ref, m, params, need_grad, need_w, rows):
+    """One sweep over chunks of active tokens: loss, metric sums, the detached log-probs and, when asked,
+    every gradient (d weight only with need_w), each chunk's gradient taken while its softmax is at hand.
+
+    rows None: token-local options (`params.token_local`), flat chunks, every tensor flat over active tokens.
+    Otherwise `rows` = (chunks from `_row_chunks`, positions of the active tokens in (B * T), T): each chunk
+    holds whole rows, so a row's gates (sequence-mode correction, off-policy mask, VESPO's phi) and a
+    sequence-level ratio are known inside it; w, adv, old, sampling, ref, m are then (B, T) (adv (B, 1))."""
     N, H = h.shape
     grad_h = torch.zeros(N, H, dtype=h.dtype, device=h.device) if need_grad else None
     grad_w = None  # started by the first chunk with a gradient
@@ -45,38 +68,47 @@ def _one_pass(h, weight, bias, tgt, inv_t, w, adv, old, sampling, ref, m, params
         if need_grad and bias is not None
         else None
     )
-    sums = torch.zeros(5, dtype=torch.float32, device=h.device)  # loss, kl, low, high, region
+    sums = torch.zeros(6, dtype=torch.float32, device=h.device)  # loss, kl, low, high, region, count
     logps = torch.empty(N, dtype=torch.float32, device=h.device)
     step = twin_chunk_rows(weight.shape[0])
+    if rows is None:
+        chunks = [(i, min(i + step, N), slice(i, i + step)) for i in range(0, N, step)]
+    else:
+        row_chunks, pos, T = rows
+        chunks = [(t0, t1, slice(r0, r1)) for r0, r1, t0, t1 in row_chunks]
     buf = torch.empty(min(N, step) * weight.shape[0], dtype=torch.float32, device=h.device)
     part = lambda x, sl: None if x is None else x[sl]  # noqa: E731
-    for i in range(0, N, step):
-        sl = slice(i, i + step)
+    for t0, t1, sl in chunks:
+        tok = slice(t0, t1)
         # 1. logits tile, log-probs
-        z = twin_logits(h[sl], weight, bias, inv_t, out=buf)
-        zt = z.gather(1, tgt[sl, None]).squeeze(1)
+        z = twin_logits(h[tok], weight, bias, inv_t, out=buf)
+        zt = z.gather(1, tgt[tok, None]).squeeze(1)
         m_max = z.amax(dim=1)
         p = z.sub_(m_max[:, None]).exp_()  # the tile becomes the softmax in place: no second tile
         s = p.sum(1)
         p.div_(s[:, None])
         logp = zt - (m_max + torch.log(s))
-        logps[sl] = logp
-        # 2. the chunk's gates, loss and d loss / d logp (per token: the loss is known here)
-        gate = loss_gates(logp, part(old, sl), part(sampling, sl), None, adv[sl], m[sl], params).gate
+        logps[tok] = logp
+        # 2. the chunk's gates, loss and d loss / d logp (the loss is known here)
         with torch.enable_grad():
             lp = logp.requires_grad_(True)
+            x = lp
+            if rows is not None:  # the chunk's rows as (r, T), zeros on padding
+                r = sl.stop - sl.start
+                x = lp.new_zeros(r * T).index_copy(0, pos[tok] - sl.start * T, lp).view(r, T)
+            gates = loss_gates(x.detach(), part(old, sl), part(sampling, sl), None, adv[sl], m[sl], params)
             pt, kl, low, high = per_token_terms(
-                lp, part(old, sl), part(ref, sl), adv[sl], m[sl], params, gate
+                x, part(old, sl), part(ref, sl), adv[sl], m[sl], params, gates.gate, gates.phi
             )
             loss_c = (w[sl] * pt).sum()
             g = torch.autograd.grad(loss_c, lp)[0] if need_grad else None
-        low_s, high_s, region_s, _ = clip_metric_sums(low, high, m[sl], False)
+        clip_s = clip_metric_sums(low, high, m[sl], params.sequence_level)
         kl_s = (kl.detach() * m[sl]).sum() if kl is not None else sums.new_zeros(())
-        sums += torch.stack([loss_c.detach(), kl_s, low_s, high_s, region_s])
+        sums += torch.stack([loss_c.detach(), kl_s, *clip_s])
         # 3. gradients of this chunk: d logits in place of z, then d hidden, d weight, d bias
         if need_grad and bool(g.any()):
-            dz = twin_grad_from_probs(p, tgt[sl], g, inv_t)
-            grad_h[sl], grad_w = twin_accumulate(dz, h[sl], weight, grad_w, grad_b, need_w)
+            dz = twin_grad_from_probs(p, tgt[tok], g, inv_t)
+            grad_h[tok], grad_w = twin_accumulate(dz, h[tok], weight, grad_w, grad_b, need_w)
     if need_grad and need_w and grad_w is None:
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=h.device)
     return sums, logps, grad_h, grad_w, grad_b
@@ -116,26 +148,30 @@ def _fused_twin(hidden, weight, targets, mask, advantages, bias, inv_t, old, sam
     wt, bs = weight.detach(), None if bias is None else bias.detach()
     adv = advantages.reshape(-1).float()
     old, sampling, ref = (None if t is None else t.float() for t in (old, sampling, ref))
-    if not params.token_local or not need_grad:
+    row_chunks = None
+    if need_grad and not params.token_local and not params.needs_entropy:
+        row_chunks = _row_chunks(mask, twin_chunk_rows(weight.shape[0]))
+    if need_grad and (params.token_local or row_chunks is not None):
+        w = token_weights(mask, params, n_items)
+        if params.token_local:  # flat over active tokens
+            flat = lambda x: None if x is None else x.reshape(-1).index_select(0, idx)  # noqa: E731
+            args = (flat(w), flat(adv[:, None].expand(B, T)), flat(old), flat(sampling), flat(ref))
+            m, rows = flat(mask.float()), None
+        else:  # (B, T): each chunk whole rows
+            args = (w, adv[:, None], old, sampling, ref)
+            m, rows = mask.float(), (row_chunks, idx, T)
+        sums, logps, gh, gw, gb = _one_pass(h, wt, bs, tgt, inv_t, *args, m, params, need_grad, need_w, rows)
+        loss = sums[0]
+        metrics = finish_metrics(*sums[2:6], sums[1], mask.float().sum(), ref is not None, params.kind)
+        if rows is not None:  # the gates' metrics over the whole batch, on (B, T)
+            logps = logps.new_zeros(B * T).index_copy_(0, idx, logps).view(B, T)
+        gates = loss_gates(logps, args[2], args[3], None, args[1], m, params)
+        metrics.update({k: v.detach().float() for k, v in gates.metrics.items()})
+    else:  # entropy options, rows longer than a chunk, no gradient: score all, then differentiate
         loss, metrics, gh, gw, gb = _two_pass(
             h, wt, bs, tgt, inv_t, B, T, idx, mask, adv, old, sampling, ref, params, n_items,
             need_w if need_grad else None,
         )  # fmt: skip
-    else:
-        flat = lambda x: None if x is None else x.reshape(-1).index_select(0, idx)  # noqa: E731
-        adv_tok, m_tok = flat(adv[:, None].expand(B, T)), flat(mask.float())
-        w = token_weights(mask, params, n_items)
-        sums, logps, gh, gw, gb = _one_pass(
-            h, wt, bs, tgt, inv_t, flat(w), adv_tok, flat(old), flat(sampling), flat(ref), m_tok, params,
-            need_grad, need_w,
-        )  # fmt: skip
-        loss = sums[0]
-        n_tok = mask.float().sum()
-        metrics = finish_metrics(
-            sums[2], sums[3], sums[4], n_tok, sums[1], n_tok, ref is not None, params.kind
-        )
-        gates = loss_gates(logps, flat(old), flat(sampling), None, adv_tok, m_tok, params)
-        metrics.update({k: v.detach().float() for k, v in gates.metrics.items()})
     if not need_grad:
         return loss, metrics
     grad_hidden = torch.zeros(B * T, H, dtype=hidden.dtype, device=hidden.device)
@@ -173,10 +209,11 @@ def fused_linear_grpo_loss(
     entropy, computed in the same sweep over the vocabulary. Memory: Triton holds one (64 x 128) fp32 logits
     tile per program; the twin one fp32 tile of about 2**24 elements (C x V, C = 128 tokens at V=151,936;
     see `twin_chunk_rows`), at most one temporary of that size, and the fp32 weight gradient. Passes: the
-    twin scores and differentiates each chunk of tokens at once when every factor of a token's loss is
-    known from that token (token level, token-mode corrections); options that need whole rows or every
-    token's entropy (sequence level, sequence-mode corrections, the off-policy mask, vespo,
-    top_entropy_quantile, entropy_coef) take a scoring pass first, as Triton always does.
+    twin scores and differentiates each chunk at once: chunks of tokens when every factor of a token's loss
+    is known from that token, chunks of whole rows for options that need a row (sequence level,
+    sequence-mode corrections, the off-policy mask, vespo). Options that need every token's entropy
+    (top_entropy_quantile, entropy_coef), and rows longer than a chunk, take a scoring pass first, as Triton
+    always does.
 
     Args:
         hidden: (B, T, H) float tensor, the LM head's input at the positions predicting `targets`.

@@ -18,6 +18,7 @@ and sequence) and every off-policy KL clearly on one side of each edge used here
 
 import inspect
 import math
+import sys
 import textwrap
 from collections import defaultdict
 from types import SimpleNamespace
@@ -530,7 +531,39 @@ FUSED_SETS = {
 @pytest.mark.parametrize("options", list(FUSED_SETS))
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_fused_matches_trl(impl, options, loss_type):
-    opts = dict(FUSED_SETS[options])
+    _check_fused(impl, FUSED_SETS[options], loss_type)
+
+
+# Options that need whole rows but no entropy: the twin's single pass over chunks of whole rows. Tiles of
+# 40 tokens split the rows (37 | 18 0 5 | 30 | 12) over four chunks; 16 is shorter than a row, so the twin
+# scores everything first instead.
+ROW_SETS = {
+    "sequence-opm-sequence_mask-kl": dict(
+        dtype=torch.float32, bias=True, with_old=True, importance_sampling_level="sequence", beta=0.04,
+        sampling_correction="sequence_mask", off_policy_mask_threshold=OFF_POLICY,
+    ),
+    "token-sequence_truncate-num_items": dict(
+        dtype=torch.float32, bias=False, with_old=False, importance_sampling_level="token",
+        sampling_correction="sequence_truncate", sampling_clip_min=0.5, num_items_in_batch=123,
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("tile_tokens", [40, 16])
+@pytest.mark.parametrize("options", list(ROW_SETS))
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_fused_row_chunks_match_trl(monkeypatch, tile_tokens, options, loss_type):
+    fused_mod = sys.modules[fused_linear_grpo_loss.__module__]
+    scoring_passes = []
+    two_pass = fused_mod._two_pass
+    monkeypatch.setattr(fused_mod, "twin_chunk_rows", lambda V: tile_tokens)
+    monkeypatch.setattr(fused_mod, "_two_pass", lambda *a: scoring_passes.append(1) or two_pass(*a))
+    _check_fused("torch", ROW_SETS[options], loss_type)
+    assert len(scoring_passes) == (0 if tile_tokens >= max(LENGTHS) else 1)
+
+
+def _check_fused(impl, options, loss_type):
+    opts = dict(options)
     dtype, bias, with_old = opts.pop("dtype"), opts.pop("bias"), opts.pop("with_old")
     hidden, weight, b, targets, mask, adv, tensors = _fused_problem(
         dtype, bias, with_old, opts.get("top_entropy_quantile", 1.0)
@@ -555,6 +588,9 @@ def test_fused_matches_trl(impl, options, loss_type):
         if x is not None:
             assert g is not None and g.dtype == dtype, name
             _assert_close(name, g, r, lg, dtype)
+    if opts.get("top_entropy_quantile", 1.0) == 1.0 and not opts.get("entropy_coef"):
+        for m in (exact[1], lowp[1]):  # entropy is computed (and reported) only when the options need it
+            m.pop("entropy", None)
     _assert_metrics(ours[1], exact[1], lowp[1], dtype)
 
 
