@@ -47,6 +47,22 @@ class GRPOConfig:
         "a failing reward function stops training, or its samples are dropped",
         choices=("raise", "skip"),
     )
+    # --- multi-turn: tools and environments (TRL's names) ---
+    tools: list = _f(
+        None,
+        "a tool the model may call, path/file.py:function with type hints and a docstring (repeatable); "
+        "rollouts become multi-turn",
+        action="append",
+    )
+    environment: str = _f(
+        "",
+        "path/file.py:Class, TRL's environment_factory: one instance per rollout, reset(**row) before it, "
+        "its public methods are tools, its optional get_reward() a reward",
+    )
+    max_tool_calling_iterations: int = _f(
+        None, "tool rounds per rollout (default: until max_completion_length)", type=int
+    )
+    tool_timeout_s: float = _f(10.0, "seconds each tool call may run (then: an error message to the model)")
     # --- generation ---
     num_generations: int = _f(8, "completions per prompt (the group size G)")
     prompts_per_step: int = _f(8, "prompts per optimizer step (each yields num_generations completions)")
@@ -318,7 +334,13 @@ def validate(cfg: GRPOConfig, require_reward: bool = True) -> GRPOConfig:
             "trainer scores them, which biases the rollout-mismatch correction; sample at temperature 1, or "
             "without top_p / top_k, or pass --no-vllm-importance-sampling-correction"
         )
-    if require_reward and not cfg.reward:
+    if cfg.max_tool_calling_iterations is not None and cfg.max_tool_calling_iterations < 0:
+        raise ValueError(
+            f"max_tool_calling_iterations must be None or >= 0, got {cfg.max_tool_calling_iterations}"
+        )
+    if not cfg.tool_timeout_s > 0:
+        raise ValueError(f"tool_timeout_s must be > 0 seconds, got {cfg.tool_timeout_s}")
+    if require_reward and not cfg.reward and not cfg.environment:
         raise ValueError("no reward function: pass --reward NAME or --reward path/file.py:func")
     return cfg
 

@@ -84,7 +84,7 @@ def train_and_eval_rows(cfg) -> tuple[list[dict], list[dict]]:
 
 
 # keyword arguments every reward function gets from the trainer itself, not from a dataset column
-_TRAINER_ARGUMENTS = ("prompts", "completions", "completion_ids")
+_TRAINER_ARGUMENTS = ("prompts", "completions", "completion_ids", "environments")  # environments: multi-turn
 
 
 def reward_columns_needed(func) -> list[str]:

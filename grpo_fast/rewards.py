@@ -63,9 +63,14 @@ def extract_answer(completion: str) -> str | None:
 
 
 def _to_text(completion) -> str:
-    # conversational completions: [{"role": "assistant", "content": ...}]
+    # conversational completions: [{"role": "assistant", "content": ...}, {"role": "tool", ...}, ...]: the
+    # model's own text only (a tool's answer is not the model's)
     if isinstance(completion, list):
-        return "".join(m.get("content", "") for m in completion if isinstance(m, dict))
+        return "".join(
+            m.get("content") or ""
+            for m in completion
+            if isinstance(m, dict) and m.get("role", "assistant") == "assistant"
+        )
     return str(completion)
 
 
@@ -224,16 +229,23 @@ def load_reward(spec: str, max_completion_length: int = 256, allow_unsandboxed_c
             f"--reward {spec!r}: expected a built-in ({', '.join(BUILTINS)}, overlong[:N]) "
             "or path/to/file.py:function"
         )
-    path, name = spec.rsplit(":", 1)
+    return load_from_file(spec, "--reward", "function")
+
+
+def load_from_file(spec: str, flag: str, what: str = "function"):
+    """The callable `name` of "path/to/file.py:name" (a reward, a tool, an environment class)."""
+    path, _, name = spec.rpartition(":")
+    if not path or not name:
+        raise ValueError(f"{flag} {spec!r}: expected path/to/file.py:{what}")
     if not Path(path).is_file():
-        raise ValueError(f"--reward {spec!r}: no such file {path!r}")
-    mod_spec = importlib.util.spec_from_file_location(f"user_reward_{Path(path).stem}", path)
+        raise ValueError(f"{flag} {spec!r}: no such file {path!r}")
+    mod_spec = importlib.util.spec_from_file_location(f"user_{flag.strip('-')}_{Path(path).stem}", path)
     module = importlib.util.module_from_spec(mod_spec)
     mod_spec.loader.exec_module(module)
-    func = getattr(module, name, None)
-    if not callable(func):
-        raise ValueError(f"--reward {spec!r}: {path} has no function {name!r}")
-    return func
+    obj = getattr(module, name, None)
+    if not callable(obj):
+        raise ValueError(f"{flag} {spec!r}: {path} has no {what} {name!r}")
+    return obj
 
 
 def reward_name(func) -> str:

@@ -20,6 +20,7 @@ from .model_parts import lm_head_of
 from .modeling import completion_hidden_states
 from .rewards import score
 from .rollout import generate_groups, is_exact, native, resolve_engine
+from .rollout.trajectories import generate_trajectories
 from .rollout.vllm_engine import logprobs_mode_for
 
 
@@ -33,6 +34,16 @@ class Rollout:
     sampling_logps: torch.Tensor  # (n * G, C) the engine's log-probs of its samples (rollout mismatch)
     engine: str  # the engine that ran: native | reference | vllm
     rollout_dtype: str = "model"  # the precision it ran in ("model": the policy's own)
+    # multi-turn (tools / environments): 1 on the model's tokens, 0 on the tools' (None: single-turn)
+    tool_mask: torch.Tensor | None = None
+    messages: list | None = None  # per completion: its assistant and tool messages
+    environments: list | None = None  # per completion, with an environment
+    tool_metrics: dict | None = None  # tools/call_frequency, tools/failure_frequency, turns_mean
+
+    @property
+    def model_mask(self) -> torch.Tensor:
+        """The tokens the model wrote (what the loss and every token count see)."""
+        return self.completion_mask if self.tool_mask is None else self.completion_mask * self.tool_mask
 
 
 @dataclass
@@ -77,6 +88,8 @@ def engine_options(cfg: GRPOConfig) -> dict:
 
 def rollout(run, rows) -> Rollout:
     """G completions for each of `rows`' prompts, sampled by the policy (eval mode, no grad)."""
+    if run.multi_turn:
+        return multi_turn_rollout(run, rows)
     cfg = run.cfg
     texts, p_ids, p_mask = encode_prompts(rows, run.tokenizer, cfg.max_prompt_length, run.device)
     run.policy.eval()
@@ -100,6 +113,48 @@ def rollout(run, rows) -> Rollout:
     engine, _ = resolve_engine(run.model, cfg.rollout)
     dtype = native.engine_for(run.model).rollout_dtype if engine == "native" else "model"
     return Rollout(texts, p_ids, p_mask, c_ids, c_mask, c_logp, engine, dtype)
+
+
+def multi_turn_rollout(run, rows) -> Rollout:
+    """G trajectories for each of `rows`' prompts in which the model may call tools (grpo_fast.rollout.
+    trajectories): one completion per trajectory, model and tool turns interleaved, `tool_mask` telling them
+    apart."""
+    cfg = run.cfg
+    run.policy.eval()
+    with torch.no_grad():
+        tr = run.policy(
+            generate_trajectories,
+            run.tokenizer,
+            [r["prompt"] for r in rows],
+            cfg.num_generations,
+            cfg.max_completion_length,
+            tools=run.tools,
+            environment_factory=run.environment_factory,
+            rows=rows,
+            max_tool_calling_iterations=cfg.max_tool_calling_iterations,
+            tool_timeout_s=cfg.tool_timeout_s,
+            max_prompt_length=cfg.max_prompt_length,
+            temperature=cfg.temperature,
+            top_p=cfg.top_p,
+            top_k=cfg.top_k,
+            eos_token_id=run.tokenizer.eos_token_id,
+            share_prefix=cfg.share_prefix,
+            generator=run.generator,
+            **engine_options(cfg),
+        )
+    engine, _ = resolve_engine(run.model, cfg.rollout)
+    dtype = native.engine_for(run.model).rollout_dtype if engine == "native" else "model"
+    n = len(tr.turns)
+    metrics = {
+        "tools/call_frequency": sum(tr.tool_calls) / n,
+        "tools/failure_frequency": sum(tr.tool_failures) / max(1, sum(tr.tool_calls)),
+        "turns_mean": sum(tr.turns) / n,
+        "tool_tokens_mean": float((tr.completion_mask * (1 - tr.tool_mask)).sum()) / n,
+    }
+    return Rollout(
+        tr.texts, tr.prompt_ids, tr.prompt_mask, tr.completion_ids, tr.completion_mask, tr.logprobs, engine,
+        dtype, tr.tool_mask, tr.messages, tr.environments, metrics,
+    )  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -136,23 +191,32 @@ def advantages_of(rewards: torch.Tensor, G: int, scale: str) -> torch.Tensor:
 def score_rollout(run, rows, ro: Rollout) -> Scored:
     """Rewards of this rank's completions, group advantages over the global batch, the loss mask."""
     cfg, G, dist = run.cfg, run.cfg.num_generations, run.dist
-    completions = run.tokenizer.batch_decode(ro.completion_ids * ro.completion_mask, skip_special_tokens=True)
+    columns = reward_columns(rows, G, ro.completion_ids, ro.model_mask)
+    if ro.messages is not None:  # multi-turn: the trajectory's messages, as TRL passes them
+        completions = ro.messages
+        if ro.environments is not None:
+            columns["environments"] = ro.environments
+    else:
+        completions = run.tokenizer.batch_decode(
+            ro.completion_ids * ro.completion_mask, skip_special_tokens=True
+        )
     scores = score(
         run.reward_funcs,
         run.reward_weights,
         [t for t in ro.texts for _ in range(G)],
         completions,
-        reward_columns(rows, G, ro.completion_ids, ro.completion_mask),
+        columns,
         on_error=cfg.on_reward_error,
     )
     all_rewards = all_gather_rows(scores.rewards.to(run.device), dist)
     mine = slice(dist.rank * len(completions), (dist.rank + 1) * len(completions))
     advantages = advantages_of(all_rewards, G, cfg.scale_rewards)[mine]
-    loss_mask = ro.completion_mask.clone()
+    loss_mask = ro.model_mask.clone()  # tool tokens are attended, never trained on nor counted
     loss_mask[scores.failed.to(run.device)] = 0
-    if cfg.mask_truncated_completions:
-        ended = (ro.completion_ids == run.tokenizer.eos_token_id) & ro.completion_mask.bool()
-        loss_mask[~ended.any(dim=1)] = 0
+    if cfg.mask_truncated_completions:  # truncated: the last token is not EOS
+        last = (ro.completion_mask.sum(1) - 1).clamp(min=0)
+        ended = ro.completion_ids.gather(1, last[:, None]).squeeze(1) == run.tokenizer.eos_token_id
+        loss_mask[~(ended & ro.completion_mask.any(1).bool())] = 0
     return Scored(scores, all_rewards, advantages, loss_mask)
 
 
@@ -344,9 +408,9 @@ def step_record(run, ro: Rollout, sc: Scored, metrics: dict, grad_norm: float, t
     dist, G = run.dist, run.cfg.num_generations
     metrics = reduce_metrics(metrics, sc.loss_mask.sum(), dist)
     all_scores = all_gather_rows(sc.scores.per_func.to(run.device), dist).cpu()
+    model_tokens = ro.model_mask.sum()  # the model's tokens (a tool's turn is not the model's)
     counts = all_sum(
-        torch.stack([ro.prompt_mask.sum() * G + ro.completion_mask.sum(), ro.completion_mask.sum()]).float(),
-        dist,
+        torch.stack([ro.prompt_mask.sum() * G + ro.completion_mask.sum(), model_tokens]).float(), dist
     )
     n_tokens, n_completion_tokens = counts.tolist()  # tokens as if unshared: comparable across modes
     rewards = sc.all_rewards
@@ -363,7 +427,8 @@ def step_record(run, ro: Rollout, sc: Scored, metrics: dict, grad_norm: float, t
         **{f"loss/{k}": v for k, v in metrics.items()},  # the loss type's clip ratios, the mismatch, masks
         "grad_norm": grad_norm,
         "completion_len_mean": n_completion_tokens / len(rewards),
-        "completion_len_max": int(all_gather_rows(ro.completion_mask.sum(1), dist).max()),
+        "completion_len_max": int(all_gather_rows(ro.model_mask.sum(1), dist).max()),
+        **(ro.tool_metrics or {}),
         "tokens_per_s": n_tokens / (t3 - t0),
         "peak_mem_mb": max(peaks),  # this step's, this rank's (grpo_fast.memory)
         "peak_mem_rollout_mb": peaks[0],
@@ -381,9 +446,12 @@ def step_record(run, ro: Rollout, sc: Scored, metrics: dict, grad_norm: float, t
 # Held-out evaluation
 # --------------------------------------------------------------------------------------------------------
 @torch.no_grad()
-def evaluate(policy, tokenizer, rows, reward_funcs, cfg, device, dist: DistInfo | None = None) -> dict:
-    """Greedy accuracy on held-out prompts: the share whose first reward function pays its full 1.0.
-    Distributed, each rank takes every world-th prompt; all ranks run the same number of chunks."""
+def evaluate(
+    policy, tokenizer, rows, reward_funcs, cfg, device, dist: DistInfo | None = None, tools=None, env=None
+) -> dict:
+    """Greedy accuracy on held-out prompts: the share whose first reward function pays its full 1.0 (with
+    tools / an environment: of greedy multi-turn trajectories). Distributed, each rank takes every world-th
+    prompt; all ranks run the same number of chunks."""
     dist = dist or DistInfo()
     policy.eval()
     mine = rows[dist.rank :: dist.world]
@@ -393,6 +461,22 @@ def evaluate(policy, tokenizer, rows, reward_funcs, cfg, device, dist: DistInfo 
         chunk = mine[k * 64 : (k + 1) * 64]
         counted = len(chunk)
         chunk = chunk or rows[:1]  # a rank with nothing left still steps with the others (FSDP)
+        if tools or env is not None:
+            tr = policy(
+                generate_trajectories, tokenizer, [r["prompt"] for r in chunk], 1, cfg.max_completion_length,
+                tools=tools, environment_factory=env, rows=chunk, temperature=0.0,
+                max_tool_calling_iterations=cfg.max_tool_calling_iterations,
+                tool_timeout_s=cfg.tool_timeout_s, max_prompt_length=cfg.max_prompt_length,
+                eos_token_id=tokenizer.eos_token_id,
+                **{k: v for k, v in engine_options(cfg).items() if k != "rollout_dtype"},
+            )  # fmt: skip
+            cols = reward_columns(chunk, 1, tr.completion_ids, tr.completion_mask * tr.tool_mask)
+            if tr.environments is not None:
+                cols["environments"] = tr.environments
+            scored = score(reward_funcs[:1], [1.0], tr.texts, tr.messages, cols, on_error="skip")
+            hits += int((scored.per_func[:counted, 0] >= 1.0 - 1e-6).sum())
+            total += counted
+            continue
         texts, ids, mask = encode_prompts(chunk, tokenizer, cfg.max_prompt_length, device)
         comp, cmask = policy(
             generate_groups,

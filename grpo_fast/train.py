@@ -59,8 +59,9 @@ from .distributed import (
 from .memory import map_large_allocations, peak_mib, release_free_memory, reset_peak
 from .modeling import load_model_and_tokenizer, load_weights_from_checkpoint, model_path
 from .plotting import pyplot
-from .rewards import load_reward, reward_name
+from .rewards import load_from_file, load_reward, reward_name
 from .step import encode_prompts, evaluate, optimize, rollout, score_rollout, step_record
+from .tools import Toolbox
 
 __all__ = ["train", "main", "encode_prompts"]
 
@@ -94,6 +95,12 @@ class Run:
     log: "MetricsLog | None" = None
     saved: dict = field(default_factory=dict)
     packer: Packer | None = None  # micro-batches packed to --max-memory-gb (grpo_fast.batching)
+    tools: list = field(default_factory=list)  # --tools: multi-turn rollouts
+    environment_factory: object = None  # --environment: one instance per rollout
+
+    @property
+    def multi_turn(self) -> bool:
+        return bool(self.tools) or self.environment_factory is not None
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -173,8 +180,9 @@ def after_step(run: Run, record: dict, bar) -> None:
 
 def evaluate_and_log(run: Run) -> None:
     run.last_eval = evaluate(
-        run.policy, run.tokenizer, run.eval_rows, run.reward_funcs, run.cfg, run.device, run.dist
-    )
+        run.policy, run.tokenizer, run.eval_rows, run.reward_funcs, run.cfg, run.device, run.dist,
+        run.tools, run.environment_factory,
+    )  # fmt: skip
     log_record(run, {"step": run.step, **run.last_eval})
 
 
@@ -241,6 +249,12 @@ def setup(cfg: GRPOConfig) -> Run:
     # everything that reads only files is checked before anything heavy (memory probes, the model) runs
     model_path(cfg)
     train_rows, eval_rows, reward_funcs, reward_names = load_data_and_rewards(cfg)
+    tools, env_factory = load_tools(cfg)
+    weights = list(cfg.reward_weights or [1.0] * len(reward_funcs))
+    if callable(getattr(env_factory, "get_reward", None)):  # TRL: the environment's reward, weight 1
+        reward_funcs, reward_names = reward_funcs + [environment_reward(env_factory)], reward_names
+        reward_names = reward_names + [env_factory.__name__]
+        weights.append(1.0)
     cfg, memory_plan, packer = plan_memory(cfg, dist, device)
     model, tokenizer, info = load_model_and_tokenizer(cfg, device)
     info["memory_plan"] = memory_plan
@@ -266,8 +280,9 @@ def setup(cfg: GRPOConfig) -> Run:
         optimizer=optimizer, scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg)),
         sampler=sampler, generator=generator, reward_funcs=reward_funcs,
         reward_names=reward_names,
-        reward_weights=cfg.reward_weights or [1.0] * len(reward_funcs),
+        reward_weights=weights,
         eval_rows=eval_rows[: cfg.eval_max_samples], resume_from=resume_from, packer=packer,
+        tools=tools, environment_factory=env_factory,
     )  # fmt: skip
     if resume_from is not None:
         resume(run)
@@ -279,7 +294,9 @@ def load_data_and_rewards(cfg: GRPOConfig) -> tuple[list, list, list, list]:
     """The train and eval rows, the reward functions and their names; each row checked against what reads
     it (the train rows: every reward function; the eval rows: the first, which decides held-out accuracy)."""
     train_rows, eval_rows = train_and_eval_rows(cfg)
-    reward_funcs = [load_reward(s, cfg.max_completion_length, cfg.allow_unsandboxed_code) for s in cfg.reward]
+    reward_funcs = [
+        load_reward(s, cfg.max_completion_length, cfg.allow_unsandboxed_code) for s in cfg.reward or ()
+    ]
     names = [reward_name(f) for f in reward_funcs]
     check_rows(train_rows, f"--dataset {cfg.dataset or '(embedded)'}", reward_funcs, names)
     if eval_rows:
@@ -291,6 +308,27 @@ def load_data_and_rewards(cfg: GRPOConfig) -> tuple[list, list, list, list]:
             f"{len(train_rows)} or fewer"
         )
     return train_rows, eval_rows, reward_funcs, names
+
+
+def load_tools(cfg: GRPOConfig) -> tuple[list, object]:
+    """--tools path/file.py:function (each checked: type hints, docstring) and --environment
+    path/file.py:Class, TRL's tools= and environment_factory."""
+    tools = [load_from_file(spec, "--tools") for spec in cfg.tools or ()]
+    Toolbox(tools)  # every schema readable, no two names alike: fail before the model loads
+    env = load_from_file(cfg.environment, "--environment", "class") if cfg.environment else None
+    if env is not None and not callable(getattr(env, "reset", None)):
+        raise ValueError(f"--environment {cfg.environment!r}: {env.__name__} has no reset(**row) method")
+    return tools, env
+
+
+def environment_reward(env_class):
+    """The environment's own reward (`get_reward()` of each rollout's instance), as a reward function."""
+
+    def reward(prompts, completions, environments, **_):
+        return [e.get_reward() for e in environments]
+
+    reward.__name__ = env_class.__name__
+    return reward
 
 
 def plan_memory(cfg: GRPOConfig, dist: DistInfo, device):
@@ -338,6 +376,11 @@ def check_distributed(cfg: GRPOConfig, dist: DistInfo) -> None:
     if dist.kind == "fsdp" and dist.on and cfg.lora_r > 0:
         raise ValueError(
             "--distributed fsdp with --lora-r > 0 is not supported: use --distributed ddp for LoRA"
+        )
+    if dist.on and (cfg.tools or cfg.environment):
+        raise ValueError(
+            "--tools / --environment under torchrun are not supported yet (ranks would run different numbers "
+            "of turns): train multi-turn in one process"
         )
     if dist.on and cfg.rollout == "vllm":
         raise ValueError(

@@ -1,0 +1,452 @@
+"""Multi-turn rollouts with tools (grpo_fast.tools, grpo_fast.rollout.trajectories).
+
+Against independent references: greedy trajectories of SmolLM2-135M-Instruct equal a plain loop written here
+(HF `generate` to the end of a turn, the tool run, the conversation re-rendered with the chat template,
+generated again), for every engine; the tool mask is exactly the model's tokens; the engine's log-probs are
+the training forward's. Every failure a model can cause (malformed call, unknown tool, bad arguments, a
+tool that raises, hangs or returns something else than text) ends as an error message in the tool's turn.
+"""
+
+import json
+import math
+import threading
+
+import pytest
+import torch
+
+from grpo_fast import tools as T
+from grpo_fast.rollout.trajectories import generate_trajectories
+
+
+def multiply(a: int, b: int) -> int:
+    """Multiply two integers.
+
+    Args:
+        a: the first factor
+        b: the second factor
+    """
+    return a * b
+
+
+def shout(text: str) -> str:
+    """Upper-case a text.
+
+    Args:
+        text: what to upper-case
+    """
+    return text.upper()
+
+
+# ---- parsing --------------------------------------------------------------------------------------------
+CALL = '<tool_call>\n{"name": "multiply", "arguments": {"a": 37, "b": 21}}\n</tool_call>'
+
+
+def test_parse_hermes_qwen_smollm2_and_llama3_formats():
+    assert T.parse_tool_calls("Let me see.\n" + CALL) == (
+        "Let me see.",
+        [T.ToolCall("multiply", {"a": 37, "b": 21})],
+    )
+    two = '<tool_call>[{"name": "a", "arguments": {}}, {"name": "b", "arguments": {"x": 1}}]</tool_call>'
+    assert T.parse_tool_calls(two)[1] == [T.ToolCall("a", {}), T.ToolCall("b", {"x": 1})]
+    llama = '<|python_tag|>{"name": "multiply", "parameters": {"a": 2, "b": 3}}'
+    assert T.parse_tool_calls(llama) == ("", [T.ToolCall("multiply", {"a": 2, "b": 3})])
+    openai = (
+        '<tool_call>{"type": "function", "function": {"name": "f", "arguments": "{\\"k\\": 1}"}}</tool_call>'
+    )
+    assert T.parse_tool_calls(openai)[1] == [T.ToolCall("f", {"k": 1})]
+    assert T.parse_tool_calls("The answer is 5.") == ("The answer is 5.", [])
+
+
+@pytest.mark.parametrize(
+    "text, error",
+    [
+        ('<tool_call>{"name": "multiply", "arguments": {"a": 1</tool_call>', "not valid JSON"),
+        ('<tool_call>{"arguments": {}}</tool_call>', 'needs a "name"'),
+        ('<tool_call>{"name": "f", "arguments": [1]}</tool_call>', "must be a JSON object"),
+        ("<tool_call>[1, 2]</tool_call>", "must be a JSON object"),
+        ('<tool_call>{"name": "f", "arguments": {}}', None),  # cut at the length limit: still read
+    ],
+)
+def test_malformed_calls_carry_their_error(text, error):
+    _, calls = T.parse_tool_calls(text)
+    assert calls and (error is None and calls[0].error is None or error in (calls[0].error or ""))
+
+
+# ---- running ----------------------------------------------------------------------------------------------
+def boom(x: int) -> str:
+    """Fail.
+
+    Args:
+        x: anything
+    """
+    raise RuntimeError(f"no {x}")
+
+
+def nothing() -> str:
+    """Return None."""
+    return None
+
+
+def _run(calls, tools=(multiply, shout, boom, nothing), timeout=5.0):
+    return T.run_tool_calls([(T.Toolbox(list(tools)), calls)], timeout)[0]
+
+
+def test_tool_failures_become_error_messages():
+    res = _run(
+        [
+            T.ToolCall("multiply", {"a": 6, "b": 7}),
+            T.ToolCall("divide", {"a": 1}),
+            T.ToolCall("multiply", {"a": 6}),
+            T.ToolCall("multiply", {"a": 6, "b": 7, "c": 1}),
+            T.ToolCall("boom", {"x": 3}),
+            T.ToolCall("nothing", {}),
+            T.ToolCall("unknown", error="the tool call is not valid JSON"),
+            T.ToolCall("shout", {"text": "ok"}),
+        ]
+    )
+    assert [(r.content, r.failed) for r in res[:1] + res[-1:]] == [("42", False), ("OK", False)]
+    assert all(r.failed and r.content.startswith("error: ") for r in res[1:-1])
+    assert "unknown tool 'divide'" in res[1].content and "multiply" in res[1].content
+    assert "bad arguments" in res[2].content and "bad arguments" in res[3].content
+    assert "RuntimeError: no 3" in res[4].content
+    assert "returned NoneType, expected text" in res[5].content
+    assert "not valid JSON" in res[6].content
+
+
+def test_tool_calls_run_in_parallel_and_a_hung_tool_times_out():
+    barrier = threading.Barrier(3, timeout=10)  # passes only when three calls run at once
+    release = threading.Event()
+
+    def meet(k: int) -> str:
+        """Wait for the others.
+
+        Args:
+            k: which
+        """
+        barrier.wait()
+        return str(k)
+
+    def hang() -> str:
+        """Never answer."""
+        release.wait(30)
+        return "late"
+
+    box = T.Toolbox([meet, hang])
+    jobs = [
+        (box, [T.ToolCall("meet", {"k": 1}), T.ToolCall("hang", {})]),
+        (box, [T.ToolCall("meet", {"k": 2})]),
+    ]
+    jobs.append((box, [T.ToolCall("meet", {"k": 3})]))
+    try:
+        res = T.run_tool_calls(jobs, timeout_s=3.0)
+    finally:
+        release.set()
+    assert [r.content for r in (res[0][0], res[1][0], res[2][0])] == ["1", "2", "3"]
+    assert res[0][1].failed and "timed out after 3 s" in res[0][1].content
+    with pytest.raises(ValueError, match="tool_timeout_s"):
+        T.run_tool_calls(jobs[:1], timeout_s=0)
+
+
+def test_bad_tool_declarations_are_named():
+    def undocumented(a: int):
+        return a
+
+    with pytest.raises(ValueError, match="'undocumented'.*docstring"):
+        T.Toolbox([undocumented])
+    with pytest.raises(TypeError, match="expected a function"):
+        T.Toolbox(["multiply"])
+    with pytest.raises(ValueError, match="two tools are named 'multiply'"):
+        T.Toolbox([multiply, multiply])
+
+
+def test_environment_tools_are_its_public_methods():
+    class Env:
+        def reset(self, **row):
+            return None
+
+        def get_reward(self):
+            return 1.0
+
+        def _private(self):
+            pass
+
+        def look(self) -> str:
+            """Look around."""
+            return "a room"
+
+    names = sorted(f.__name__ for f in T.environment_tools(Env()))
+    assert names == ["look"]
+
+
+# ---- SmolLM2: trajectories against a plain re-render loop ---------------------------------------------
+@pytest.fixture(scope="module")
+def smollm2():
+    from transformers import AutoModelForCausalLM
+
+    from grpo_fast.modeling import load_tokenizer
+    from grpo_fast.smollm2 import build
+
+    path = build()
+    tok = load_tokenizer(str(path))
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return model, tok
+
+
+# SmolLM2-135M-Instruct copies a call it is shown; it then answers after the tool's turn
+QUESTIONS = [
+    "Repeat exactly, and nothing else: " + CALL,
+    "Copy this text exactly:\n" + CALL.replace("37", "12").replace("21", "4"),
+]
+
+
+def plain_loop(model, tok, question, tools, max_new, max_rounds):
+    """TRL's way with HF generate, written out: generate a turn, run its calls, re-render the whole
+    conversation with the chat template, generate again. Returns (full token ids, model-token flags)."""
+    template = T.tool_chat_template(tok)
+    schemas = [T.tool_schema(f) for f in tools]
+    by_name = {f.__name__: f for f in tools}
+    conv = [{"role": "user", "content": question}]
+    prompt = tok(T.render(tok, conv, schemas, template), add_special_tokens=False).input_ids
+    ids, model_tok = list(prompt), [0] * len(prompt)
+    for rounds in range(max_rounds + 1):
+        budget = max_new - (len(ids) - len(prompt))
+        out = model.generate(
+            torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long), do_sample=False,
+            max_new_tokens=budget, eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id,
+        )[0, len(ids):].tolist()  # fmt: skip
+        if tok.eos_token_id in out:
+            out = out[: out.index(tok.eos_token_id) + 1]
+        ids += out
+        model_tok += [1] * len(out)
+        text = tok.decode(out, skip_special_tokens=True)
+        if "<tool_call>" not in text or out[-1] != tok.eos_token_id or rounds == max_rounds:
+            break
+        call = json.loads(text.split("<tool_call>")[1].split("</tool_call>")[0])
+        conv.append(
+            {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": call}]}
+        )
+        conv.append(
+            {"role": "tool", "name": call["name"], "content": str(by_name[call["name"]](**call["arguments"]))}
+        )
+        again = tok(T.render(tok, conv, schemas, template), add_special_tokens=False).input_ids
+        assert again[: len(ids)] == ids, "the re-rendered conversation does not extend the tokens so far"
+        if len(again) - len(prompt) >= max_new:
+            break
+        model_tok += [0] * (len(again) - len(ids))
+        ids = again
+    return ids, model_tok
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ["native", "reference"])
+def test_greedy_trajectories_equal_the_plain_loop(smollm2, engine):
+    model, tok = smollm2
+    tr = generate_trajectories(
+        model, tok, [[{"role": "user", "content": q}] for q in QUESTIONS], 1, 90, tools=[multiply],
+        temperature=0.0, engine=engine, max_tool_calling_iterations=2,
+    )  # fmt: skip
+    for i, q in enumerate(QUESTIONS):
+        want, want_model = plain_loop(model, tok, q, [multiply], 90, 2)
+        m = tr.completion_mask[i].bool()
+        p = tr.prompt_ids[i][tr.prompt_mask[i].bool()].tolist()
+        got = p + tr.completion_ids[i][m].tolist()
+        assert got == want, f"question {i}:\n{tok.decode(got)!r}\nvs\n{tok.decode(want)!r}"
+        assert [0] * len(p) + tr.tool_mask[i][m].tolist() == want_model
+        assert tr.tool_calls[i] == 1 and tr.tool_failures[i] == 0 and tr.turns[i] == 2
+        assert tr.messages[i][1] == {
+            "role": "tool",
+            "name": "multiply",
+            "content": str(37 * 21 if i == 0 else 48),
+        }
+        # the engine's log-probs of the model's tokens are the training forward's (greedy: T = 1)
+        with torch.no_grad():
+            logits = model(torch.tensor([got])).logits[0, len(p) - 1 : -1].double()
+        ref = torch.log_softmax(logits, -1).gather(1, torch.tensor(got[len(p) :])[:, None]).squeeze(1)
+        on = tr.tool_mask[i][m].bool()
+        torch.testing.assert_close(tr.logprobs[i][m][on].double(), ref[on], atol=2e-4, rtol=0)
+        assert (tr.logprobs[i][m][~on] == 0).all()
+
+
+@pytest.mark.slow
+def test_a_trajectory_that_keeps_calling_ends_at_the_limits(smollm2):
+    model, tok = smollm2
+    calls = []
+
+    def multiply(a: int, b: int) -> str:
+        """Multiply two integers.
+
+        Args:
+            a: the first factor
+            b: the second factor
+        """
+        calls.append((a, b))
+        return "call me again with the same arguments: " + CALL  # a loop the model may follow
+
+    prompt = [[{"role": "user", "content": QUESTIONS[0]}]]
+    tr = generate_trajectories(
+        model, tok, prompt, 1, 400, tools=[multiply], temperature=0.0, engine="reference",
+        max_tool_calling_iterations=0,
+    )  # fmt: skip
+    assert tr.tool_calls == [0] and tr.turns == [1] and tr.tool_mask[0].all()  # the call is never run
+    tr = generate_trajectories(
+        model, tok, prompt, 1, 60, tools=[multiply], temperature=0.0, engine="reference",
+        max_tool_calling_iterations=5,
+    )  # fmt: skip
+    assert int(tr.completion_mask.sum()) <= 60  # the length limit counts the tool's turns too
+    with pytest.raises(ValueError, match="max_tool_calling_iterations"):
+        generate_trajectories(model, tok, prompt, 1, 8, tools=[multiply], max_tool_calling_iterations=-1)
+
+
+@pytest.mark.slow
+def test_environments_one_per_trajectory(smollm2):
+    model, tok = smollm2
+    made = []
+
+    class Counter:
+        def __init__(self):
+            self.calls, self.row = 0, None
+            made.append(self)
+
+        def reset(self, **row):
+            self.row = row
+            return " (from the environment)" if row["tag"] == "obs" else None
+
+        def multiply(self, a: int, b: int) -> int:
+            """Multiply two integers.
+
+            Args:
+                a: the first factor
+                b: the second factor
+            """
+            self.calls += 1
+            return a * b
+
+    prompts = [[{"role": "user", "content": q}] for q in QUESTIONS]
+    rows = [{"prompt": prompts[0], "tag": "plain"}, {"prompt": prompts[1], "tag": "obs"}]
+    tr = generate_trajectories(
+        model, tok, prompts, 2, 80, environment_factory=Counter, rows=rows, temperature=0.0,
+        engine="reference", max_tool_calling_iterations=1,
+    )  # fmt: skip
+    assert len(made) == 4 and tr.environments == made
+    assert [e.row["tag"] for e in made] == ["plain", "plain", "obs", "obs"]
+    assert [e.calls for e in made] == tr.tool_calls
+    assert tr.prompts[2][-1]["content"].endswith("(from the environment)")
+    assert "(from the environment)" in tr.texts[1]
+
+
+# ---- the trainer: --tools / --environment ----------------------------------------------------------------
+TOOLS_FILE = '''
+import json
+import math
+
+def multiply(a: int, b: int) -> int:
+    """Multiply two integers.
+
+    Args:
+        a: the first factor
+        b: the second factor
+    """
+    return a * b
+
+
+class Shop:
+    """One per rollout: counts its calls, pays 1 when the model called the tool."""
+
+    def reset(self, **row):
+        self.calls = 0
+
+    def multiply(self, a: int, b: int) -> int:
+        """Multiply two integers.
+
+        Args:
+            a: the first factor
+            b: the second factor
+        """
+        self.calls += 1
+        return a * b
+
+    def get_reward(self):
+        return float(self.calls > 0)
+
+
+def seen(prompts, completions, environments=None, **kw):
+    with open(LOG, "a") as f:
+        f.write(json.dumps({"completions": completions, "envs": environments is not None}) + "\\n")
+    return [float(any(m["role"] == "tool" for m in c)) for c in completions]
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["tools", "environment"])
+def test_train_multi_turn_trains_on_the_model_tokens_only(smollm2, tmp_path, monkeypatch, how):
+    import grpo_fast.step as step_mod
+    from grpo_fast.config import parse_config
+    from grpo_fast.smollm2 import build
+    from grpo_fast.train import train
+
+    log = tmp_path / "log.jsonl"
+    tools = tmp_path / "shop_tools.py"
+    tools.write_text(f"LOG = {str(log)!r}\n" + TOOLS_FILE)
+    data = tmp_path / "data.jsonl"
+    data.write_text("\n".join(json.dumps({"prompt": [{"role": "user", "content": q}]}) for q in QUESTIONS))
+    seen_masks = []
+    real_loss = step_mod.policy_loss
+
+    def spy(model, batch, loss_mask, *args):
+        seen_masks.append((batch[3].clone(), loss_mask.clone()))
+        return real_loss(model, batch, loss_mask, *args)
+
+    monkeypatch.setattr(step_mod, "policy_loss", spy)
+    rollouts = []
+    real_rollout = step_mod.multi_turn_rollout
+    monkeypatch.setattr(
+        step_mod,
+        "multi_turn_rollout",
+        lambda run, rows: rollouts.append(real_rollout(run, rows)) or rollouts[-1],
+    )
+    which = ["--tools", f"{tools}:multiply"] if how == "tools" else ["--environment", f"{tools}:Shop"]
+    argv = [
+        "--model", str(build()), "--dataset", str(data), "--reward", f"{tools}:seen", *which,
+        "--output-dir", str(tmp_path / "run"), "--num-generations", "2", "--prompts-per-step", "1",
+        "--max-completion-length", "128", "--max-steps", "1", "--save-steps", "0", "--temperature", "0.3",
+        "--max-tool-calling-iterations", "1", "--eval-max-samples", "0", "--learning-rate", "1e-6",
+    ]  # fmt: skip
+    train(parse_config(argv))
+    records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "loss" in r]
+    assert len(steps) == 1 and all(math.isfinite(r["loss"]) for r in steps)
+    assert all(
+        r["tools/call_frequency"] > 0 and r["turns_mean"] > 1 and r["tool_tokens_mean"] > 0 for r in steps
+    )
+    # the loss sees the model's tokens only; the tools' are attended (in the completion mask)
+    for (attended, loss_mask), ro in zip(seen_masks, rollouts):
+        torch.testing.assert_close(attended, ro.completion_mask)
+        torch.testing.assert_close(loss_mask, ro.completion_mask * ro.tool_mask)
+        assert (ro.completion_mask * (1 - ro.tool_mask)).sum() > 0
+        model_tokens = float((ro.completion_mask * ro.tool_mask).sum()) / len(ro.tool_mask)
+    assert steps[-1]["completion_len_mean"] == pytest.approx(model_tokens)
+    calls = [json.loads(x) for x in log.read_text().splitlines()]
+    assert all(
+        isinstance(c, list) and c[0]["role"] == "assistant" for call in calls for c in call["completions"]
+    )
+    assert all(call["envs"] == (how == "environment") for call in calls)
+    if how == "environment":
+        assert "rewards/Shop_mean" in steps[0]
+
+
+def test_bad_tools_and_environment_flags_are_named(tmp_path):
+    from grpo_fast.config import parse_config
+    from grpo_fast.train import load_tools
+
+    f = tmp_path / "t.py"
+    f.write_text("def nodoc(a: int):\n    return a\n\nclass NoReset:\n    pass\n")
+    with pytest.raises(ValueError, match="--tools .*no function 'missing'"):
+        load_tools(parse_config(["--tools", f"{f}:missing"]))
+    with pytest.raises(ValueError, match="'nodoc'.*docstring"):
+        load_tools(parse_config(["--tools", f"{f}:nodoc"]))
+    with pytest.raises(ValueError, match="--environment .*NoReset has no reset"):
+        load_tools(parse_config(["--environment", f"{f}:NoReset"]))
+    with pytest.raises(ValueError, match="max_tool_calling_iterations"):
+        parse_config(["--max-tool-calling-iterations", "-1"])
+    with pytest.raises(ValueError, match="tool_timeout_s"):
+        parse_config(["--tool-timeout-s", "0"])
