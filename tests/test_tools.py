@@ -450,3 +450,47 @@ def test_bad_tools_and_environment_flags_are_named(tmp_path):
         parse_config(["--max-tool-calling-iterations", "-1"])
     with pytest.raises(ValueError, match="tool_timeout_s"):
         parse_config(["--tool-timeout-s", "0"])
+
+
+@pytest.mark.slow
+def test_native_rows_keep_their_kv_cache_across_turns(smollm2, monkeypatch):
+    """Sampled (T = 1), G = 3, one tool slower than the other so rows run at different turns in one batch:
+    the model's forward runs once (the prompts' prefill; every later token, tool turns included, goes onto
+    the rows' own KV caches), and every model token's log-prob is the training forward's."""
+    import time
+
+    model, tok = smollm2
+
+    def multiply(a: int, b: int) -> int:
+        """Multiply two integers.
+
+        Args:
+            a: the first factor
+            b: the second factor
+        """
+        time.sleep(0.5 if a == 12 else 0.0)
+        return a * b
+
+    forwards = []
+    real_forward = model.forward
+    monkeypatch.setattr(model, "forward", lambda *a, **k: forwards.append(1) or real_forward(*a, **k))
+    g = torch.Generator().manual_seed(3)
+    tr = generate_trajectories(
+        model, tok, [[{"role": "user", "content": q}] for q in QUESTIONS], 3, 80, tools=[multiply],
+        temperature=1.0, engine="native", generator=g, max_tool_calling_iterations=2,
+    )  # fmt: skip
+    assert len(forwards) == 1
+    assert sum(tr.tool_calls) >= 2 and max(tr.turns) >= 2
+    monkeypatch.setattr(model, "forward", real_forward)
+    for i in range(6):
+        m = tr.completion_mask[i].bool()
+        p = tr.prompt_ids[i // 3][tr.prompt_mask[i // 3].bool()].tolist()
+        seq = p + tr.completion_ids[i][m].tolist()
+        with torch.no_grad():
+            logits = model(torch.tensor([seq])).logits[0, len(p) - 1 : -1].double()
+        ref = torch.log_softmax(logits, -1).gather(1, torch.tensor(seq[len(p) :])[:, None]).squeeze(1)
+        on = tr.tool_mask[i][m].bool()
+        torch.testing.assert_close(tr.logprobs[i][m][on].double(), ref[on], atol=5e-4, rtol=0)
+        # each tool turn is exactly the template's rendering of that call's result
+        spans = (on[1:] != on[:-1]).nonzero().squeeze(1).tolist()
+        assert len(spans) == 2 * sum(msg["role"] == "tool" for msg in tr.messages[i])

@@ -21,6 +21,7 @@ front from the caller's generator, so the step itself holds no RNG state (CUDA g
 
 import time
 import weakref
+from concurrent import futures
 from dataclasses import dataclass
 
 import torch
@@ -75,10 +76,13 @@ class _Buffers:
     plen: torch.Tensor  # (R,) real prompt tokens: the RoPE position of completion token j is plen + j
     out: torch.Tensor  # (R, C) sampled tokens
     logp: torch.Tensor  # (R, C) fp32 log-probs of the sampled tokens under softmax(logits / T)
-    done: torch.Tensor  # (R,) bool
+    done: torch.Tensor  # (R,) bool: not decoding (ended, at the length limit, or waiting for a tool)
     lengths: torch.Tensor  # (R,) long
-    t: torch.Tensor  # (1,) long: the completion position being fed
-    noise: torch.Tensor  # (C, R) uniforms for the draws
+    t: torch.Tensor  # (R,) long: each row's completion position being fed (a done row stays put)
+    noise: torch.Tensor  # (C + 1, R) uniforms for the draws
+    # multi-turn bookkeeping (host side, never read by the step): waiting for a tool / over for good
+    parked: torch.Tensor  # (R,) bool
+    final: torch.Tensor  # (R,) bool
 
 
 def _weight_of(m):
@@ -248,36 +252,19 @@ class NativeEngine:
     # ---------------------------------------------------------------------------------------------------
     # The decode step: one token per row, every shape fixed by the buffers
     # ---------------------------------------------------------------------------------------------------
-    def _step(self, b: _Buffers, layers, head, eos, pad: int, temperature: float, top_k: int, top_p: float):
-        R, cap = b.out.shape[0], b.comp_k[0].shape[2]
+    def _decoder(self, x, cos, sin, layers, attend):
+        """The decoder layers on rows x (N, H) at RoPE (cos, sin); `attend(i, q, k, v)` stores layer i's keys
+        and values and returns the attention output (N, heads * d)."""
+        N = x.shape[0]
         nh, kvh, d = self.n_heads, self.n_kv, self.head_dim
-        tok = b.out.index_select(1, b.t).squeeze(1)
-        pos = (b.plen + b.t).unsqueeze(1)  # (R, 1)
-        x = self.base.embed_tokens(tok)  # (R, H)
-        cos, sin = self.base.rotary_emb(x[:, None, :], pos)  # (R, 1, d)
-        own_bias = torch.where(torch.arange(cap, device=x.device) <= b.t, 0.0, float("-inf"))
-        n, P = b.prompt_bias.shape[0], b.prompt_bias.shape[-1]
-        bias = torch.cat(
-            [
-                b.prompt_bias.view(n, 1, 1, 1, P).expand(n, R // n, 1, 1, P),
-                own_bias.expand(n, R // n, 1, 1, cap),
-            ],
-            dim=-1,
-        )
         for i, ly in enumerate(layers):
             qkv = ly.qkv(ly.norm1(x))
-            qk = qkv[:, : (nh + kvh) * d].view(R, nh + kvh, d)
-            v = qkv[:, (nh + kvh) * d :].view(R, kvh, d)
+            qk = qkv[:, : (nh + kvh) * d].view(N, nh + kvh, d)
+            v = qkv[:, (nh + kvh) * d :].view(N, kvh, d)
             if ly.q_norm is not None:
                 qk = torch.cat([ly.q_norm(qk[:, :nh]), ly.k_norm(qk[:, nh:])], dim=1)
             qk = _rope(qk, cos, sin)  # queries and keys rotated together
-            q, k = qk[:, :nh], qk[:, nh:]
-            b.comp_k[i].index_copy_(2, b.t, k.unsqueeze(2))
-            b.comp_v[i].index_copy_(2, b.t, v.unsqueeze(2))
-            o = _merge_attention(
-                q, b.prompt_k[i], b.prompt_v[i], b.comp_k[i], b.comp_v[i], bias, self.scaling
-            )
-            x = x + ly.o(o)
+            x = x + ly.o(attend(i, qk[:, :nh], qk[:, nh:], v))
             h = ly.norm2(x)
             if ly.gate_up is None:
                 x = x + ly.mlp(h)
@@ -285,15 +272,75 @@ class NativeEngine:
                 gu = ly.gate_up(h)
                 g, u = gu.chunk(2, dim=-1)
                 x = x + ly.down(ly.act(g) * u)
-        logits = head(self.final_norm(x))
-        nxt, logp = draw(logits, b.noise.index_select(0, b.t + 1).squeeze(0), temperature, top_k, top_p)
-        # bookkeeping on the device: rows already done emit padding and stop counting
+        return x
+
+    def _step(self, b: _Buffers, layers, head, eos, pad: int, temperature: float, top_k: int, top_p: float):
+        R, cap, C = b.out.shape[0], b.comp_k[0].shape[2], b.out.shape[1] - 1
+        kvh, d = self.n_kv, self.head_dim
+        t = b.t
+        tok = b.out.gather(1, t[:, None]).squeeze(1)
+        x = self.base.embed_tokens(tok)  # (R, H)
+        cos, sin = self.base.rotary_emb(x[:, None, :], (b.plen + t).unsqueeze(1))  # (R, 1, d)
+        own_bias = torch.where(torch.arange(cap, device=x.device)[None, :] <= t[:, None], 0.0, float("-inf"))
+        n, P = b.prompt_bias.shape[0], b.prompt_bias.shape[-1]
+        bias = torch.cat(
+            [
+                b.prompt_bias.view(n, 1, 1, 1, P).expand(n, R // n, 1, 1, P),
+                own_bias.view(n, R // n, 1, 1, cap),
+            ],
+            dim=-1,
+        )
+        slot = t.view(R, 1, 1, 1).expand(R, kvh, 1, d)
+
+        def attend(i, q, k, v):
+            b.comp_k[i].scatter_(2, slot, k.unsqueeze(2))
+            b.comp_v[i].scatter_(2, slot, v.unsqueeze(2))
+            return _merge_attention(
+                q, b.prompt_k[i], b.prompt_v[i], b.comp_k[i], b.comp_v[i], bias, self.scaling
+            )
+
+        logits = head(self.final_norm(self._decoder(x, cos, sin, layers, attend)))
+        nxt, logp = draw(logits, b.noise.gather(0, (t + 1)[None, :]).squeeze(0), temperature, top_k, top_p)
+        # bookkeeping on the device: rows already done emit padding (into the scratch column past their end),
+        # stop counting and stay at their position
         nxt = torch.where(b.done, pad, nxt)
-        b.out.index_copy_(1, b.t + 1, nxt.unsqueeze(1))
-        b.logp.index_copy_(1, b.t + 1, torch.where(b.done, 0.0, logp).unsqueeze(1))
-        b.lengths.add_((~b.done).long())
-        b.done.logical_or_(torch.isin(nxt, eos))
-        b.t.add_(1)
+        b.out.scatter_(1, (t + 1)[:, None], nxt.unsqueeze(1))
+        b.logp.scatter_(1, (t + 1)[:, None], torch.where(b.done, 0.0, logp).unsqueeze(1))
+        running = (~b.done).long()
+        b.lengths.add_(running)
+        t.add_(running)
+        b.done.logical_or_(torch.isin(nxt, eos) | (b.lengths >= C))
+
+    def _extend(self, b: _Buffers, r: int, tokens, layers):
+        """Append `tokens` (a tool's turn) to buffer row r, whose last token is the EOS ending its turn:
+        the EOS and all of them but the last are run through the layers at once onto the row's own KV
+        (its prompt KV shared with its group, its completion KV so far: nothing is prefilled again); the last
+        is fed by the next decode step, which draws the model's next token. The row decodes on."""
+        e, L = int(b.lengths[r]) - 1, len(tokens)
+        b.out[r, e + 1 : e + 1 + L] = torch.tensor(tokens, dtype=b.out.dtype, device=b.out.device)
+        b.logp[r, e + 1 : e + 1 + L] = 0.0
+        n, P = b.prompt_bias.shape[0], b.prompt_bias.shape[-1]
+        g, cap, kvh, d = r // (b.out.shape[0] // n), b.comp_k[0].shape[2], self.n_kv, self.head_dim
+        slots = torch.arange(e, e + L, device=b.out.device)
+        x = self.base.embed_tokens(b.out[r, e : e + L])  # (L, H)
+        cos, sin = self.base.rotary_emb(x[:, None, :], (b.plen[r] + slots)[:, None])
+        own = torch.where(torch.arange(cap, device=x.device)[None, :] <= slots[:, None], 0.0, float("-inf"))
+        bias = torch.cat(
+            [b.prompt_bias[g].view(1, 1, 1, 1, P).expand(1, L, 1, 1, P), own.view(1, L, 1, 1, cap)], -1
+        )
+
+        def attend(i, q, k, v):
+            b.comp_k[i][r, :, e : e + L] = k.transpose(0, 1)
+            b.comp_v[i][r, :, e : e + L] = v.transpose(0, 1)
+            ck, cv = (c[i][r : r + 1].expand(L, kvh, cap, d) for c in (b.comp_k, b.comp_v))
+            return _merge_attention(
+                q, b.prompt_k[i][g : g + 1], b.prompt_v[i][g : g + 1], ck, cv, bias, self.scaling
+            )
+
+        self._decoder(x, cos, sin, layers, attend)
+        b.t[r] = e + L
+        b.lengths[r] = e + L + 1
+        b.done[r] = False
 
     def compiles(self, device) -> bool:
         if self.compile_mode == "auto":
@@ -349,7 +396,13 @@ class NativeEngine:
     def generate(
         self, prompt_ids, prompt_mask, G, max_new_tokens, *, temperature, top_p, top_k, eos_token_id,
         share_prefix, generator, all_done, return_logprobs, compile="auto", rollout_dtype="model",
+        turn_hook=None,
     ):  # fmt: skip
+        """`generate_groups`' contract; `turn_hook` (grpo_fast.rollout.trajectories) makes the rows
+        multi-turn: when row s ends a turn at EOS, `turn_hook.start(s, tokens)` (its tokens so far) returns
+        None (the row is over) or a concurrent Future; the row waits, the others decode on; once the future is
+        done, `turn_hook.finish(s, future)` returns the tokens to append (the tool's turn; None: over) and the
+        row goes on from its own KV cache. `max_new_tokens` bounds the whole row, tool turns included."""
         self.rollout_dtype = check_rollout_dtype(rollout_dtype, prompt_ids.device, self.lm.dtype)
         self.compile_mode = compile if self.rollout_dtype == "model" else False
         n = prompt_ids.shape[0]
@@ -371,60 +424,90 @@ class NativeEngine:
         cache = cache_of(res)
         pk = [layer.keys for layer in cache.layers]
         pv = [layer.values for layer in cache.layers]
-        # 2. buffers
-        cap = max(1, -(-(C - 1) // CAPACITY_STEP) * CAPACITY_STEP)
+        # 2. buffers (a row's tokens, and its KV slots, up to C; one scratch column past them)
+        cap = max(1, -(-C // CAPACITY_STEP) * CAPACITY_STEP)
         dtype = pk[0].dtype
         kv_shape = (R, self.n_kv, cap, self.head_dim)
         plen = prompt_mask.long().sum(1)
         plen = plen.repeat_interleave(G, 0) if share_prefix else plen
-        noise = torch.rand(C, R, generator=generator, device=device) if temperature > 0 else None
+        noise = torch.rand(C + 1, R, generator=generator, device=device) if temperature > 0 else None
         b = _Buffers(
             prompt_k=pk, prompt_v=pv,
             prompt_bias=torch.where(prompt_mask.bool(), 0.0, float("-inf"))[:, None, None, :].float(),
             comp_k=[torch.zeros(kv_shape, dtype=dtype, device=device) for _ in pk],
             comp_v=[torch.zeros(kv_shape, dtype=dtype, device=device) for _ in pk],
-            plen=plen, out=torch.full((R, C), pad, dtype=torch.long, device=device),
-            logp=torch.zeros(R, C, device=device), done=torch.zeros(R, dtype=torch.bool, device=device),
+            plen=plen, out=torch.full((R, C + 1), pad, dtype=torch.long, device=device),
+            logp=torch.zeros(R, C + 1, device=device), done=torch.zeros(R, dtype=torch.bool, device=device),
             lengths=torch.ones(R, dtype=torch.long, device=device),
-            t=torch.zeros(1, dtype=torch.long, device=device),
-            noise=noise if noise is not None else torch.zeros(C, R, device=device),
+            t=torch.zeros(R, dtype=torch.long, device=device),
+            noise=noise if noise is not None else torch.zeros(C + 1, R, device=device),
+            parked=torch.zeros(R, dtype=torch.bool), final=torch.zeros(R, dtype=torch.bool),
         )  # fmt: skip
         # 3. the first token, from the prefill's last logits
         first = res.logits[:, -1]
         first = first.repeat_interleave(G, 0) if share_prefix else first
         tok, lp = draw(first, b.noise[0], temperature, top_k, top_p)
         b.out[:, 0], b.logp[:, 0] = tok, lp
-        b.done |= torch.isin(tok, eos)
+        b.done |= torch.isin(tok, eos) | (b.lengths >= C)
         layers, head = self._weights(R, device, dtype)
         args = (layers, head, eos, pad, float(temperature), int(top_k or 0), float(top_p))
-        # 4. decode in windows: no host sync inside one; between them "all done?" and compaction
+        # 4. decode in windows: no host sync inside one; between them the turns, "all done?" and compaction
         final = _Final(R, C, pad, device)
         rows = torch.arange(R, device=device)  # original row of each buffer row (-1: filler)
-        produced = 1
+        pending = {}  # original row -> its tool's future (turn_hook)
         # eager on a CPU, a check waits for nothing; a compiled step keeps windows: compacting at any token
         # would give it a new batch shape (a recompile) at each
         window = SYNC_EVERY if device.type == "cuda" or self.compiles(device) else SYNC_EVERY_CPU
-        while produced < C:
-            for _ in range(min(window, C - produced)):
-                self._run_step(b, *args)
-                produced += 1
+        while True:
+            if turn_hook is not None:
+                self._turns(b, rows, pending, turn_hook, eos, layers)
             running = ~b.done
-            local_done = not bool(running.any())
-            if (all_done(local_done) if all_done else local_done) or produced >= C:
+            local_done = not bool(running.any()) and not pending
+            if all_done(local_done) if all_done else local_done:
                 break
-            if int(running.sum()) <= COMPACT_AT * b.out.shape[0]:
-                b, rows = _compact(b, rows, final, produced)
+            if not bool(running.any()):  # every row waits for a tool: wait for the first
+                futures.wait(list(pending.values()), return_when=futures.FIRST_COMPLETED)
+                continue
+            alive = running | b.parked.to(device)
+            if int(alive.sum()) <= COMPACT_AT * b.out.shape[0]:
+                b, rows = _compact(b, rows, final, alive)
+            for _ in range(window):
+                self._run_step(b, *args)
         final.take(b, rows)
         self.stats["calls"] += 1
         return final.result(return_logprobs)
+
+    def _turns(self, b: _Buffers, rows, pending, hook, eos, layers):
+        """Rows that just ended a turn go to the hook (parked while their tool runs); rows whose tool has
+        answered get its turn appended and decode on."""
+        C = b.out.shape[1] - 1
+        ended = (b.done.cpu() & ~b.parked & ~b.final).nonzero().squeeze(1).tolist()
+        for r in ended:
+            s, n = int(rows[r]), int(b.lengths[r])
+            fut = None
+            if s >= 0 and n < C and bool(torch.isin(b.out[r, n - 1], eos)):
+                fut = hook.start(s, b.out[r, :n].tolist())
+            if fut is None:
+                b.final[r] = True
+            else:
+                b.parked[r] = True
+                pending[s] = fut
+        for s in [s for s, f in pending.items() if f.done()]:
+            r = int((rows == s).nonzero()[0])
+            tokens = hook.finish(s, pending.pop(s))
+            b.parked[r] = False
+            if tokens and int(b.lengths[r]) + len(tokens) < C:
+                self._extend(b, r, tokens, layers)
+            else:
+                b.final[r] = True
 
 
 class _Final:
     """The (R, C) results by original row, filled as rows leave the buffers (compaction) and at the end."""
 
     def __init__(self, R, C, pad, device):
-        self.out = torch.full((R, C), pad, dtype=torch.long, device=device)
-        self.logp = torch.zeros(R, C, device=device)
+        self.out = torch.full((R, C + 1), pad, dtype=torch.long, device=device)
+        self.logp = torch.zeros(R, C + 1, device=device)
         self.lengths = torch.zeros(R, dtype=torch.long, device=device)
 
     def take(self, b: _Buffers, rows):
@@ -443,14 +526,14 @@ class _Final:
         return ids, mask
 
 
-def _compact(b: _Buffers, rows, final: _Final, produced: int):
-    """Drop finished rows: keep the groups that still run, each with as many rows as its busiest group runs
-    (the others padded with finished filler rows), and their prompt KV once. Returns the new buffers and
-    original-row map; rows that leave are copied to `final` first."""
+def _compact(b: _Buffers, rows, final: _Final, alive):
+    """Drop finished rows: keep the groups with rows `alive` (decoding or waiting for a tool), each with as
+    many rows as its busiest group has (the others padded with finished filler rows), and their prompt KV
+    once. Returns the new buffers and original-row map; rows that leave are copied to `final` first."""
     final.take(b, rows)
     n = b.prompt_bias.shape[0]
     G = b.out.shape[0] // n
-    running = (~b.done).view(n, G)
+    running = alive.view(n, G)
     per_group = running.sum(1)
     keep_groups = per_group.nonzero().squeeze(1)
     G2 = int(per_group.max())
@@ -466,8 +549,9 @@ def _compact(b: _Buffers, rows, final: _Final, produced: int):
         prompt_v=[x.index_select(0, gi) for x in b.prompt_v],
         prompt_bias=b.prompt_bias.index_select(0, gi), comp_k=[take(x) for x in b.comp_k],
         comp_v=[take(x) for x in b.comp_v], plen=take(b.plen), out=take(b.out), logp=take(b.logp),
-        done=take(b.done) | filler, lengths=take(b.lengths), t=b.t.clone(),
-        noise=b.noise.index_select(1, src),
+        done=take(b.done) | filler, lengths=take(b.lengths), t=take(b.t),
+        noise=b.noise.index_select(1, src), parked=b.parked[src.cpu()] & ~filler.cpu(),
+        final=b.final[src.cpu()] | filler.cpu(),
     )  # fmt: skip
     return nb, new_rows
 

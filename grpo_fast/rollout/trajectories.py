@@ -16,11 +16,15 @@ prompts differ: the group keeps their common tokens as its prompt and each traje
 its own (tool_mask 0).
 """
 
+import threading
+from concurrent import futures
 from dataclasses import dataclass
 
 import torch
 
 from .. import tools as tools_mod
+from . import native
+from .sampling import check_counts
 
 
 @dataclass
@@ -76,6 +80,110 @@ def _parse_turn(tokenizer, ids, prefix, schemas) -> tuple[str, list]:
     return tools_mod.parse_tool_calls(tokenizer.decode(ids, skip_special_tokens=True))
 
 
+class _Turns:
+    """The trajectories' state between turns, whatever engine decodes them: each trajectory's tokens after
+    its prompt, model-token flags, log-probs, messages and counts. Also the native engine's turn hook
+    (`start` / `finish`, see NativeEngine.generate): tools run in a thread while the other rows decode."""
+
+    def __init__(self, tokenizer, boxes, template, eos_ids, C, limit, timeout_s):
+        self.tok, self.boxes, self.template, self.eos_ids = tokenizer, boxes, template, eos_ids
+        self.C, self.limit, self.timeout_s = C, limit, timeout_s
+        N = len(boxes)
+        self.messages = [[] for _ in range(N)]
+        self.calls, self.fails, self.turns = [0] * N, [0] * N, [0] * N
+
+    def model_turn(self, t, new, logps) -> list:
+        """Record trajectory t's model turn (tokens `new`); returns the calls to run now ([]: none)."""
+        content, calls = _parse_turn(self.tok, new, self.prefix[t] + self.comp[t], self.boxes[t].schemas)
+        self.comp[t] += new
+        self.tmask[t] += [1] * len(new)
+        self.logps[t] += logps
+        self.turns[t] += 1
+        self.turn_at[t] = len(self.comp[t])
+        msg = {"role": "assistant", "content": content}
+        if calls:
+            msg["tool_calls"] = tools_mod.calls_as_messages(calls)
+        self.messages[t].append(msg)
+        ended = bool(new) and new[-1] in self.eos_ids
+        if calls and ended and self.turns[t] - 1 < self.limit and len(self.comp[t]) < self.C:
+            self.calls[t] += len(calls)
+            return calls
+        return []
+
+    def tool_turn(self, t, results) -> list | None:
+        """Trajectory t's tool turn from the results: its tokens, or None when the model would have no room
+        left to answer (the trajectory ends as it is)."""
+        self.fails[t] += sum(r.failed for r in results)
+        tool_msgs = [{"role": "tool", "name": r.name, "content": r.content} for r in results]
+        turn = tools_mod.tool_turn_ids(self.tok, self.template, tool_msgs, self.eos_ids)
+        if len(self.comp[t]) + len(turn) >= self.C:
+            return None
+        self.comp[t] += turn
+        self.tmask[t] += [0] * len(turn)
+        self.logps[t] += [0.0] * len(turn)
+        self.turn_at[t] = len(self.comp[t])
+        self.messages[t] += tool_msgs
+        return turn
+
+    # ---- the native engine's hook: rows keep their KV cache; a row's tools run while the others decode
+    def start(self, t, tokens):
+        calls = self.model_turn(t, tokens[self.turn_at[t] :], [])  # log-probs: from the engine at the end
+        if not calls:
+            return None
+        fut = futures.Future()
+        box, timeout = self.boxes[t], self.timeout_s
+
+        def run():
+            fut.set_result(tools_mod.run_tool_calls([(box, calls)], timeout)[0])
+
+        threading.Thread(target=run, daemon=True, name=f"tools-{t}").start()
+        return fut
+
+    def finish(self, t, fut):
+        return self.tool_turn(t, fut.result())
+
+    def finish_native(self, ids, mask, logp):
+        """The engine's rows: a last turn it did not report (cut at the length limit), the log-probs."""
+        for t in range(len(self.comp)):
+            row = ids[t][mask[t].bool()].tolist()
+            if len(row) > len(self.comp[t]):
+                self.model_turn(t, row[len(self.comp[t]) :], [])
+            self.logps[t] = logp[t][: len(self.comp[t])].tolist()
+
+
+def _resubmitting_turns(st, model, prompt_ids, prompt_mask, G, eos, engine, generator, pad, device, opts):
+    """Every engine: each turn one `generate_groups` call over the trajectories still going, each from its
+    whole conversation so far (the group's shared prompt on the first)."""
+    from . import generate_groups
+
+    active = list(range(len(st.comp)))
+    first = True
+    while active:
+        budget = {t: st.C - len(st.comp[t]) for t in active}
+        if first and not any(st.comp):  # the group shares its prompt
+            out = generate_groups(
+                model, prompt_ids, prompt_mask, G, st.C, eos_token_id=eos, engine=engine,
+                generator=generator, return_logprobs=True, **opts,
+            )  # fmt: skip
+        else:
+            ids, mask = _left_pad([st.prefix[t] + st.comp[t] for t in active], pad, device)
+            out = generate_groups(
+                model, ids, mask, 1, max(budget.values()), eos_token_id=eos, engine=engine,
+                generator=generator, return_logprobs=True, **{**opts, "share_prefix": False},
+            )  # fmt: skip
+        first = False
+        c_ids, c_mask, c_logp = (x.cpu() for x in out)
+        pending = []
+        for k, t in enumerate(active):
+            m = c_mask[k].bool()
+            new = c_ids[k][m].tolist()[: budget[t]]
+            calls = st.model_turn(t, new, c_logp[k][m].tolist()[: len(new)])
+            if calls:
+                pending.append((t, calls))
+        results = tools_mod.run_tool_calls([(st.boxes[t], calls) for t, calls in pending], st.timeout_s)
+        active = [t for (t, _), res in zip(pending, results) if st.tool_turn(t, res) is not None]
+
+
 @torch.no_grad()
 def generate_trajectories(
     model,
@@ -115,7 +223,7 @@ def generate_trajectories(
         engine, generator, **generate_options: as `generate_groups` (temperature, top_p, top_k, compile,
             rollout_dtype, vllm_options, share_prefix, all_done).
     """
-    from . import generate_groups
+    from . import resolve_engine
 
     if max_tool_calling_iterations is not None and (
         isinstance(max_tool_calling_iterations, bool) or not isinstance(max_tool_calling_iterations, int)
@@ -126,6 +234,7 @@ def generate_trajectories(
         )
     if environment_factory is not None and not callable(environment_factory):
         raise TypeError(f"environment_factory must be callable, got {type(environment_factory).__name__}")
+    check_counts(num_generations, max_new_tokens)
     G, C = num_generations, max_new_tokens
     n = len(prompts)
     rows = rows if rows is not None else [{"prompt": p} for p in prompts]
@@ -174,63 +283,28 @@ def generate_trajectories(
     prompt_ids, prompt_mask = _left_pad([full[g * G][: common[g]] for g in range(n)], pad, device)
     texts = [rendered[(g, repr(convs[g * G]))][0] for g in range(n)]
 
-    comp = [list(full[t][common[t // G] :]) for t in range(n * G)]  # a prompt's own tail: not the model's
-    tmask = [[0] * len(c) for c in comp]
-    logps = [[0.0] * len(c) for c in comp]
-    messages = [[] for _ in range(n * G)]
-    calls_n, fails_n, turns = [0] * (n * G), [0] * (n * G), [0] * (n * G)
+    st = _Turns(tokenizer, boxes, template, eos_ids, C, limit, tool_timeout_s)
+    st.comp = [list(full[t][common[t // G] :]) for t in range(n * G)]  # a prompt's own tail: not the model's
+    st.tmask = [[0] * len(c) for c in st.comp]
+    st.logps = [[0.0] * len(c) for c in st.comp]
+    st.prefix = [full[t][: common[t // G]] for t in range(n * G)]
+    st.turn_at = [len(c) for c in st.comp]  # where each trajectory's current model turn starts
 
     # 2. turns
-    active = list(range(n * G))
-    first = True
-    while active:
-        budget = {t: C - len(comp[t]) for t in active}
-        if first and all(not comp[t] for t in active):  # the group shares its prompt
-            out = generate_groups(
-                model, prompt_ids, prompt_mask, G, C, eos_token_id=eos, engine=engine,
-                generator=generator, return_logprobs=True, **generate_options,
-            )  # fmt: skip
-        else:
-            ids, mask = _left_pad([full[t][: common[t // G]] + comp[t] for t in active], pad, device)
-            opts = {**generate_options, "share_prefix": False}
-            out = generate_groups(
-                model, ids, mask, 1, max(budget.values()), eos_token_id=eos, engine=engine,
-                generator=generator, return_logprobs=True, **opts,
-            )  # fmt: skip
-        first = False
-        c_ids, c_mask, c_logp = (x.cpu() for x in out)
-        pending = []
-        for k, t in enumerate(active):
-            m = c_mask[k].bool()
-            new = c_ids[k][m].tolist()[: budget[t]]
-            new_lp = c_logp[k][m].tolist()[: len(new)]
-            prefix = full[t][: common[t // G]] + comp[t]
-            comp[t] += new
-            tmask[t] += [1] * len(new)
-            logps[t] += new_lp
-            turns[t] += 1
-            content, calls = _parse_turn(tokenizer, new, prefix, boxes[t].schemas)
-            msg = {"role": "assistant", "content": content}
-            if calls:
-                msg["tool_calls"] = tools_mod.calls_as_messages(calls)
-            messages[t].append(msg)
-            ended = bool(new) and new[-1] in eos_ids
-            if calls and ended and turns[t] - 1 < limit and len(comp[t]) < C:
-                pending.append((t, calls))
-        results = tools_mod.run_tool_calls([(boxes[t], calls) for t, calls in pending], tool_timeout_s)
-        active = []
-        for (t, calls), res in zip(pending, results):
-            calls_n[t] += len(calls)
-            fails_n[t] += sum(r.failed for r in res)
-            tool_msgs = [{"role": "tool", "name": r.name, "content": r.content} for r in res]
-            turn = tools_mod.tool_turn_ids(tokenizer, template, tool_msgs, eos_ids)
-            if len(comp[t]) + len(turn) >= C:  # no room left for the model to answer: it ends here
-                continue
-            comp[t] += turn
-            tmask[t] += [0] * len(turn)
-            logps[t] += [0.0] * len(turn)
-            messages[t] += tool_msgs
-            active.append(t)
+    kind, _ = resolve_engine(model, engine)
+    tails = any(st.comp)
+    if kind == "native" and not tails:  # each row's KV cache carried across its turns
+        out = native.engine_for(model).generate(
+            prompt_ids, prompt_mask, G, C, eos_token_id=eos, generator=generator, return_logprobs=True,
+            turn_hook=st, **{"top_p": 1.0, "top_k": 0, "temperature": 1.0, "share_prefix": True,
+                             "all_done": None, **generate_options},
+        )  # fmt: skip
+        st.finish_native(*(x.cpu() for x in out))
+    else:
+        _resubmitting_turns(st, model, prompt_ids, prompt_mask, G, eos, engine, generator, pad, device,
+                            generate_options)  # fmt: skip
+    comp, tmask, logps, messages = st.comp, st.tmask, st.logps, st.messages
+    calls_n, fails_n, turns = st.calls, st.fails, st.turns
 
     # 3. (n * G, C') tensors, right-padded
     width = max(1, max(len(c) for c in comp))
