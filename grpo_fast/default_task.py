@@ -98,9 +98,12 @@ _ANSWER = re.compile(r"</think>\s*(-?\d+)\s*$")
 
 
 def shop_answer_reward(prompts, completions, answer, **_):
-    """1.0 when the text after </think> is exactly the expected number, else 0.0."""
+    """1.0 when the text after </think> is exactly the expected number, else 0.0. A multi-turn completion
+    (messages, `make demo-tools`) is read from its assistant turns (the tool's answer is not the model's)."""
     out = []
     for comp, ans in zip(completions, answer):
+        if isinstance(comp, list):
+            comp = " ".join(m.get("content") or "" for m in comp if m.get("role") == "assistant")
         m = _ANSWER.search(comp.strip())
         out.append(1.0 if m and m.group(1) == str(ans) else 0.0)
     return out

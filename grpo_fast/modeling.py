@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from . import default_task
+from . import default_task, tools_task
 from .model_parts import decoder_of, position_ids_from_mask
 from .shared_prefix import shared_prefix_forward
 
@@ -33,7 +33,7 @@ def load_tokenizer(path: str):
 
 def model_path(cfg) -> str:
     """--model, or the embedded default; a local path must be a model directory."""
-    path = cfg.model or str(default_task.ASSET_DIR)
+    path = cfg.model or str(tools_task.ASSET_DIR if cfg.task == "shop-tools" else default_task.ASSET_DIR)
     local = Path(path)
     if (local.exists() or path.startswith((".", "/"))) and not (local / "config.json").is_file():
         raise ValueError(f"--model {path!r}: not a model directory (no config.json there)")

@@ -1,6 +1,7 @@
-"""Build the embedded default's tokenizer and weak base model (grpo_fast/assets/shop-base).
+"""Build the embedded default's tokenizer and weak base model (grpo_fast/assets/shop-base), or with
+`--task shop-tools` the multi-turn task's (grpo_fast/assets/shop-tools-base: grpo_fast/tools_task.py).
 
-    python scripts/build_base_model.py [--out DIR] [--steps N]
+    python scripts/build_base_model.py [--task shop|shop-tools] [--out DIR] [--steps N]
 
 A word-level tokenizer made offline from the task's vocabulary, and a 2-layer Llama-shaped model pretrained
 by next-token prediction on the noisy teacher's corpus (grpo_fast/default_task.py): it learns the format and
@@ -17,12 +18,13 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from grpo_fast import default_task as task
+from grpo_fast import tools_task
 
 SPECIAL = ["<pad>", "<eos>", "<unk>", "<think>", "</think>"]
 
 
-def build_tokenizer() -> PreTrainedTokenizerFast:
-    vocab = {tok: i for i, tok in enumerate(SPECIAL + task.vocabulary())}
+def build_tokenizer(words=None) -> PreTrainedTokenizerFast:
+    vocab = {tok: i for i, tok in enumerate(SPECIAL + (words or task.vocabulary()))}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece()  # words joined by single spaces
@@ -33,7 +35,7 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     return fast
 
 
-def build_model(vocab_size: int, tok: PreTrainedTokenizerFast) -> LlamaForCausalLM:
+def build_model(vocab_size: int, tok: PreTrainedTokenizerFast, max_positions: int = 64) -> LlamaForCausalLM:
     # Llama-shaped: AutoTokenizer honours our tokenizer.json for model_type "llama"; for "qwen2",
     # transformers 5 substitutes its BPE Qwen2Tokenizer
     config = LlamaConfig(
@@ -43,7 +45,7 @@ def build_model(vocab_size: int, tok: PreTrainedTokenizerFast) -> LlamaForCausal
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=64,
+        max_position_embeddings=max_positions,
         tie_word_embeddings=True,
         pad_token_id=tok.pad_token_id,
         eos_token_id=tok.eos_token_id,
@@ -52,17 +54,16 @@ def build_model(vocab_size: int, tok: PreTrainedTokenizerFast) -> LlamaForCausal
     return LlamaForCausalLM(config)
 
 
-def corpus_batch(tok, problems, rng, batch):
+def corpus_batch(tok, problems, rng, batch, tools=False):
     texts = []
     for _ in range(batch):
         p = rng.choice(problems)
-        texts.append(
-            task.prompt_text(p, rng.randrange(len(task.TEMPLATES)))
-            + " "
-            + task.noisy_completion(p, rng)
-            + " "
-            + tok.eos_token
-        )
+        question = task.prompt_text(p, rng.randrange(len(task.TEMPLATES)))
+        if tools:  # the conversation as the chat template renders it (what a rollout's tokens are)
+            msgs = [{"role": "user", "content": question}, *tools_task.noisy_conversation(p, rng)]
+            texts.append(tok.apply_chat_template(msgs, tools=tools_task.tool_schemas(), tokenize=False))
+        else:
+            texts.append(question + " " + task.noisy_completion(p, rng) + " " + tok.eos_token)
     enc = tok(texts, return_tensors="pt", padding=True)
     labels = enc.input_ids.masked_fill(enc.attention_mask == 0, -100)
     return enc.input_ids, enc.attention_mask, labels
@@ -70,21 +71,28 @@ def corpus_batch(tok, problems, rng, batch):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--out", default=str(task.ASSET_DIR))
+    ap.add_argument("--task", default="shop", choices=("shop", "shop-tools"))
+    ap.add_argument("--out", default=None, help="default: the task's asset directory")
     ap.add_argument("--steps", type=int, default=600)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--lr", type=float, default=3e-3)
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     rng = random.Random(0)
-    tok = build_tokenizer()
-    model = build_model(len(tok), tok)
+    tools = args.task == "shop-tools"
+    if tools:
+        tok = build_tokenizer(tools_task.vocabulary())
+        tok.chat_template = tools_task.CHAT_TEMPLATE
+        model = build_model(len(tok), tok, max_positions=96)
+    else:
+        tok = build_tokenizer()
+        model = build_model(len(tok), tok)
     problems = task.split_problems()["train"]
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=args.lr, total_steps=args.steps, pct_start=0.1)
     t0 = time.time()
     for step in range(args.steps):
-        ids, mask, labels = corpus_batch(tok, problems, rng, args.batch)
+        ids, mask, labels = corpus_batch(tok, problems, rng, args.batch, tools)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         loss = model(input_ids=ids, attention_mask=mask, position_ids=pos, labels=labels).loss
         opt.zero_grad()
@@ -94,7 +102,7 @@ def main(argv=None):
         sched.step()
         if step % 100 == 0 or step == args.steps - 1:
             print(f"step {step:4d}  loss {loss.item():.3f}  {time.time() - t0:.0f}s", flush=True)
-    out = Path(args.out)
+    out = Path(args.out or (tools_task.ASSET_DIR if tools else task.ASSET_DIR))
     out.mkdir(parents=True, exist_ok=True)
     model.generation_config.pad_token_id = tok.pad_token_id
     model.save_pretrained(out, safe_serialization=True)

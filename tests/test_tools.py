@@ -494,3 +494,45 @@ def test_native_rows_keep_their_kv_cache_across_turns(smollm2, monkeypatch):
         # each tool turn is exactly the template's rendering of that call's result
         spans = (on[1:] != on[:-1]).nonzero().squeeze(1).tolist()
         assert len(spans) == 2 * sum(msg["role"] == "tool" for msg in tr.messages[i])
+
+
+# ---- the embedded multi-turn task (make demo-tools) -------------------------------------------------------
+def test_calculator_refuses_what_is_not_arithmetic():
+    from grpo_fast.tools_task import calculator
+
+    assert calculator("6 * 8 - 9") == "39" and calculator("-(2 + 3) * 4 // 3") == "-7"
+    for bad in ["2 ** 99999", "__import__('os').system('true')", "1e9", "(1, 2)", "x + 1", "9" * 80, "1 / 2"]:
+        with pytest.raises((ValueError, SyntaxError)):
+            calculator(bad)
+    res = T.run_tool_calls(
+        [(T.Toolbox([calculator]), [T.ToolCall("calculator", {"expression": "2 ** 9"})])], 5
+    )
+    assert res[0][0].failed and "only integers" in res[0][0].content
+
+
+def test_embedded_tools_task_base_model_calls_the_tool_and_trains(tmp_path):
+    import random
+
+    from grpo_fast import default_task, tools_task
+    from grpo_fast.config import parse_config
+    from grpo_fast.modeling import load_tokenizer
+    from grpo_fast.train import train
+
+    # the teacher's conversations, rendered by the shipped tokenizer's template, are what rollouts produce
+    tok = load_tokenizer(str(tools_task.ASSET_DIR))
+    rng = random.Random(0)
+    msgs = next(m for m in (tools_task.noisy_conversation((6, 8, 9), rng) for _ in range(50)) if len(m) == 3)
+    question = {"role": "user", "content": default_task.prompt_text((6, 8, 9))}
+    text = T.render(tok, [question, *msgs], tools_task.tool_schemas(), None, False)
+    assert tok.unk_token_id not in tok(text, add_special_tokens=False).input_ids
+    turn = text.split("?", 1)[1].split("<eos>")[0]
+    assert T.parse_tool_calls(turn)[1] == [T.ToolCall("calculator", {"expression": "6 * 8 - 9"})]
+    argv = [
+        "--task", "shop-tools", "--output-dir", str(tmp_path / "run"), "--max-steps", "3",
+        "--save-steps", "0", "--eval-steps", "0", "--eval-max-samples", "16", "--prompts-per-step", "4",
+    ]  # fmt: skip
+    train(parse_config(argv))
+    records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "loss" in r]
+    assert len(steps) == 3 and sum(r["tools/call_frequency"] for r in steps) > 0
+    assert all(0 <= r["eval_accuracy"] <= 1 for r in records if "eval_accuracy" in r)

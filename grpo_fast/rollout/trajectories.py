@@ -9,8 +9,12 @@ counted over the whole trajectory, tool turns included: a tool turn that would n
 after `max_tool_calling_iterations` tool rounds. Tokens are concatenated, never re-tokenized: what the model
 sampled is what the trainer scores. `tool_mask` is 1 on the model's tokens, 0 on the tools'.
 
-Every turn after the first is one `generate_groups` call over the trajectories still going, each from its own
-conversation so far: the native and reference engines prefill it again, vLLM finds its prefix in its cache.
+The native engine keeps each row's KV cache across its turns: a row that ends a turn with a call waits while
+its tools run (in a thread; the other rows decode on), the tool's turn is run onto the row's own KV cache
+(the conversation is never prefilled again; the prompt KV stays shared by the group) and the row decodes on
+in the same batch as rows at other turns. On the other engines (and the native one with carry_kv=False),
+every turn after the first is one `generate_groups` call over the trajectories still going, each from its
+whole conversation so far: the reference engine prefills it again, vLLM finds its prefix in its cache.
 With an environment whose `reset` returns text (TRL: appended to the prompt's last message), the group's
 prompts differ: the group keeps their common tokens as its prompt and each trajectory starts with the rest of
 its own (tool_mask 0).
@@ -202,6 +206,7 @@ def generate_trajectories(
     eos_token_id=None,
     engine="auto",
     generator=None,
+    carry_kv=True,
     **generate_options,
 ) -> Trajectories:
     """G multi-turn trajectories per prompt; trajectory s belongs to prompt s // G.
@@ -220,6 +225,8 @@ def generate_trajectories(
         chat_template: a template that renders tools (default: the tokenizer's when it does, else ChatML's).
         max_prompt_length: rendered prompts are cut to their last this many tokens.
         eos_token_id: int or list of ints ending a model turn (default: the tokenizer's).
+        carry_kv: native engine: each row keeps its KV cache across its turns (True), or every turn is a new
+            call from the whole conversation (False: what the other engines do; for comparison).
         engine, generator, **generate_options: as `generate_groups` (temperature, top_p, top_k, compile,
             rollout_dtype, vllm_options, share_prefix, all_done).
     """
@@ -293,7 +300,7 @@ def generate_trajectories(
     # 2. turns
     kind, _ = resolve_engine(model, engine)
     tails = any(st.comp)
-    if kind == "native" and not tails:  # each row's KV cache carried across its turns
+    if kind == "native" and carry_kv and not tails:  # each row's KV cache carried across its turns
         out = native.engine_for(model).generate(
             prompt_ids, prompt_mask, G, C, eos_token_id=eos, generator=generator, return_logprobs=True,
             turn_hook=st, **{"top_p": 1.0, "top_k": 0, "temperature": 1.0, "share_prefix": True,
