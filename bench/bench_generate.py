@@ -20,6 +20,13 @@ Workloads:
   real    SmolLM2-135M-Instruct (grpo_fast.smollm2), chat prompts of different lengths, G=8, C=256; 2 and 8
           prompts
   demo    the embedded demo model and task, 16 prompts, G=8, C=20 (the demo's own settings)
+  tools   multi-turn (grpo_fast.rollout.trajectories): SmolLM2-135M-Instruct, 8 chat prompts, greedy, up
+          to 256 tokens per trajectory; a `lookup` tool whose answer is the next call, three tool turns
+          each (the model copies a call it is shown). Providers: hf = TRL's way, HF `generate` over the
+          conversations so far at every turn (ids concatenated, not re-tokenized); native = our engine,
+          each row's KV cache kept across turns; native_resubmit = our engine called afresh at every turn;
+          reference; vllm = a new request per turn whose prefix vLLM's cache holds. Tokens: the model's
+          (tool turns not counted); the tools' code is the same for every provider
 Each measurement: one short warm-up call, then `repeats` calls with seeds 0.. (different samples per seed,
 the same seeds for every provider); tokens/s = completion tokens / seconds over those calls. Sampled lengths
 differ between providers (another random stream), so a run's tokens/s, not its seconds, is compared.
@@ -64,7 +71,120 @@ WORKLOADS = {
     "real": dict(prompts=2, G=8, C=256),
     "real8": dict(prompts=8, G=8, C=256),
     "demo": dict(prompts=16, G=8, C=20),
+    "tools": dict(prompts=8, G=1, C=256),
 }
+TOOLS_ONLY = ("native_resubmit",)  # providers of the tools workload alone
+TOOLS_TOO = ("hf", "native", "reference", "vllm")  # and of it too
+TOOL_KEYS = ["apple", "river", "stone", "cloud", "maple", "flint", "ember", "coral"]
+TOOL_ROUNDS = 3
+
+
+def tool_call_text(key: str) -> str:
+    return '<tool_call>\n{"name": "lookup", "arguments": {"key": "%s"}}\n</tool_call>' % key
+
+
+def lookup(key: str) -> str:
+    """Look a key up.
+
+    Args:
+        key: the key
+    """
+    step = int(key[-1]) if key[-1:].isdigit() else TOOL_ROUNDS
+    return "The value is 42." if step >= TOOL_ROUNDS else tool_call_text(key[:-1] + str(step + 1))
+
+
+def _tool_prompts(n):
+    return [[{"role": "user", "content": "Repeat exactly, and nothing else: " + tool_call_text(k + "1")}]
+            for k in TOOL_KEYS[:n]]  # fmt: skip
+
+
+def _hf_tools(model, tok, prompts, C):
+    """TRL's multi-turn loop with HF generate: every turn one batched greedy `generate` over the rows still
+    going, from their whole token sequence so far; returns the model's tokens."""
+    from grpo_fast import tools as T
+
+    template, box = T.tool_chat_template(tok), T.Toolbox([lookup])
+    seqs = [tok(T.render(tok, p, box.schemas, template), add_special_tokens=False).input_ids for p in prompts]
+    used, rounds = [0] * len(seqs), [0] * len(seqs)
+    active, model_tokens, eos = list(range(len(seqs))), 0, tok.eos_token_id
+    while active:
+        P = max(len(seqs[i]) for i in active)
+        ids = torch.tensor([[eos] * (P - len(seqs[i])) + seqs[i] for i in active])
+        mask = torch.tensor([[0] * (P - len(seqs[i])) + [1] * len(seqs[i]) for i in active])
+        out = model.generate(
+            input_ids=ids, attention_mask=mask, do_sample=False, eos_token_id=eos, pad_token_id=eos,
+            max_new_tokens=max(C - used[i] for i in active),
+        )[:, P:].tolist()  # fmt: skip
+        nxt = []
+        for i, new in zip(active, out):
+            new = new[: new.index(eos) + 1] if eos in new else new
+            new = new[: C - used[i]]
+            seqs[i] += new
+            used[i] += len(new)
+            model_tokens += len(new)
+            _, calls = T.parse_tool_calls(tok.decode(new, skip_special_tokens=True))
+            if not calls or not new or new[-1] != eos or rounds[i] >= TOOL_ROUNDS or used[i] >= C:
+                continue
+            res = T.run_tool_calls([(box, calls)], 10.0)[0]
+            msgs = [{"role": "tool", "name": r.name, "content": r.content} for r in res]
+            turn = T.tool_turn_ids(tok, template, msgs, {eos})
+            rounds[i] += 1
+            if used[i] + len(turn) < C:
+                seqs[i] += turn
+                used[i] += len(turn)
+                nxt.append(i)
+        active = nxt
+    return model_tokens, sum(rounds) / len(seqs)
+
+
+def measure_tools(a: dict) -> dict:
+    """The multi-turn workload: model tokens/s of each provider (see the module docstring)."""
+    from transformers import AutoModelForCausalLM
+
+    from grpo_fast.modeling import load_tokenizer
+    from grpo_fast.rollout.trajectories import generate_trajectories
+    from grpo_fast.smollm2 import build
+
+    tok = load_tokenizer(str(build()))
+    model = AutoModelForCausalLM.from_pretrained(build(), dtype=torch.float32).eval()
+    prompts, C, p = _tool_prompts(a["prompts"]), a["C"], a["provider"]
+
+    def call(c):
+        if p == "hf":
+            return _hf_tools(model, tok, prompts, c)
+        engine = p.split("_")[0]
+        tr = generate_trajectories(
+            model, tok, prompts, 1, c, tools=[lookup], temperature=0.0, engine=engine,
+            max_tool_calling_iterations=TOOL_ROUNDS, carry_kv=p != "native_resubmit", compile=False,
+            **({"vllm_options": {"max_model_len": 1024, "kv_cache_gb": 4}} if engine == "vllm" else {}),
+        )  # fmt: skip
+        return int((tr.completion_mask * tr.tool_mask).sum()), sum(tr.tool_calls) / len(prompts)
+
+    with torch.no_grad():
+        t0 = time.perf_counter()
+        call(C)  # warm-up (and vLLM's start)
+        warm = time.perf_counter() - t0
+        base = baseline_mib(torch.device("cpu"))
+        tokens, secs, rounds = 0, 0.0, 0.0
+        for _ in range(a["repeats"]):
+            t0 = time.perf_counter()
+            n, rounds = call(C)
+            secs += time.perf_counter() - t0
+            tokens += n
+        peak = peak_mib("cpu") - base
+    import transformers
+
+    env = f"transformers {transformers.__version__}"
+    if p.startswith("vllm"):
+        import vllm as vllm_pkg
+
+        env += f", vllm {vllm_pkg.__version__}"
+    return dict(
+        tokens=tokens, seconds=secs, tokens_per_s=tokens / secs, peak_mem_mb=peak, warmup_s=warm, env=env,
+        tool_rounds=rounds,
+    )  # fmt: skip
+
+
 MIN_CALLS = {"demo": 10}  # a demo call lasts ~60 ms: one call is noise
 QUICK = {"bench": dict(prompts=2, G=4, C=8, P=24), "demo": dict(prompts=4, G=4, C=8)}
 
@@ -123,6 +243,8 @@ def _hf(model, ids, mask, G, C, eos, seed):
 def measure_one(a: dict) -> dict:
     from grpo_fast.rollout import generate_groups
 
+    if a["workload"] == "tools":
+        return measure_tools(a)
     torch.set_num_threads(torch.get_num_threads())
     model, ids, mask, eos = _work(a["workload"], a)
     G, C, p = a["G"], a["C"], a["provider"]
@@ -197,6 +319,7 @@ COLUMNS = [
     ("mismatch_k3", "mismatch to fp32 trainer (mean k3)"),
     ("ratio_max", "max ratio"),
     ("warmup_s", "warm-up s (compile, start)"),
+    ("tool_rounds", "tool turns per trajectory"),
     ("env", "environment"),
     ("error", "note"),
 ]
@@ -217,6 +340,8 @@ def main(argv=None) -> None:
             continue
         for p in args.providers.split(","):
             if p == "native_compiled" and w != "demo" and not torch.cuda.is_available():
+                continue
+            if (p in TOOLS_ONLY) != (w == "tools") and p not in TOOLS_TOO:
                 continue
             job = dict(shape, workload=w, provider=p, quick=args.quick, repeats=args.repeats)
             t0 = time.time()
