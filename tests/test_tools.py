@@ -536,3 +536,66 @@ def test_embedded_tools_task_base_model_calls_the_tool_and_trains(tmp_path):
     steps = [r for r in records if "loss" in r]
     assert len(steps) == 3 and sum(r["tools/call_frequency"] for r in steps) > 0
     assert all(0 <= r["eval_accuracy"] <= 1 for r in records if "eval_accuracy" in r)
+
+
+@pytest.fixture(scope="module")
+def tiny_tool_model():
+    """The demo's tiny base model, taught for a few dozen steps to always call the calculator: a small
+    Llama that calls a tool greedily."""
+    import random
+
+    from transformers import AutoModelForCausalLM
+
+    from grpo_fast import default_task, tools_task
+    from grpo_fast.modeling import load_tokenizer
+
+    torch.manual_seed(0)
+    tok = load_tokenizer(str(tools_task.ASSET_DIR))
+    model = AutoModelForCausalLM.from_pretrained(tools_task.ASSET_DIR, dtype=torch.float32)
+    rng, problems = random.Random(0), default_task.split_problems()["train"]
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for _ in range(40):
+        texts = []
+        for p in rng.sample(problems, 32):
+            conv = [
+                {"role": "user", "content": default_task.prompt_text(p)},
+                {"role": "assistant", "content": "", "tool_calls": [tools_task.call(*p)]},
+                {"role": "tool", "name": "calculator", "content": str(default_task.answer(*p))},
+                {
+                    "role": "assistant",
+                    "content": tools_task.think(default_task.answer(*p), default_task.answer(*p)),
+                },
+            ]
+            texts.append(T.render(tok, conv, tools_task.tool_schemas(), None, False))
+        tok.padding_side = "left"
+        enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        pos = (enc.attention_mask.cumsum(-1) - 1).clamp(min=0)
+        labels = enc.input_ids.masked_fill(enc.attention_mask == 0, -100)
+        loss = model(
+            input_ids=enc.input_ids, attention_mask=enc.attention_mask, position_ids=pos, labels=labels
+        ).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model.eval(), tok
+
+
+@pytest.mark.parametrize("engine", ["native", "reference"])
+def test_tiny_model_greedy_trajectories_equal_the_plain_loop(tiny_tool_model, engine):
+    from grpo_fast import default_task, tools_task
+
+    model, tok = tiny_tool_model
+    problems = default_task.split_problems()["eval"][:6]
+    questions = [default_task.prompt_text(p, k % 2) for k, p in enumerate(problems)]
+    tr = generate_trajectories(
+        model, tok, questions, 1, 40, tools=[tools_task.calculator], temperature=0.0, engine=engine,
+        max_tool_calling_iterations=2,
+    )  # fmt: skip
+    assert sum(tr.tool_calls) == len(questions)  # every one called the tool
+    for i, q in enumerate(questions):
+        want, want_model = plain_loop(model, tok, q, [tools_task.calculator], 40, 2)
+        m = tr.completion_mask[i].bool()
+        p = tr.prompt_ids[i][tr.prompt_mask[i].bool()].tolist()
+        got = p + tr.completion_ids[i][m].tolist()
+        assert got == want, f"question {i}:\n{tok.decode(got)!r}\nvs\n{tok.decode(want)!r}"
+        assert [0] * len(p) + tr.tool_mask[i][m].tolist() == want_model
