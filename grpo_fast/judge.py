@@ -119,32 +119,37 @@ def _norm(text: str) -> str:
     return "\n".join(lines)
 
 
-def judge_io(code: str, cases: list, limits: SandboxLimits, slot: int, sandboxed: bool) -> Verdict:
-    """The program `code` on stdin/stdout `cases`, each a process of its own in the completion's sandbox."""
+def run_io(code: str, inputs: list, limits: SandboxLimits, slot: int, sandboxed: bool) -> tuple[list, str]:
+    """The program `code` on each stdin of `inputs`, each a process of its own in the completion's sandbox:
+    ([(exited cleanly, stdout text)] for the inputs it got through, why it stopped early or None)."""
     deadline = time.monotonic() + limits.wall_seconds
     res_r, res_w = os.pipe()
-    job = marshal.dumps({"code": code, "inputs": [str(c["input"]) for c in cases]})
+    job = marshal.dumps({"code": code, "inputs": [str(x) for x in inputs]})
     try:
         box = Sandbox(RUNTIME, ["io", str(res_w)], job, limits, slot, "completion", sandboxed, (res_w,))
     finally:
         os.close(res_w)
     try:
-        data, eof = read_bounded(res_r, min(MAX_IO_BYTES, len(cases) * (5 + MAX_OUTPUT)), deadline)
+        data, eof = read_bounded(res_r, min(MAX_IO_BYTES, len(inputs) * (5 + MAX_OUTPUT)), deadline)
     finally:
         os.close(res_r)
         box.end()
-    passed, pos, failure = 0, 0, None
-    for case in cases:
+    outputs, pos = [], 0
+    for _ in inputs:
         if pos + 5 > len(data):
-            failure = _stopped(eof)
-            break
+            return outputs, _stopped(eof)
         status, (n,) = data[pos], struct.unpack(">I", data[pos + 1 : pos + 5])
         if status not in b"01" or n > MAX_OUTPUT or pos + 5 + n > len(data):
-            failure = "malformed" if status not in b"01" or n > MAX_OUTPUT else _stopped(eof)
-            break
-        out = data[pos + 5 : pos + 5 + n].decode("utf-8", errors="replace")
-        passed += status == ord("0") and _norm(out) == _norm(str(case["output"]))
+            return outputs, "malformed" if status not in b"01" or n > MAX_OUTPUT else _stopped(eof)
+        outputs.append((status == ord("0"), data[pos + 5 : pos + 5 + n].decode("utf-8", errors="replace")))
         pos += 5 + n
+    return outputs, None
+
+
+def judge_io(code: str, cases: list, limits: SandboxLimits, slot: int, sandboxed: bool) -> Verdict:
+    """The program `code` on stdin/stdout `cases` (`run_io`)."""
+    outputs, failure = run_io(code, [c["input"] for c in cases], limits, slot, sandboxed)
+    passed = sum(ok and _norm(out) == _norm(str(c["output"])) for (ok, out), c in zip(outputs, cases))
     return Verdict(passed, len(cases), failure)
 
 

@@ -256,3 +256,50 @@ def tool_turn_ids(tokenizer, template, tool_messages, eos_ids) -> list[int]:
             "(the tokens before it change); pass one that does (chat_template=)"
         )
     return after[len(before) :]
+
+
+# --------------------------------------------------------------------------------------------------------
+# A tool that runs model-written code: in the code reward's sandbox
+# --------------------------------------------------------------------------------------------------------
+TOOL_SLOT0 = 64  # the code tool's sandbox slots (uids, cgroups) start here: never a reward judge's
+
+
+def python_tool(limits=None, *, allow_unsandboxed: bool = False, slots: int | None = None):
+    """A `python(code)` tool: the program runs in the code reward's sandbox (grpo_fast.sandbox: bubblewrap,
+    no network, its own uid, bounded CPU / memory / processes / time, killed whole at the end) and its
+    stdout comes back as the tool's answer (an error and its stderr-free reason when it fails or is
+    stopped). Concurrent calls take distinct slots (one per core by default). Refuses to start where the
+    sandbox cannot run, unless `allow_unsandboxed` (limits only)."""
+    import os
+
+    from .judge import run_io
+    from .sandbox import SandboxLimits, check_available
+
+    limits = limits or SandboxLimits()
+    sandboxed = check_available(allow_unsandboxed) == "bwrap"
+    free = list(range(TOOL_SLOT0, TOOL_SLOT0 + (slots or os.cpu_count() or 1)))
+    ready = threading.Semaphore(len(free))
+    lock = threading.Lock()
+
+    def python(code: str) -> str:
+        """Run a Python program and return what it prints.
+
+        Args:
+            code: the program's source
+        """
+        with ready:
+            with lock:
+                slot = free.pop()
+            try:
+                outputs, failure = run_io(code, [""], limits, slot, sandboxed)
+            finally:
+                with lock:
+                    free.append(slot)
+        if failure or not outputs:
+            raise RuntimeError(f"the program stopped: {failure or 'no output'}")
+        ok, out = outputs[0]
+        if not ok:
+            raise RuntimeError(f"the program failed; its output: {out[:500]}")
+        return out
+
+    return python

@@ -232,3 +232,23 @@ def test_without_bubblewrap_code_rewards_refuse_unless_allowed(monkeypatch):
     assert run_tests("print(int(input()) * 2)", case, FAST, allow_unsandboxed=True) == 1.0
     assert {p for p in os.listdir(tempfile.gettempdir()) if p.startswith("grpo-unsandboxed-")} <= before
     assert _sandbox_processes() == []
+
+
+def test_python_tool_runs_model_code_in_the_sandbox():
+    """grpo_fast.tools.python_tool: a multi-turn tool that runs model-written code, in this sandbox; every
+    way the code can fail is an error message for the model (through run_tool_calls), calls in parallel."""
+    from grpo_fast import tools as T
+
+    python = T.python_tool(FAST)
+    assert python("print(6 * 7)") == "42\n"
+    assert python("import os; print(os.path.exists('/root'), os.getuid() == 0)") == "False False\n"
+    box = T.Toolbox([python])
+    calls = [
+        T.ToolCall("python", {"code": "while True: pass"}),
+        T.ToolCall("python", {"code": "raise SystemExit(3)"}),
+        T.ToolCall("python", {"code": "import sys; print('a' * 10, 1 / 0)"}),
+        T.ToolCall("python", {"code": "print(sum(range(10)))"}),
+    ]
+    res = T.run_tool_calls([(box, [c]) for c in calls], timeout_s=30)
+    assert [r[0].failed for r in res] == [True, True, True, False] and res[3][0].content == "45\n"
+    assert all(r[0].content.startswith("error: python raised RuntimeError") for r in res[:3])
