@@ -100,19 +100,27 @@ def rollout(run, rows) -> Rollout:
             p_mask,
             cfg.num_generations,
             cfg.max_completion_length,
-            temperature=cfg.temperature,
-            top_p=cfg.top_p,
-            top_k=cfg.top_k,
-            eos_token_id=run.tokenizer.eos_token_id,
-            share_prefix=cfg.share_prefix,
-            generator=run.generator,
             all_done=(lambda done: all_done(done, run.dist)) if run.dist.on else None,
             return_logprobs=True,
+            **sampling_options(run),
             **engine_options(cfg),
         )
-    engine, _ = resolve_engine(run.model, cfg.rollout)
-    dtype = native.engine_for(run.model).rollout_dtype if engine == "native" else "model"
-    return Rollout(texts, p_ids, p_mask, c_ids, c_mask, c_logp, engine, dtype)
+    return Rollout(texts, p_ids, p_mask, c_ids, c_mask, c_logp, *engine_that_ran(run))
+
+
+def sampling_options(run) -> dict:
+    """How rollouts sample, as `generate_groups` / `generate_trajectories` take it."""
+    cfg = run.cfg
+    return dict(
+        temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+        eos_token_id=run.tokenizer.eos_token_id, share_prefix=cfg.share_prefix, generator=run.generator,
+    )  # fmt: skip
+
+
+def engine_that_ran(run) -> tuple[str, str]:
+    """(engine, rollout dtype) of the rollout just made: what decides the mismatch correction."""
+    engine, _ = resolve_engine(run.model, run.cfg.rollout)
+    return engine, native.engine_for(run.model).rollout_dtype if engine == "native" else "model"
 
 
 def multi_turn_rollout(run, rows) -> Rollout:
@@ -134,16 +142,9 @@ def multi_turn_rollout(run, rows) -> Rollout:
             max_tool_calling_iterations=cfg.max_tool_calling_iterations,
             tool_timeout_s=cfg.tool_timeout_s,
             max_prompt_length=cfg.max_prompt_length,
-            temperature=cfg.temperature,
-            top_p=cfg.top_p,
-            top_k=cfg.top_k,
-            eos_token_id=run.tokenizer.eos_token_id,
-            share_prefix=cfg.share_prefix,
-            generator=run.generator,
+            **sampling_options(run),
             **engine_options(cfg),
         )
-    engine, _ = resolve_engine(run.model, cfg.rollout)
-    dtype = native.engine_for(run.model).rollout_dtype if engine == "native" else "model"
     n = len(tr.turns)
     metrics = {
         "tools/call_frequency": sum(tr.tool_calls) / n,
@@ -152,8 +153,8 @@ def multi_turn_rollout(run, rows) -> Rollout:
         "tool_tokens_mean": float((tr.completion_mask * (1 - tr.tool_mask)).sum()) / n,
     }
     return Rollout(
-        tr.texts, tr.prompt_ids, tr.prompt_mask, tr.completion_ids, tr.completion_mask, tr.logprobs, engine,
-        dtype, tr.tool_mask, tr.messages, tr.environments, metrics,
+        tr.texts, tr.prompt_ids, tr.prompt_mask, tr.completion_ids, tr.completion_mask, tr.logprobs,
+        *engine_that_ran(run), tr.tool_mask, tr.messages, tr.environments, metrics,
     )  # fmt: skip
 
 
