@@ -18,6 +18,7 @@ import inspect
 import json
 import re
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -133,8 +134,6 @@ def run_tool_calls(jobs, timeout_s: float) -> list[list[ToolResult]]:
             t = threading.Thread(target=work, daemon=True, name=f"tool-{call.name}")
             t.start()
             threads.append((t, j, k, call))
-    import time
-
     deadline = time.monotonic() + timeout_s
     for t, j, k, call in threads:
         t.join(max(0.0, deadline - time.monotonic()))

@@ -12,6 +12,20 @@ import pytest  # noqa: E402
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
+@pytest.fixture(scope="module")
+def smollm2():
+    """SmolLM2-135M-Instruct (built offline by grpo_fast.smollm2) and its tokenizer, fp32, eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    from grpo_fast.modeling import load_tokenizer
+    from grpo_fast.smollm2 import build
+
+    path = build()
+    tok = load_tokenizer(str(path))
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return model, tok
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

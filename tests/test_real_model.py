@@ -4,7 +4,6 @@ unshared. Also run under the oldest transformers we support (make test), where a
 once garbled every completion silently."""
 
 import pytest
-import torch
 from oracle import assert_greedy_row_equal
 
 from grpo_fast.rollout import generate_groups
@@ -17,19 +16,6 @@ QUESTIONS = [
     "Name three primary colors, one per line, and say nothing else about them.",
     "2+2?",
 ]
-
-
-@pytest.fixture(scope="module")
-def smollm2():
-    from transformers import AutoModelForCausalLM
-
-    from grpo_fast.modeling import load_tokenizer
-    from grpo_fast.smollm2 import build
-
-    path = build()
-    tok = load_tokenizer(str(path))
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    return model, tok
 
 
 def _chat_batch(tok):

@@ -180,17 +180,6 @@ def test_environment_tools_are_its_public_methods():
 
 
 # ---- SmolLM2: trajectories against a plain re-render loop ---------------------------------------------
-@pytest.fixture(scope="module")
-def smollm2():
-    from transformers import AutoModelForCausalLM
-
-    from grpo_fast.modeling import load_tokenizer
-    from grpo_fast.smollm2 import build
-
-    path = build()
-    tok = load_tokenizer(str(path))
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    return model, tok
 
 
 # SmolLM2-135M-Instruct copies a call it is shown; it then answers after the tool's turn
