@@ -19,6 +19,7 @@ Providers:
                       the mismatch, TRL's sequence_mask)
   grpo_fast_vllm      the same with --rollout vllm (vLLM in the trainer's process, weights pushed every step;
                       run in the vLLM environment, `make setup-vllm`: transformers 5.19 there)
+  grpo_fast_vllm_bf16 the same with --rollout-dtype bf16 (vLLM's weights in bf16; the loss corrects)
 
 Step time is split into generation / scoring (rewards and advantages) / training (log-probs, loss,
 backward, optimizer); peak memory is the process's resident-set high-water mark (CPU) or
@@ -52,7 +53,7 @@ from grpo_fast.plotting import pyplot
 PROVIDERS = ["trl", "trl_liger", "trl_grpo_fast", "grpo_fast_unshared", "grpo_fast", "grpo_fast_vllm"]
 REAL_PROVIDERS = [
     "trl", "trl_static_cache", "trl_grpo_fast", "trl_grpo_fast_native", "grpo_fast", "grpo_fast_bf16",
-    "grpo_fast_vllm",
+    "grpo_fast_vllm", "grpo_fast_vllm_bf16",
 ]  # fmt: skip
 LABELS = {
     "trl": "TRL GRPOTrainer",
@@ -65,6 +66,7 @@ LABELS = {
     "grpo_fast": "grpo-fast, sharing on",
     "grpo_fast_vllm": "grpo-fast, --rollout vllm",
     "grpo_fast_bf16": "grpo-fast, --rollout-dtype bf16 (corrected)",
+    "grpo_fast_vllm_bf16": "grpo-fast, --rollout vllm --rollout-dtype bf16 (corrected)",
 }
 # the training settings both trainers get, under the names both use
 SAME_FOR_BOTH = dict(temperature=1.0, beta=0.0, loss_type="dapo", learning_rate=1e-6)
@@ -294,8 +296,8 @@ def run_grpo_fast(a: dict) -> dict:
         max_steps=a["warmup"] + a["steps"],
         **SAME_FOR_BOTH,
         share_prefix=a["provider"] != "grpo_fast_unshared",
-        rollout="vllm" if a["provider"] == "grpo_fast_vllm" else "auto",
-        rollout_dtype="bf16" if a["provider"] == "grpo_fast_bf16" else "model",
+        rollout="vllm" if a["provider"].startswith("grpo_fast_vllm") else "auto",
+        rollout_dtype="bf16" if a["provider"].endswith("_bf16") else "model",
         output_dir=a["out"],
         overwrite_output_dir=True,
         max_memory_gb=(base_mib / 1024 + above) if above else 0.0,
@@ -452,10 +454,10 @@ def main(argv=None) -> None:
             timeout = args.worker_timeout
             if args.deadline is not None:
                 timeout = min(timeout, args.deadline - t0)
-            python = vllm_python() if p == "grpo_fast_vllm" else None
+            python = vllm_python() if p.startswith("grpo_fast_vllm") else None
             if timeout < MIN_WORKER_S:
                 res = {"skipped": f"out of time ({max(timeout, 0):.0f} s left before the deadline)"}
-            elif p == "grpo_fast_vllm" and python is None:
+            elif p.startswith("grpo_fast_vllm") and python is None:
                 res = {"skipped": NO_VLLM}
             else:
                 try:

@@ -7,14 +7,16 @@ Providers (same prompts, same sampling: T=1, no top-k / top-p, EOS ends a sample
   hf          HF `model.generate(num_return_sequences=G, do_sample=True)`: every prompt repeated G times
   reference   `generate_groups(engine="reference")`: our previous path (shared prompt KV, eager, per token)
   native      `generate_groups(engine="native")`: static KV cache, packed weights, no per-token host sync
-  native_bf16, native_int8   the native engine with its decode step's linear layers in a bf16 / int8
-              (weight-only, per-channel; fp32 LM head) copy (`rollout_dtype`); every native row also reports
-              the mismatch of its samples' log-probs to the fp32 training forward (mean k3, max ratio)
+  native_<dtype>   the native engine with its decode step's linear layers in a low-precision copy
+              (`rollout_dtype` bf16, fp16, int8 or fp8: see `generate_groups`); every native and vLLM row
+              also reports the mismatch of its samples' log-probs to the fp32 training forward (mean k3,
+              max ratio)
   native_compiled   the same with the decode step compiled (demo workload only on a CPU: compiling a 10- or
               30-layer step takes minutes here; it is the default on CUDA)
   vllm        `generate_groups(engine="vllm")`: vLLM in the worker's process (its own environment, `make
               setup-vllm`), prefix caching, n=G per prompt; the policy's weights pushed once (first call)
   vllm_1t     the same with vLLM's OpenMP threads at 1 during generation (on a shared 2-core CPU)
+  vllm_<dtype>   vLLM with `rollout_dtype` bf16 / fp16 (its weights in that dtype) or fp8 (GPU)
 Workloads:
   bench   the end-to-end bench model (random-init ~45M Qwen2 shape), 2 prompts of P=512, G=8, C=128
   real    SmolLM2-135M-Instruct (grpo_fast.smollm2), chat prompts of different lengths, G=8, C=256; 2 and 8
@@ -254,7 +256,8 @@ def measure_one(a: dict) -> dict:
             return _hf(model, ids, mask, G, c, eos, seed)
         engine = p.split("_")[0] if p.startswith(("reference", "vllm")) else "native"
         vllm = {"max_model_len": ids.shape[1] + C, "kv_cache_gb": 4, "threads": 1 if p == "vllm_1t" else None}
-        kw = {"rollout_dtype": p.split("_")[1]} if p in ("native_bf16", "native_int8") else {}
+        dtype = p.split("_")[-1]
+        kw = {"rollout_dtype": dtype} if dtype in ("bf16", "fp16", "int8", "fp8") else {}
         out = generate_groups(
             model, ids, mask, G, c, temperature=1.0, eos_token_id=eos, engine=engine,
             compile=True if p == "native_compiled" else False, generator=torch.Generator().manual_seed(seed),
@@ -279,7 +282,7 @@ def measure_one(a: dict) -> dict:
             tokens += call(C, seed)
             secs += time.perf_counter() - t0
         peak = peak_mib("cpu") - base
-    mismatch = _mismatch(model, ids, mask, samples[-1]) if p.startswith("native") else {}
+    mismatch = _mismatch(model, ids, mask, samples[-1]) if p.startswith(("native", "vllm")) else {}
     import transformers
 
     env = f"transformers {transformers.__version__}"

@@ -121,15 +121,20 @@ def e2e_real_section(res, summary) -> str:
             f"{ours['step_s']:.1f} s.\n"
         )
     text += _vllm_e2e_line(rows, trl, ours, summary, "e2e_real_vllm_speedup_vs_trl")
-    low = _row(rows, provider="grpo_fast_bf16")
-    if trl and low:
-        speed = low["tokens_per_s"] / trl["tokens_per_s"]
-        summary.update(e2e_real_lowprec_speedup_vs_trl=speed)
-        text += (
-            f"With the rollout in a bf16 copy of the policy (`--rollout-dtype bf16`, mismatch corrected): "
-            f"**{speed:.2f}x** TRL's tokens/s (generation {low['generate_s']:.1f} s of a "
-            f"{low['step_s']:.1f} s step).\n"
-        )
+    for provider, key, how in (
+        ("grpo_fast_bf16", "e2e_real_lowprec_speedup_vs_trl",
+         "a bf16 copy of the policy (`--rollout-dtype bf16`)"),
+        ("grpo_fast_vllm_bf16", "e2e_real_vllm_lowprec_speedup_vs_trl", "vLLM in bf16 (`--rollout vllm "
+         "--rollout-dtype bf16`)"),
+    ):  # fmt: skip
+        low = _row(rows, provider=provider)
+        if trl and low:
+            speed = low["tokens_per_s"] / trl["tokens_per_s"]
+            summary[key] = speed
+            text += (
+                f"With the rollout in {how}, mismatch corrected: **{speed:.2f}x** TRL's tokens/s (generation "
+                f"{low['generate_s']:.1f} s of a {low['step_s']:.1f} s step).\n"
+            )
     return text + _not_measured(rows)
 
 

@@ -94,10 +94,12 @@ class GRPOConfig:
     )
     rollout_dtype: str = _f(
         "model",
-        "native engine on the CPU: the decode step's linear layers in the policy's dtype (model), or a copy "
-        "in bf16 / int8 (weight-only; fp32 LM head) made after each optimizer step, or auto (bf16 where the "
-        "CPU multiplies bf16 natively); not the training forward, so the mismatch correction applies",
-        choices=("model", "auto", "fp32", "bf16", "int8"),
+        "the precision rollouts sample in: the policy's own (model = fp32), or a copy made after each "
+        "optimizer step: bf16 / fp16 (native and vllm), int8 (native, CPU: per-channel weights, per-token "
+        "activations), fp8 (native: e4m3 via torch._scaled_mm, GPU-fast, CPU-emulated; vllm: GPU), or auto "
+        "(bf16 where the machine multiplies bf16 natively); not the training forward, so the mismatch "
+        "correction applies",
+        choices=("model", "auto", "fp32", "bf16", "fp16", "int8", "fp8"),
     )
     vllm_gpu_memory_utilization: float = _f(
         0.3, "--rollout vllm on CUDA: the share of GPU memory vLLM takes for its weights and KV cache"

@@ -116,11 +116,12 @@ def parameter_bytes(config, cfg: GRPOConfig) -> dict:
 
 
 # bytes per weight element of the native engine's per-call copy, by rollout dtype: (layers, LM head)
-COPY_BYTES = {"fp32": (4, 4), "bf16": (2, 2), "int8": (1, 4)}
+COPY_BYTES = {"fp32": (4, 4), "bf16": (2, 2), "fp16": (2, 2), "int8": (1, 4), "fp8": (1, 4)}
 
 
 def engine_copy_bytes(p: dict, cfg: GRPOConfig, device: str) -> float:
-    """The native CPU engine's copy of the linear weights for a call (fp32 packed, or the rollout dtype's)."""
+    """The native engine's copy of the linear weights for a call (fp32 packed on a CPU, or the rollout
+    dtype's)."""
     dtype = cfg.rollout_dtype
     if dtype == "auto":
         from .rollout.native import auto_rollout_dtype
@@ -128,8 +129,8 @@ def engine_copy_bytes(p: dict, cfg: GRPOConfig, device: str) -> float:
         dtype = auto_rollout_dtype(
             torch.device(device), torch.float32 if cfg.dtype == "fp32" else torch.bfloat16
         )[0]
-    if device != "cpu" or (dtype == "model" and cfg.dtype != "fp32"):
-        return 0.0
+    if dtype in ("model", "fp32") and (device != "cpu" or cfg.dtype != "fp32"):
+        return 0.0  # the modules themselves (fp32 weights are packed for a call on the CPU only)
     layers_b, head_b = COPY_BYTES["fp32" if dtype == "model" else dtype]
     head = p["head_elements"]
     return (p["linear_weights"] / 4 - head) * layers_b + head * head_b

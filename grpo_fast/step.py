@@ -19,7 +19,7 @@ from .kernels import fused_linear_grpo_loss, fused_linear_logprobs, group_advant
 from .model_parts import lm_head_of
 from .modeling import completion_hidden_states
 from .rewards import score
-from .rollout import generate_groups, is_exact, native, resolve_engine
+from .rollout import generate_groups, is_exact, native, resolve_engine, vllm_engine
 from .rollout.trajectories import generate_trajectories
 from .rollout.vllm_engine import logprobs_mode_for
 
@@ -120,7 +120,9 @@ def sampling_options(run) -> dict:
 def engine_that_ran(run) -> tuple[str, str]:
     """(engine, rollout dtype) of the rollout just made: what decides the mismatch correction."""
     engine, _ = resolve_engine(run.model, run.cfg.rollout)
-    return engine, native.engine_for(run.model).rollout_dtype if engine == "native" else "model"
+    if engine == "native":
+        return engine, native.engine_for(run.model).rollout_dtype
+    return engine, vllm_engine.engine_for(run.model).rollout_dtype if engine == "vllm" else "model"
 
 
 def multi_turn_rollout(run, rows) -> Rollout:

@@ -247,3 +247,36 @@ def test_multi_turn_trajectories_equal_the_plain_loop():
     )  # fmt: skip
     assert_like_plain_loop(model, tok, tr, QUESTIONS, [multiply], 90, 2, near_tie_ok=True)
     assert tr.tool_calls == [1, 1] and tr.turns == [2, 2]
+
+
+@needs_vllm
+def test_bf16_rollout_follows_the_policy_within_its_precision():
+    """rollout_dtype="bf16": vLLM's weights in bf16, pushed from the fp32 policy after each optimizer step;
+    greedy tokens equal the fp32 native engine's where the logits margin allows, sampled log-probs within
+    a bound of the fp32 training forward's (and not equal to them: another precision ran)."""
+    model = _model("qwen2", seed=5)
+    ids, mask = _prompts()
+    kw = dict(eos_token_id=EOS, vllm_options=OPTS, rollout_dtype="bf16")
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-2)
+    outputs = []
+    for step in range(2):
+        got = generate_groups(model, ids, mask, 2, 20, temperature=0.0, engine="vllm", **kw)
+        want = generate_groups(model, ids, mask, 2, 20, temperature=0.0, eos_token_id=EOS, engine="native")
+        assert_greedy_equal(model, ids, mask, 2, got, want, tie=0.03)
+        outputs.append(got[0])
+        _optimizer_step(model, opt, 20 + step)
+    assert not torch.equal(outputs[0], outputs[1])  # the push reached the bf16 weights
+    c_ids, c_mask, logp = generate_groups(
+        model, ids, mask, 4, 20, temperature=1.0, engine="vllm", return_logprobs=True,
+        generator=torch.Generator().manual_seed(0), **kw,
+    )  # fmt: skip
+    with torch.no_grad():
+        hidden = shared_prefix_forward(model, ids, mask, c_ids, c_mask)
+        ref = fused_linear_logprobs(hidden, lm_head_of(model).weight, c_ids)
+    d = (ref - logp)[c_mask.bool()]
+    assert 1e-5 < d.abs().max() <= 0.05, d.abs().max()
+    with pytest.raises(ValueError, match="fixed when it starts"):
+        generate_groups(model, ids, mask, 2, 4, engine="vllm", rollout_dtype="model", vllm_options=OPTS)
+    for bad, match in (("int8", "native engine's"), ("fp8", "needs a GPU")):
+        with pytest.raises(ValueError, match=match):
+            generate_groups(_model("qwen2"), ids, mask, 2, 4, engine="vllm", rollout_dtype=bad)

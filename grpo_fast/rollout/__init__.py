@@ -82,10 +82,15 @@ def generate_groups(
         vllm_options: vllm engine only, used when it is built (the first call for this model): max_model_len
             (default: the model's max_position_embeddings), gpu_memory_utilization, kv_cache_gb, threads,
             logprobs_mode (default: the one whose log-probs are the trainer's at this temperature).
-        rollout_dtype: native engine on the CPU: the precision of the decode step's linear layers, a copy
-            of the policy's weights made per call: "model" (the policy's own), "fp32", "bf16", "int8"
-            (weight-only, per-channel scales; fp32 LM head), or "auto" (bf16 where the CPU multiplies bf16
-            natively, printed with the reason). Not the training forward: the mismatch correction applies.
+        rollout_dtype: the precision the rollout samples in; not the training forward's, so the mismatch
+            correction applies. "model" / "fp32": the policy's own. Native engine: its decode step's linear
+            layers run a copy of the policy's weights made per call: "bf16", "fp16" (CPU: oneDNN-packed
+            where the CPU has native bf16 / fp16, else `F.linear`), "int8" (CPU: weights per output channel,
+            activations per token, `torch._int_mm`), "fp8" (e4m3, the same scales, `torch._scaled_mm`:
+            fp8 tensor cores on a GPU, emulated on a CPU); the 8-bit formats keep an fp32 LM head. vllm
+            engine: vLLM's dtype ("bf16", "fp16") or its online "fp8" quantization (GPU), fixed when it
+            starts. "auto": bf16 for an fp32 policy where the machine multiplies bf16 natively (CPU flags
+            avx512_bf16 / amx_bf16, GPU capability >= 8.0), else the policy's; printed with the reason.
         return_logprobs: also return the (n_prompts * G, C') fp32 log-probs of the sampled tokens under
             softmax(logits / T) (T = 1 when greedy) over the whole vocabulary, before top-k / top-p: the
             distribution the trainer's loss scores, so an exact engine's ratio to the trainer is 1 whatever
@@ -104,14 +109,17 @@ def generate_groups(
             generator=generator, all_done=all_done, return_logprobs=return_logprobs, compile=compile,
             rollout_dtype=rollout_dtype, **kw,
         )  # fmt: skip
-    if rollout_dtype not in ("model", "auto"):
-        raise ValueError(f"rollout_dtype={rollout_dtype!r} needs the native engine, got engine {kind!r}")
     if kind == "vllm":  # prefix caching shares each group's prompt KV by itself
         opts = {"logprobs_mode": vllm_engine.logprobs_mode_for(temperature), **(vllm_options or {})}
+        opts["rollout_dtype"] = rollout_dtype
         return vllm_engine.engine_for(model, **opts).generate(
             model, prompt_ids, prompt_mask, num_generations, max_new_tokens, generator=generator,
             return_logprobs=return_logprobs, **kw,
         )  # fmt: skip
+    if rollout_dtype not in ("model", "auto"):
+        raise ValueError(
+            f"rollout_dtype={rollout_dtype!r} needs the native or vllm engine, got engine {kind!r}"
+        )
     if engine == "auto" and reason not in _said:
         _said.add(reason)
         print(f"grpo-fast rollout: reference engine ({reason})", flush=True)

@@ -93,32 +93,72 @@ def _weight_of(m):
 
 
 def _packed(w, bias, rows, dtype):
-    """oneDNN-packed weight in `dtype` (fp32 activations in and out)."""
-    packed = torch.ops.mkldnn._reorder_linear_weight(w.to(dtype), rows)
+    """`w` copied into `dtype` (fp32 activations in and out): oneDNN-packed on a CPU whose oneDNN runs that
+    dtype natively, else a plain `F.linear` in it (a GPU; fp16 on a CPU without avx512_fp16 / AMX-fp16)."""
     b = None if bias is None else bias.detach().to(dtype)
-    if dtype == torch.float32:
-        return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")
-    return lambda x: torch.ops.mkldnn._linear_pointwise(x.to(dtype), packed, b, "none", [], "").float()
+    if w.device.type == "cpu" and dtype in _ONEDNN_NATIVE and _ONEDNN_NATIVE[dtype]():
+        packed = torch.ops.mkldnn._reorder_linear_weight(w.to(dtype), rows)
+        linear = torch.ops.mkldnn._linear_pointwise
+        return lambda x: linear(x.to(dtype), packed, b, "none", [], "").to(x.dtype)
+    wd = w.detach().to(dtype)
+    return lambda x: torch.nn.functional.linear(x.to(dtype), wd, b).to(x.dtype)
+
+
+_ONEDNN_NATIVE = {
+    torch.float32: lambda: True,
+    torch.bfloat16: torch.ops.mkldnn._is_mkldnn_bf16_supported,
+    torch.float16: torch.ops.mkldnn._is_mkldnn_fp16_supported,
+}
+
+
+def _scales(t, qmax):
+    """Symmetric scales, one per row of `t` (its last dimension reduced), so that t / scale fits +-qmax."""
+    return (t.abs().amax(-1, keepdim=True).float() / qmax).clamp(min=1e-12)
 
 
 def _int8(w, bias, rows):
-    """Weight-only int8, one symmetric scale per output channel; activations stay fp32."""
-    scales = (w.float().abs().amax(1) / 127).clamp(min=1e-12)
-    wq = torch.round(w.float() / scales[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
-    b = None if bias is None else bias.detach().float()
-    if b is None:
-        return lambda x: torch.ops.aten._weight_int8pack_mm(x, wq, scales)
-    return lambda x: torch.ops.aten._weight_int8pack_mm(x, wq, scales) + b
+    """W8A8 int8: weights with one scale per output channel, activations quantized per row at every call
+    (dynamic, per token), int8 x int8 -> int32 products (`torch._int_mm`: oneDNN VNNI / AMX on x86)."""
+    ws = _scales(w, 127)  # (N, 1)
+    wq = torch.round(w.float() / ws).clamp(-127, 127).to(torch.int8).t()  # (K, N), column-major
+    ws, b = ws.view(1, -1), None if bias is None else bias.detach().float()
+
+    def run(x):
+        xs = _scales(x, 127)
+        y = torch._int_mm(torch.round(x / xs).to(torch.int8), wq) * (xs * ws)
+        return (y if b is None else y + b).to(x.dtype)
+
+    return run
 
 
-# how the decode step runs a linear layer, by rollout dtype (CPU; weights copied from the policy per call)
+def _fp8(w, bias, rows):
+    """W8A8 fp8 (e4m3): the same scales as int8 (per output channel, per token at every call), run by
+    `torch._scaled_mm` (fp8 tensor cores on a GPU of compute capability >= 8.9; emulated, slowly, on a
+    CPU)."""
+    e4m3, qmax = torch.float8_e4m3fn, torch.finfo(torch.float8_e4m3fn).max
+    ws = _scales(w, qmax)
+    wq = (w.float() / ws).to(e4m3).t()  # (K, N), column-major as `_scaled_mm` takes its second operand
+    ws, b = ws.view(1, -1), None if bias is None else bias.detach().float()
+    out = torch.bfloat16 if w.is_cuda else torch.float32  # row-wise scaled outputs are bf16 on CUDA
+
+    def run(x):
+        xs = _scales(x, qmax)
+        y = torch._scaled_mm((x / xs).to(e4m3), wq, scale_a=xs, scale_b=ws, out_dtype=out).float()
+        return (y if b is None else y + b).to(x.dtype)
+
+    return run
+
+
+# how the decode step runs a linear layer, by rollout dtype (weights copied from the policy per call)
 LINEAR_FORMATS = {
     "fp32": lambda w, b, rows: _packed(w, b, rows, torch.float32),
     "bf16": lambda w, b, rows: _packed(w, b, rows, torch.bfloat16),
+    "fp16": lambda w, b, rows: _packed(w, b, rows, torch.float16),
     "int8": _int8,
+    "fp8": _fp8,
 }
-# the LM head's format for each rollout dtype (int8 keeps an fp32 head: the logits are what is sampled)
-HEAD_FORMATS = {"fp32": "fp32", "bf16": "bf16", "int8": "fp32"}
+# the LM head's format per rollout dtype (the 8-bit ones keep an fp32 head: the logits are what is sampled)
+HEAD_FORMATS = {"fp32": "fp32", "bf16": "bf16", "fp16": "fp16", "int8": "fp32", "fp8": "fp32"}
 ROLLOUT_DTYPES = ("model", "auto", *LINEAR_FORMATS)
 
 
@@ -565,16 +605,27 @@ def check_rollout_dtype(rollout_dtype, device, model_dtype) -> str:
         raise ValueError(f"rollout_dtype must be one of {ROLLOUT_DTYPES}, got {rollout_dtype!r}")
     if rollout_dtype == "auto":
         rollout_dtype = auto_rollout_dtype(device, model_dtype)[0]
-    if rollout_dtype != "model" and device.type != "cpu":
+    if rollout_dtype == "int8" and device.type != "cpu":
         raise ValueError(
-            f"rollout_dtype={rollout_dtype!r} runs on the CPU engine's packed kernels; on {device.type} the "
-            "native engine runs the policy's dtype (rollout_dtype='model')"
+            f"rollout_dtype='int8' runs on the CPU (oneDNN's int8 kernels); on {device.type} use 'fp8' or "
+            "'bf16'"
         )
-    if rollout_dtype != "model" and model_dtype != torch.float32:
+    if rollout_dtype == "fp8" and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
         raise ValueError(
-            f"rollout_dtype={rollout_dtype!r} is a copy of an fp32 policy, got a {model_dtype} one"
+            f"rollout_dtype='fp8' needs fp8 tensor cores (compute capability >= 8.9), got "
+            f"{torch.cuda.get_device_capability(device)}; use 'bf16'"
+        )
+    if rollout_dtype in HALF and model_dtype != torch.float32:
+        if HALF[rollout_dtype] == model_dtype:
+            return "model"
+        raise ValueError(
+            f"rollout_dtype={rollout_dtype!r} is a copy of an fp32 policy, got a {model_dtype} one "
+            "(a 16-bit policy samples in its own dtype, 'fp8' or 'int8')"
         )
     return "model" if rollout_dtype == "fp32" else rollout_dtype
+
+
+HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def cpu_flags() -> set:
@@ -587,19 +638,28 @@ def cpu_flags() -> set:
 
 
 _auto_said: set = set()
+AUTO_MISMATCH_K3 = 5e-3  # the largest mean k3 (rollout vs fp32 trainer) that "auto" takes
 
 
 def auto_rollout_dtype(device, model_dtype) -> tuple[str, str]:
-    """(rollout dtype, reason) for "auto": bf16 where the CPU multiplies bf16 natively (avx512_bf16 / AMX)
-    and the policy is fp32, else the policy's dtype. int8 (per-channel weight-only) is never picked: its
-    mismatch to the fp32 policy is too large (bench/results/cpu/bench_generate_rollout_dtype.md)."""
+    """(rollout dtype, reason) for "auto": bf16 for an fp32 policy where the machine multiplies bf16 natively
+    (a CPU with avx512_bf16 / AMX-bf16, a GPU of compute capability >= 8.0), else the policy's dtype: the
+    fastest choice whose mismatch to the fp32 trainer stays under AUTO_MISMATCH_K3 in the measured table
+    (bench/results/cpu/bench_generate_rollout_dtype.md; SmolLM2-135M, AMD EPYC with avx512_bf16: bf16 1.18x
+    fp32 at mean k3 8.8e-4; fp16 0.61x, no avx512_fp16; int8 1.27x at k3 0.032, fp8 emulated 0.19x at k3
+    0.042: both over the bound, asked for by name only)."""
     flags = cpu_flags() if device.type == "cpu" else set()
-    if device.type != "cpu":
-        pick, why = "model", f"{device.type}: the native engine runs the policy's dtype"
-    elif model_dtype != torch.float32:
+    bf16 = flags & {"avx512_bf16", "amx_bf16"}
+    gpu = device.type == "cuda" and torch.cuda.is_available()
+    cap = torch.cuda.get_device_capability(device) if gpu else None
+    if model_dtype != torch.float32:
         pick, why = "model", f"the policy is {model_dtype}"
-    elif flags & {"avx512_bf16", "amx_bf16"}:
-        pick, why = "bf16", f"the CPU has {', '.join(sorted(flags & {'avx512_bf16', 'amx_bf16'}))}"
+    elif cap is not None and cap >= (8, 0):
+        pick, why = "bf16", f"the GPU's compute capability {cap} >= 8.0"
+    elif device.type != "cpu":
+        pick, why = "model", f"{device.type}: no native bf16 known"
+    elif bf16:
+        pick, why = "bf16", f"the CPU has {', '.join(sorted(bf16))}"
     else:
         pick, why = "model", "the CPU has no native bf16 (avx512_bf16 / amx_bf16)"
     if why not in _auto_said:

