@@ -86,6 +86,15 @@ def engine_options(cfg: GRPOConfig) -> dict:
     return opts
 
 
+def eval_engine_options(cfg: GRPOConfig) -> dict:
+    """`engine_options` for held-out accuracy: the policy's own precision, never a low-precision copy of it;
+    except on vLLM, whose dtype is fixed when it starts (its evaluation runs in the rollout dtype)."""
+    opts = engine_options(cfg)
+    if cfg.rollout != "vllm":
+        opts.pop("rollout_dtype", None)
+    return opts
+
+
 def rollout(run, rows) -> Rollout:
     """G completions for each of `rows`' prompts, sampled by the policy (eval mode, no grad)."""
     if run.multi_turn:
@@ -470,8 +479,7 @@ def evaluate(
                 tools=tools, environment_factory=env, rows=chunk, temperature=0.0,
                 max_tool_calling_iterations=cfg.max_tool_calling_iterations,
                 tool_timeout_s=cfg.tool_timeout_s, max_prompt_length=cfg.max_prompt_length,
-                eos_token_id=tokenizer.eos_token_id,
-                **{k: v for k, v in engine_options(cfg).items() if k != "rollout_dtype"},
+                eos_token_id=tokenizer.eos_token_id, **eval_engine_options(cfg),
             )  # fmt: skip
             cols = reward_columns(chunk, 1, tr.completion_ids, tr.completion_mask * tr.tool_mask)
             if tr.environments is not None:
@@ -491,8 +499,7 @@ def evaluate(
             eos_token_id=tokenizer.eos_token_id,
             share_prefix=False,
             all_done=(lambda done: all_done(done, dist)) if dist.on else None,
-            # the policy's own accuracy: never a low-precision copy of it
-            **{k: v for k, v in engine_options(cfg).items() if k != "rollout_dtype"},
+            **eval_engine_options(cfg),
         )
         completions = tokenizer.batch_decode(comp * cmask, skip_special_tokens=True)
         cols = reward_columns(chunk, 1, comp, cmask)

@@ -280,3 +280,13 @@ def test_bf16_rollout_follows_the_policy_within_its_precision():
     for bad, match in (("int8", "native engine's"), ("fp8", "needs a GPU")):
         with pytest.raises(ValueError, match=match):
             generate_groups(_model("qwen2"), ids, mask, 2, 4, engine="vllm", rollout_dtype=bad)
+
+
+@needs_vllm
+def test_trainer_with_a_bf16_vllm_rollout_corrects_its_mismatch(tmp_path):
+    """--rollout vllm --rollout-dtype bf16: every step ran with vLLM in bf16 (a mismatch to the fp32
+    trainer above rounding, logged) and the correction on; what ran is recorded."""
+    recs = [m for m in _train(tmp_path, "vllm", 3, "--rollout-dtype", "bf16") if "loss" in m]
+    assert len(recs) == 3
+    assert all(m["loss/sampling_k3"] > 1e-7 and "loss/is_ratio_mean" in m for m in recs), recs
+    assert json.loads((tmp_path / "config.json").read_text())["rollout_dtype"] == "bf16"

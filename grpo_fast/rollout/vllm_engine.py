@@ -321,9 +321,8 @@ def engine_for(model, **options) -> VLLMEngine:
     eng = _ENGINES.get(lm)
     if eng is None:
         eng = _ENGINES[lm] = VLLMEngine(model, **options)
-    else:
-        want = options.get("rollout_dtype", "model")
-        want = check_rollout_dtype(want, next(lm.parameters()).device, lm.dtype)
+    elif "rollout_dtype" in options:  # a lookup without it (which dtype ran?) takes the engine as it is
+        want = check_rollout_dtype(options["rollout_dtype"], next(lm.parameters()).device, lm.dtype)
         if want != eng.rollout_dtype:
             raise ValueError(
                 f"this model's vllm engine runs rollout_dtype={eng.rollout_dtype!r} (vLLM's dtype is fixed "
