@@ -56,6 +56,7 @@ from bench._utils import (
     write_results,
 )
 from grpo_fast.memory import peak_mib
+from grpo_fast.rollout.native import LINEAR_FORMATS
 
 PROVIDERS = ["hf", "reference", "native", "native_compiled", "vllm"]
 QUESTIONS = [
@@ -141,14 +142,9 @@ def _hf_tools(model, tok, prompts, C):
 
 def measure_tools(a: dict) -> dict:
     """The multi-turn workload: model tokens/s of each provider (see the module docstring)."""
-    from transformers import AutoModelForCausalLM
-
-    from grpo_fast.modeling import load_tokenizer
     from grpo_fast.rollout.trajectories import generate_trajectories
-    from grpo_fast.smollm2 import build
 
-    tok = load_tokenizer(str(build()))
-    model = AutoModelForCausalLM.from_pretrained(build(), dtype=torch.float32).eval()
+    model, tok = _smollm2()
     prompts, C, p = _tool_prompts(a["prompts"]), a["C"], a["provider"]
 
     def call(c):
@@ -174,13 +170,7 @@ def measure_tools(a: dict) -> dict:
             secs += time.perf_counter() - t0
             tokens += n
         peak = peak_mib("cpu") - base
-    import transformers
-
-    env = f"transformers {transformers.__version__}"
-    if p.startswith("vllm"):
-        import vllm as vllm_pkg
-
-        env += f", vllm {vllm_pkg.__version__}"
+    env = _environment(p)
     return dict(
         tokens=tokens, seconds=secs, tokens_per_s=tokens / secs, peak_mem_mb=peak, warmup_s=warm, env=env,
         tool_rounds=rounds,
@@ -189,6 +179,29 @@ def measure_tools(a: dict) -> dict:
 
 MIN_CALLS = {"demo": 10}  # a demo call lasts ~60 ms: one call is noise
 QUICK = {"bench": dict(prompts=2, G=4, C=8, P=24), "demo": dict(prompts=4, G=4, C=8)}
+
+
+def _smollm2():
+    """(model, tokenizer): SmolLM2-135M-Instruct in fp32, built offline (grpo_fast.smollm2)."""
+    from transformers import AutoModelForCausalLM
+
+    from grpo_fast.modeling import load_tokenizer
+    from grpo_fast.smollm2 import build
+
+    path = build()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), load_tokenizer(str(path))
+
+
+def _environment(provider: str) -> str:
+    """The library versions a row ran with."""
+    import transformers
+
+    env = f"transformers {transformers.__version__}"
+    if provider.startswith("vllm"):
+        import vllm
+
+        env += f", vllm {vllm.__version__}"
+    return env
 
 
 def _work(name: str, a: dict):
@@ -201,14 +214,7 @@ def _work(name: str, a: dict):
         ids = torch.randint(2, model.config.vocab_size, (a["prompts"], a["P"]), generator=g)
         return model, ids, torch.ones_like(ids), 1
     if name.startswith("real"):
-        from transformers import AutoModelForCausalLM
-
-        from grpo_fast.modeling import load_tokenizer
-        from grpo_fast.smollm2 import build
-
-        path = build()
-        tok = load_tokenizer(str(path))
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        model, tok = _smollm2()
         texts = [
             tok.apply_chat_template(
                 [{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True
@@ -256,8 +262,8 @@ def measure_one(a: dict) -> dict:
             return _hf(model, ids, mask, G, c, eos, seed)
         engine = p.split("_")[0] if p.startswith(("reference", "vllm")) else "native"
         vllm = {"max_model_len": ids.shape[1] + C, "kv_cache_gb": 4, "threads": 1 if p == "vllm_1t" else None}
-        dtype = p.split("_")[-1]
-        kw = {"rollout_dtype": dtype} if dtype in ("bf16", "fp16", "int8", "fp8") else {}
+        dtype = p.split("_")[-1]  # native_bf16, vllm_bf16, ...
+        kw = {"rollout_dtype": dtype} if dtype in LINEAR_FORMATS else {}
         out = generate_groups(
             model, ids, mask, G, c, temperature=1.0, eos_token_id=eos, engine=engine,
             compile=True if p == "native_compiled" else False, generator=torch.Generator().manual_seed(seed),
@@ -283,13 +289,7 @@ def measure_one(a: dict) -> dict:
             secs += time.perf_counter() - t0
         peak = peak_mib("cpu") - base
     mismatch = _mismatch(model, ids, mask, samples[-1]) if p.startswith(("native", "vllm")) else {}
-    import transformers
-
-    env = f"transformers {transformers.__version__}"
-    if p.startswith("vllm"):
-        import vllm as vllm_pkg
-
-        env += f", vllm {vllm_pkg.__version__}"
+    env = _environment(p)
     return dict(
         tokens=tokens, seconds=secs, tokens_per_s=tokens / secs, peak_mem_mb=peak, warmup_s=warm, env=env,
         **mismatch,

@@ -21,7 +21,6 @@ from .modeling import completion_hidden_states
 from .rewards import score
 from .rollout import generate_groups, is_exact, native, resolve_engine, vllm_engine
 from .rollout.trajectories import generate_trajectories
-from .rollout.vllm_engine import logprobs_mode_for
 
 
 @dataclass
@@ -81,7 +80,8 @@ def engine_options(cfg: GRPOConfig) -> dict:
             "max_model_len": cfg.max_prompt_length + cfg.max_completion_length,
             "gpu_memory_utilization": cfg.vllm_gpu_memory_utilization,
             "kv_cache_gb": cfg.vllm_kv_cache_gb,
-            "logprobs_mode": logprobs_mode_for(cfg.temperature),  # the training temperature, even in eval
+            # the training temperature, even in eval
+            "logprobs_mode": vllm_engine.logprobs_mode_for(cfg.temperature),
         }
     return opts
 

@@ -116,37 +116,37 @@ def _scales(t, qmax):
     return (t.abs().amax(-1, keepdim=True).float() / qmax).clamp(min=1e-12)
 
 
-def _int8(w, bias, rows):
-    """W8A8 int8: weights with one scale per output channel, activations quantized per row at every call
-    (dynamic, per token), int8 x int8 -> int32 products (`torch._int_mm`: oneDNN VNNI / AMX on x86)."""
-    ws = _scales(w, 127)  # (N, 1)
-    wq = torch.round(w.float() / ws).clamp(-127, 127).to(torch.int8).t()  # (K, N), column-major
+def _w8a8(w, bias, qmax, to_8bit, matmul):
+    """An 8-bit layer: weights with one symmetric scale per output channel, activations quantized per row
+    at every call (dynamic, per token); `matmul(x8, w8, x_scales, w_scales)`: the dequantized fp32 product."""
+    ws = _scales(w, qmax)  # (N, 1)
+    wq = to_8bit(w.float() / ws).t()  # (K, N), column-major
     ws, b = ws.view(1, -1), None if bias is None else bias.detach().float()
-
-    def run(x):
-        xs = _scales(x, 127)
-        y = torch._int_mm(torch.round(x / xs).to(torch.int8), wq) * (xs * ws)
-        return (y if b is None else y + b).to(x.dtype)
-
-    return run
-
-
-def _fp8(w, bias, rows):
-    """W8A8 fp8 (e4m3): the same scales as int8 (per output channel, per token at every call), run by
-    `torch._scaled_mm` (fp8 tensor cores on a GPU of compute capability >= 8.9; emulated, slowly, on a
-    CPU)."""
-    e4m3, qmax = torch.float8_e4m3fn, torch.finfo(torch.float8_e4m3fn).max
-    ws = _scales(w, qmax)
-    wq = (w.float() / ws).to(e4m3).t()  # (K, N), column-major as `_scaled_mm` takes its second operand
-    ws, b = ws.view(1, -1), None if bias is None else bias.detach().float()
-    out = torch.bfloat16 if w.is_cuda else torch.float32  # row-wise scaled outputs are bf16 on CUDA
 
     def run(x):
         xs = _scales(x, qmax)
-        y = torch._scaled_mm((x / xs).to(e4m3), wq, scale_a=xs, scale_b=ws, out_dtype=out).float()
+        y = matmul(to_8bit(x / xs), wq, xs, ws)
         return (y if b is None else y + b).to(x.dtype)
 
     return run
+
+
+def _int8(w, bias, rows):
+    """W8A8 int8, int8 x int8 -> int32 products (`torch._int_mm`: oneDNN VNNI / AMX on x86)."""
+    to_int8 = lambda t: torch.round(t).to(torch.int8)  # noqa: E731 - |t| <= 127 by the scales
+    return _w8a8(w, bias, 127, to_int8, lambda x8, w8, xs, ws: torch._int_mm(x8, w8) * (xs * ws))
+
+
+def _fp8(w, bias, rows):
+    """W8A8 fp8 (e4m3), the same scales, run by `torch._scaled_mm` (fp8 tensor cores on a GPU of compute
+    capability >= 8.9; emulated, slowly, on a CPU)."""
+    e4m3 = torch.float8_e4m3fn
+    out = torch.bfloat16 if w.is_cuda else torch.float32  # row-wise scaled outputs are bf16 on CUDA
+
+    def matmul(x8, w8, xs, ws):
+        return torch._scaled_mm(x8, w8, scale_a=xs, scale_b=ws, out_dtype=out).float()
+
+    return _w8a8(w, bias, torch.finfo(e4m3).max, lambda t: t.to(e4m3), matmul)
 
 
 # how the decode step runs a linear layer, by rollout dtype (weights copied from the policy per call)

