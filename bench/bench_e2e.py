@@ -9,17 +9,22 @@ lr 1e-6. The first `warmup` steps are not counted. Tokens/s counts the tokens ac
 unshared (prompt tokens x G + completion tokens), so a completion that stops early at EOS is not a gain.
 
 Providers:
-  trl                 trl.GRPOTrainer (HF generate, its chunked fused LM head)
+  trl                 trl.GRPOTrainer (HF generate, its chunked fused LM head), bf16=False: fp32 as ours
+  trl_bf16            the same at TRL's default bf16=True: autocast bf16 on fp32 master weights
   trl_liger           the same with use_liger_kernel=True (TRL 1.16 applies only Liger's layer kernels;
                       they are Triton, CUDA only, so this is skipped on CPU)
   trl_grpo_fast       grpo_fast.integrations.trl.GRPOTrainer (same arguments, our kernels)
   grpo_fast_unshared  grpo-fast's trainer, share_prefix off
-  grpo_fast           grpo-fast's trainer, share_prefix on (the default)
+  grpo_fast           grpo-fast's trainer, share_prefix on (the default), fp32 (--no-bf16)
+  grpo_fast_mp        the same with --bf16: bf16 autocast on fp32 master weights, rollouts in bf16 (corrected)
   grpo_fast_bf16      the same with --rollout-dtype bf16 (a bf16 copy of the policy decodes; the loss corrects
                       the mismatch, TRL's sequence_mask)
   grpo_fast_vllm      the same with --rollout vllm (vLLM in the trainer's process, weights pushed every step;
                       run in the vLLM environment, `make setup-vllm`: transformers 5.19 there)
   grpo_fast_vllm_bf16 the same with --rollout-dtype bf16 (vLLM's weights in bf16; the loss corrects)
+
+`our_default` in the results names our provider at our default precision on this machine (grpo_fast_mp
+where --bf16 unset means on: grpo_fast/precision.py), compared with TRL at its default (trl_bf16).
 
 Step time is split into generation / scoring (rewards and advantages) / training (log-probs, loss,
 backward, optimizer); peak memory is the process's resident-set high-water mark (CPU) or
@@ -52,11 +57,13 @@ from grpo_fast.plotting import pyplot
 
 PROVIDERS = ["trl", "trl_liger", "trl_grpo_fast", "grpo_fast_unshared", "grpo_fast", "grpo_fast_vllm"]
 REAL_PROVIDERS = [
-    "trl", "trl_static_cache", "trl_grpo_fast", "trl_grpo_fast_native", "grpo_fast", "grpo_fast_bf16",
-    "grpo_fast_vllm", "grpo_fast_vllm_bf16",
+    "trl", "trl_bf16", "trl_static_cache", "trl_grpo_fast", "trl_grpo_fast_native", "grpo_fast",
+    "grpo_fast_mp", "grpo_fast_bf16", "grpo_fast_vllm", "grpo_fast_vllm_bf16",
 ]  # fmt: skip
 LABELS = {
     "trl": "TRL GRPOTrainer",
+    "trl_bf16": "TRL GRPOTrainer, bf16=True (its default)",
+    "grpo_fast_mp": "grpo-fast, --bf16 (autocast, fp32 masters, bf16 rollout, corrected)",
     "trl_liger": "TRL + use_liger_kernel",
     "trl_static_cache": "TRL + cache_implementation='static'",
     "trl_continuous_batching": "TRL + use_transformers_continuous_batching",
@@ -247,7 +254,7 @@ def run_trl(a: dict) -> dict:
         logging_steps=1,
         save_strategy="no",
         report_to="none",
-        bf16=False,
+        bf16=a["provider"] == "trl_bf16",
         use_cpu=device.type == "cpu",
         gradient_checkpointing=a.get("gradient_checkpointing", False),
         use_liger_kernel=a["provider"] == "trl_liger",
@@ -298,6 +305,7 @@ def run_grpo_fast(a: dict) -> dict:
         share_prefix=a["provider"] != "grpo_fast_unshared",
         rollout="vllm" if a["provider"].startswith("grpo_fast_vllm") else "auto",
         rollout_dtype="bf16" if a["provider"].endswith("_bf16") else "model",
+        bf16=a["provider"] == "grpo_fast_mp",  # the others fp32, as TRL's bf16=False row
         output_dir=a["out"],
         overwrite_output_dir=True,
         max_memory_gb=(base_mib / 1024 + above) if above else 0.0,
@@ -490,7 +498,8 @@ def main(argv=None) -> None:
     md = (
         f"# End-to-end GRPO step vs TRL ({'' if real else 'P=' + str(shape['P']) + ', '}C={shape['C']}, "
         f"G={shape['G']}, {shape['prompts_per_step']} prompts/step)\n\n"
-        f"{what}, {model_params / 1e6:.1f}M parameters, fp32, beta 0, loss dapo; "
+        f"{what}, {model_params / 1e6:.1f}M parameters, fp32 (rows saying bf16: mixed precision), beta 0, "
+        f"loss dapo; "
         f"{args.warmup} warm-up step(s), then the mean of {args.steps}. Machine: {cpu_line(info)}"
         f"{', ' + info['gpu'] if 'gpu' in info else ''}, "
         f"torch {info['versions']['torch']}, "
@@ -500,7 +509,11 @@ def main(argv=None) -> None:
     )
     name = "bench_e2e" + ("_real" if real else "_quick" if args.quick else "")
     out_dir = Path(args.out_dir) if args.out_dir else None
+    from grpo_fast.precision import auto_bf16
+
     payload = {"machine": info, "config": dict(shape, warmup=args.warmup, steps=args.steps), "rows": rows}
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    payload["our_default"] = "grpo_fast_mp" if auto_bf16(device)[0] else "grpo_fast"
     payload["config"]["model_params"] = model_params
     out = write_results(name, payload, md, out_dir)
     plot_e2e(rows, out / f"{name}.png", f"GRPO step, P={shape['P']} C={shape['C']} G={shape['G']}")

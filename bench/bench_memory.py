@@ -32,7 +32,16 @@ CONFIGS = {
     "lora_gc_unshared": dict(lora_r=16, gradient_checkpointing=True, share_prefix=False),
     "full_bf16_beta_c512": dict(dtype="bf16", beta=0.04, C=512),
     "full_gc_g16_c512": dict(gradient_checkpointing=True, G=16, C=512),
+    # the precision recipes (grpo_fast.precision): bf16 weights with fp32 masters / a Kahan compensation,
+    # bf16 autocast on fp32 weights, 8-bit AdamW states; and torch's unfused AdamW
+    "full_bf16_master": dict(dtype="bf16"),
+    "full_bf16_kahan": dict(dtype="bf16", optim="adamw_kahan"),
+    "full_autocast_bf16": dict(bf16=True),
+    "full_adamw_8bit": dict(optim="adamw_8bit"),
+    "full_adamw_torch": dict(optim="adamw_torch"),
 }
+# the recipes' rows (make bench-frontier and tests/test_estimate.py run them)
+RECIPES = ["full", "full_bf16_master", "full_bf16_kahan", "full_autocast_bf16", "full_adamw_8bit"]
 
 
 def smollm2_shaped_dir(out: Path, layers: int) -> Path:
@@ -57,10 +66,10 @@ def train_flags(model_dir: Path, data: Path, out: Path, c: dict, steps: int) -> 
              "--num-generations", str(c["G"]), "--prompts-per-step", str(c["prompts_per_step"]),
              "--max-completion-length", str(c["C"]), "--max-prompt-length", str(c["P"]),
              "--learning-rate", "1e-6", "--save-total-limit", "1"]  # fmt: skip
-    for key in ("dtype", "beta", "lora_r", "gradient_accumulation_steps"):
+    for key in ("dtype", "beta", "lora_r", "gradient_accumulation_steps", "optim"):
         if key in c:
             flags += ["--" + key.replace("_", "-"), str(c[key])]
-    for key in ("gradient_checkpointing", "share_prefix"):
+    for key in ("gradient_checkpointing", "share_prefix", "bf16"):
         if key in c:
             flags.append(("--" if c[key] else "--no-") + key.replace("_", "-"))
     return flags
@@ -126,11 +135,13 @@ COLUMNS = [
 
 
 def run(
-    names, layers: int, steps: int, deadline=None, extra_flags=(), on_row=None, map_large: bool = False
+    names, layers: int, steps: int, deadline=None, extra_flags=(), on_row=None, map_large: bool = False,
+    overrides=None,
 ) -> dict:
     """Every configuration of `names` in its own process; rows with the estimate beside the measurement,
     each handed to `on_row` as it lands. map_large: on a CPU, the allocator as the trainer holds it under
-    --max-memory-gb (grpo_fast.memory.map_large_allocations), else glibc's default."""
+    --max-memory-gb (grpo_fast.memory.map_large_allocations), else glibc's default. overrides: settings
+    over every configuration's (e.g. a shorter C)."""
     import subprocess
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -141,7 +152,7 @@ def run(
         from bench.bench_e2e import word_prompts
 
         for name in names:
-            c = {**BASE, **CONFIGS[name]}
+            c = {**BASE, **CONFIGS[name], **(overrides or {})}
             settings = ", ".join(f"{k}={v}" for k, v in c.items())
             if deadline is not None and time.time() > deadline - 30:
                 rows.append(dict(config=name, settings=settings, note="skipped: out of time"))

@@ -631,6 +631,34 @@ def section_memory(sec: Section) -> None:
     sec.note(f"SmolLM2-135M shape, {layers} layers, {steps} steps each, native engine eager (compile off)")
 
 
+def section_precision(sec: Section) -> None:
+    """bf16 mixed precision as TRL's users run it: end-to-end steps (bench_e2e's synthetic workload) of TRL
+    with bf16=False and bf16=True, ours in fp32 and with --bf16 (autocast on fp32 master weights, the rollout
+    in bf16, corrected); then `grpo-fast estimate` beside measured peaks for each precision recipe
+    (bench_memory.RECIPES: bf16 weights with fp32 masters / Kahan, autocast, 8-bit AdamW)."""
+    from bench import bench_e2e, bench_memory
+
+    memory_s = 40 if sec.dry else 110  # what the recipes' memory rows need at the end
+    argv = ["--out-dir", str(sec.out / "precision"), "--deadline", str(sec.deadline - memory_s),
+            "--providers", "trl,trl_bf16,grpo_fast,grpo_fast_mp"]  # fmt: skip
+    argv += ["--quick", "--steps", "1"] if sec.dry else []
+    bench_e2e.main(argv)
+    name = "bench_e2e_quick.json" if sec.dry else "bench_e2e.json"
+    keys = ("provider", "step_s", "generate_s", "train_s", "tokens_per_s", "speedup_vs_trl", "peak_mem_mb",
+            "skipped", "error")  # fmt: skip
+    for r in json.loads((sec.out / "precision" / name).read_text())["rows"]:
+        sec.add({"what": "e2e", **{k: r[k] for k in keys if k in r}})
+    layers, steps = (2, 2) if sec.dry else (30, 2)
+    names = ["full", "full_bf16_master"] if sec.dry else bench_memory.RECIPES
+    bench_memory.run(
+        names, layers, steps, deadline=sec.deadline - 5, extra_flags=["--rollout-compile", "off"],
+        on_row=lambda r: sec.add({"what": "memory", **{k: v for k, v in r.items() if k != "flags"}}),
+    )  # fmt: skip
+    columns = [["what", "what"]] + [[k, k] for k in keys] + [list(c) for c in bench_memory.COLUMNS]
+    sec.result["columns"] = columns
+    sec.note(f"e2e: bench_e2e synthetic workload; memory: SmolLM2-135M shape, {layers} layers, {steps} steps")
+
+
 TILE_COLUMNS = [
     ["kernel", "kernel"],
     ["tiles", "BLOCK_N x BLOCK_V x BLOCK_H, warps, stages"],
@@ -722,6 +750,7 @@ SECTIONS = {
     "compile": section_compile,
     "correctness": section_correctness,
     "speed": section_speed,
+    "precision": section_precision,
     "atomics": section_atomics,
     "tiles": section_tiles,
     "prefix": section_prefix,

@@ -11,6 +11,8 @@ one cannot poison the next, each bounded by what is left of the suite's BUDGET_S
                d hidden / d weight / d bias), under the flash-attention rule
   speed        GRPO loss fwd+bwd and log-probs fwd at N, H, V = 16384, 4096, 151936 bf16: naive torch, Liger
                (when its wheel is there), Triton, the twin; TFLOP/s against the matmul rate measured
+  precision    bf16 mixed precision: e2e steps of TRL bf16=False / True and ours fp32 / --bf16, and the
+               memory estimate beside measured peaks for each precision recipe
   atomics      the backward's atomic semantics and program order vs the twin's matmuls: what impl="auto"
                should pick on this GPU
   tiles        tile sizes and launch options of the forward and backward kernels
@@ -39,6 +41,7 @@ SECTIONS = {
     "compile": (20, 90),
     "correctness": (30, 100),
     "speed": (40, 120),
+    "precision": (60, 170),
     "atomics": (40, 110),
     "tiles": (30, 100),
     "prefix": (20, 60),

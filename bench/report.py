@@ -135,7 +135,28 @@ def e2e_real_section(res, summary) -> str:
                 f"With the rollout in {how}, mismatch corrected: **{speed:.2f}x** TRL's tokens/s (generation "
                 f"{low['generate_s']:.1f} s of a {low['step_s']:.1f} s step).\n"
             )
-    return text + _not_measured(rows)
+    return text + _default_precision_line(res, rows, summary) + _not_measured(rows)
+
+
+def _default_precision_line(res, rows, summary) -> str:
+    """Each at its default precision: ours (fp32, or --bf16 where grpo_fast/precision.py measured it faster on
+    this machine) against TRL's bf16=True, which autocasts to bf16 on fp32 master weights."""
+    trl_bf16 = _row(rows, provider="trl_bf16")
+    ours = _row(rows, provider=res.get("our_default", "grpo_fast"))
+    if not (trl_bf16 and ours):
+        return ""
+    speed = ours["tokens_per_s"] / trl_bf16["tokens_per_s"]
+    summary["e2e_real_speedup_vs_trl_bf16"] = speed
+    trl = _row(rows, provider="trl")
+    than_fp32 = ""
+    if trl:
+        than_fp32 = f" (TRL's own bf16 runs {trl_bf16['tokens_per_s'] / trl['tokens_per_s']:.2f}x its fp32)"
+    return (
+        f"Each at its default precision, ours `{ours['provider']}` against TRL's `bf16=True`{than_fp32}: "
+        f"**{speed:.2f}x** (`e2e_real_speedup_vs_trl_bf16`; `e2e_real_speedup_vs_trl` compares both in "
+        f"fp32); "
+        f"training phase {ours['train_s']:.1f} s vs {trl_bf16['train_s']:.1f} s.\n"
+    )
 
 
 def generate_section(res, summary) -> str:

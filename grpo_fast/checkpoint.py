@@ -39,10 +39,12 @@ def save_checkpoint(
     extra: dict,
     keep: int,
     model_state: dict | None = None,
+    scaler=None,
 ) -> Path:
     """checkpoint-<step>: the model as `save_pretrained` writes it (from `model_state` when given: FSDP's
     gathered full state), the optimizer's full name-keyed state (`distributed.full_optimizer_state`, loadable
-    with any world size), scheduler, RNG states, sampler position; trainer_state.json last."""
+    with any world size: 16-bit weights' fp32 masters or compensations are in it), scheduler, fp16's loss
+    scaler, RNG states, sampler position; trainer_state.json last."""
     out_dir.mkdir(parents=True, exist_ok=True)
     final = out_dir / f"checkpoint-{step}"
     tmp = Path(tempfile.mkdtemp(prefix=f".checkpoint-{step}-", dir=out_dir))
@@ -53,7 +55,14 @@ def save_checkpoint(
             model.save_pretrained(tmp, safe_serialization=True)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-        torch.save({"optimizer": optimizer_state, "scheduler": scheduler.state_dict()}, tmp / "optimizer.pt")
+        torch.save(
+            {
+                "optimizer": optimizer_state,
+                "scheduler": scheduler.state_dict(),
+                "scaler": scaler.state_dict() if scaler is not None else None,
+            },
+            tmp / "optimizer.pt",
+        )
         torch.save(
             {
                 "python": random.getstate(),
@@ -111,12 +120,16 @@ def latest_checkpoint(out_dir: Path) -> Path | None:
     return ckpts[-1] if ckpts else None
 
 
-def load_training_state(ckpt: Path, load_optimizer, scheduler, generator: torch.Generator | None) -> dict:
-    """Restore optimizer (`load_optimizer(full_state)`), scheduler and RNG states, and the sampling
-    generator when given; return trainer_state.json (the model loads separately)."""
+def load_training_state(
+    ckpt: Path, load_optimizer, scheduler, generator: torch.Generator | None, scaler=None
+) -> dict:
+    """Restore optimizer (`load_optimizer(full_state)`), scheduler, loss scaler and RNG states, and the
+    sampling generator when given; return trainer_state.json (the model loads separately)."""
     opt = torch.load(ckpt / "optimizer.pt", map_location="cpu", weights_only=False)
     load_optimizer(opt["optimizer"])
     scheduler.load_state_dict(opt["scheduler"])
+    if scaler is not None and opt.get("scaler") is not None:
+        scaler.load_state_dict(opt["scaler"])
     rng = torch.load(ckpt / "rng.pt", map_location="cpu", weights_only=False)
     random.setstate(rng["python"])
     np.random.set_state(rng["numpy"])

@@ -21,7 +21,31 @@ def _f(default, help: str, **kw):
 class GRPOConfig:
     # --- model and data ---
     model: str = _f("", "local directory or Hub id of a causal LM; empty = the embedded default base model")
-    dtype: str = _f("fp32", "parameter dtype", choices=("fp32", "bf16"))
+    dtype: str = _f(
+        "fp32",
+        "the parameters' storage dtype (TRL: model_init_kwargs dtype): fp32 master weights, or bf16 for "
+        "memory (the optimizer then keeps every update: --optim)",
+        choices=("fp32", "bf16"),
+    )
+    bf16: bool = _f(
+        None,
+        "bf16 mixed precision: the training forward autocast to bf16 on the stored weights (TRL's name; "
+        "unset: on where bf16 is measured faster, a GPU with bf16 tensor cores or a CPU per "
+        "grpo_fast/precision.py's table, said once with the reason); rollouts and held-out evaluation then "
+        "sample in bf16",
+    )
+    fp16: bool = _f(False, "fp16 mixed precision: autocast to fp16, the loss scaled (TRL's name)")
+    optim: str = _f(
+        "adamw_torch_fused",
+        "optimizer, HF's names: adamw_torch_fused (default) / adamw_torch; on bf16 weights both keep fp32 "
+        "master weights (2+4+8 bytes a parameter); adamw_kahan (bf16 weights + a bf16 compensation, 2+2+8); "
+        "adamw_stochastic (stochastic rounding, 2+8); adamw_8bit / paged_adamw_8bit (bitsandbytes, fp32 "
+        "weights, 4+2)",
+        choices=(
+            "adamw_torch_fused", "adamw_torch", "adamw_kahan", "adamw_stochastic", "adamw_8bit",
+            "paged_adamw_8bit",
+        ),
+    )
     gradient_checkpointing: bool = _f(False, "recompute activations in backward to save memory")
     lora_r: int = _f(0, "LoRA rank (0 = train all weights); the reference model is the base, adapters off")
     lora_alpha: int = _f(16, "LoRA alpha")
@@ -339,12 +363,8 @@ def validate(cfg: GRPOConfig, require_reward: bool = True) -> GRPOConfig:
         )
     if not 0 <= cfg.top_entropy_quantile <= 1:
         raise ValueError(f"top_entropy_quantile must be in [0, 1], got {cfg.top_entropy_quantile}")
+    check_correction(cfg)
     correcting = cfg.vllm_importance_sampling_correction and cfg.rollout == "vllm"
-    if correcting and cfg.loss_type == "vespo" and cfg.vllm_importance_sampling_mode.startswith("sequence"):
-        raise ValueError(
-            "loss_type vespo needs vllm_importance_sampling_mode token_truncate or token_mask (it folds the "
-            f"correction into its sequence weight), got {cfg.vllm_importance_sampling_mode}"
-        )
     if correcting and (cfg.top_p < 1 or cfg.top_k) and cfg.temperature != 1:
         raise ValueError(
             f"--rollout vllm with top_p={cfg.top_p} / top_k={cfg.top_k} at temperature {cfg.temperature}: "
@@ -361,6 +381,26 @@ def validate(cfg: GRPOConfig, require_reward: bool = True) -> GRPOConfig:
     if require_reward and not cfg.reward and not cfg.environment:
         raise ValueError("no reward function: pass --reward NAME or --reward path/file.py:func")
     return cfg
+
+
+def check_correction(cfg: GRPOConfig) -> None:
+    """Options that conflict with the rollout-mismatch correction, when it will be on: the rollout is not the
+    training forward (vLLM, a --rollout-dtype copy, 16-bit weights or compute). Run again once --bf16 unset
+    is decided (grpo_fast.precision)."""
+    inexact = (
+        cfg.rollout == "vllm"
+        or cfg.rollout_dtype not in ("model", "fp32", "auto")
+        or cfg.dtype != "fp32"
+        or bool(cfg.bf16 or cfg.fp16)
+    )
+    mode = cfg.vllm_importance_sampling_mode
+    correcting = cfg.vllm_importance_sampling_correction and inexact
+    if correcting and cfg.loss_type == "vespo" and mode.startswith("sequence"):
+        raise ValueError(
+            "loss_type vespo needs vllm_importance_sampling_mode token_truncate or token_mask (it folds the "
+            f"correction into its sequence weight), got {mode}; the correction is on because the rollout is "
+            "not the training forward (vLLM, a --rollout-dtype copy, or 16-bit training)"
+        )
 
 
 def parse_config(argv=None, require_reward: bool = True) -> GRPOConfig:

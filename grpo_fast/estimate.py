@@ -3,19 +3,22 @@
     grpo-fast estimate [train flags] [--device cpu|cuda] [--max-memory-gb X]
 
 Parts, from the model's config alone (no weights are loaded):
-- parameters, gradients, AdamW state, the reference model: counted on a model built on the meta device (LoRA
-  adapters as the trainer adds them; AdamW keeps two tensors of each trainable parameter's dtype);
+- parameters, gradients, optimizer state, the reference model: counted on a model built on the meta device
+  (LoRA adapters as the trainer adds them) in the precision recipe's bytes (grpo_fast.precision: weights in
+  the storage dtype, 16-bit weights' fp32 masters or compensations, the optimizer's state per parameter), and
+  the optimizer step's own temporaries (16-bit weights: the largest tensor's fp32 gradient and weight);
 - the rollout (native engine): the prompt KV (once per group with prefix sharing, else once per sample) and
   each sample's completion KV at its fixed capacity, the prefill's working set, and on a CPU the copy of the
   linear weights the engine makes for the call (fp32 oneDNN-packed, or the --rollout-dtype's: bf16 half of
   it, int8 a quarter with the LM head kept fp32);
 - training activations of one micro-batch: a probe runs the trainer's own forward (`completion_hidden_states`,
-  gradient checkpointing and LoRA applied the same way) and backward on a 1- and a 2-layer model of this
+  gradient checkpointing, LoRA and the autocast region applied the same way: autocast's bf16 weight copies
+  are saved for backward, so they count per layer) and backward on a 1- and a 2-layer model of this
   config at three small token counts, counting every tensor the step allocates and frees (a dispatch mode over
   storages); the bytes per layer and token, the fixed part and the quadratic part (the shared-prefix mask) are
   fitted from those six runs and scaled to the real layer and token counts;
 - the loss's working set: the fp32 LM-head gradient and logits tiles (the PyTorch twin's chunk on a CPU, the
-  Triton kernels' d hidden on CUDA);
+  Triton kernels' d hidden on CUDA), and the twin's 16-bit copy of the head weight in mixed precision;
 - on a CPU the process itself (Python, torch, transformers: this process's resident set when it starts).
 On CUDA the figure is `max_memory_allocated`: the CUDA context (~0.5 GB) and the caching allocator's reserve
 come on top. Checked against measured peaks in tests/test_estimate.py and bench/bench_memory.py.
@@ -38,6 +41,8 @@ from .batching import Packer, partition, tokens_run
 from .config import GRPOConfig
 from .model_parts import lm_head_of
 from .modeling import DTYPES
+from .optimizers import OPTIMIZERS
+from .precision import Precision, resolve, rollout_dtype_of
 
 MIB = 2**20
 
@@ -105,11 +110,16 @@ def parameter_bytes(config, cfg: GRPOConfig) -> dict:
     params = list(model.parameters())
     lm = model.get_base_model() if hasattr(model, "get_base_model") else model
     linear = [m.weight for m in lm.modules() if type(m) is torch.nn.Linear]  # what the CPU engine packs
+    trainable = [p for p in params if p.requires_grad]
     return {
         "head_trainable": lm_head_of(model).weight.requires_grad,
         "params": sum(p.numel() for p in params),
         "weights": sum(p.numel() * p.element_size() for p in params),
-        "trainable": sum(p.numel() * p.element_size() for p in params if p.requires_grad),
+        "trainable": sum(p.numel() * p.element_size() for p in trainable),
+        "trainable_params": sum(p.numel() for p in trainable),
+        "trainable_16bit_params": sum(p.numel() for p in trainable if p.element_size() == 2),
+        "largest_16bit_trainable": max((p.numel() for p in trainable if p.element_size() == 2), default=0),
+        "largest_trainable": max((p.numel() for p in trainable), default=0),
         "linear_weights": sum(w.numel() * 4 for w in linear),
         "head_elements": lm_head_of(model).weight.numel(),
     }
@@ -122,7 +132,7 @@ COPY_BYTES = {"fp32": (4, 4), "bf16": (2, 2), "fp16": (2, 2), "int8": (1, 4), "f
 def engine_copy_bytes(p: dict, cfg: GRPOConfig, device: str) -> float:
     """The native engine's copy of the linear weights for a call (fp32 packed on a CPU, or the rollout
     dtype's)."""
-    dtype = cfg.rollout_dtype
+    dtype = rollout_dtype_of(cfg)
     if dtype == "auto":
         from .rollout.native import auto_rollout_dtype
 
@@ -152,9 +162,15 @@ class ActivationModel:
     layer: tuple  # (a, b, c) of one layer's saved bytes per sequence
     rest: tuple  # (a, b, c) of the rest: embeddings, final norm, masks, the backward's working set
     nograd: tuple  # (a, b, c) of a no-grad forward's peak (any number of layers: one runs at a time)
+    rest_saved: tuple = (0.0, 0.0, 0.0)  # (a, b, c) of the rest's saved bytes alone (no backward)
 
     def train(self, L, S, count=1):
+        """The peak from the forward to the end of the backward."""
         return count * (_poly(self.rest, S) + L * _poly(self.layer, S))
+
+    def saved(self, L, S, count=1):
+        """What the forward leaves for the backward (live when the loss runs)."""
+        return count * (_poly(self.rest_saved, S) + L * _poly(self.layer, S))
 
     def forward_nograd(self, S, count=1):
         return count * _poly(self.nograd, S)
@@ -170,8 +186,10 @@ def _fit(ts, ys):
     return tuple(torch.linalg.solve(A, torch.tensor(ys, dtype=torch.float64)).tolist())
 
 
-def probe_activations(config, cfg: GRPOConfig) -> ActivationModel:
+def probe_activations(config, cfg: GRPOConfig, precision: Precision) -> ActivationModel:
     from .modeling import completion_hidden_states
+
+    autocast = precision.autocast_context(torch.device("cpu"))
 
     runs = {}
     for layers in (1, 2):
@@ -192,12 +210,13 @@ def probe_activations(config, cfg: GRPOConfig) -> ActivationModel:
             T, per = (P + G * C, 1) if cfg.share_prefix else (P + C, G)
             model.train()
             with LiveBytes(known + list(batch)) as live:
-                h = completion_hidden_states(model, *batch, share_prefix=cfg.share_prefix)
+                with autocast:
+                    h = completion_hidden_states(model, *batch, share_prefix=cfg.share_prefix)
                 saved = live.live
                 (grad,) = torch.autograd.grad(h.float().square().sum(), state["x"])
                 peak = live.peak
             del h, grad
-            with torch.no_grad(), LiveBytes(known + list(batch)) as live:
+            with torch.no_grad(), LiveBytes(known + list(batch)) as live, autocast:
                 completion_hidden_states(model, *batch, share_prefix=cfg.share_prefix)
                 nograd = live.peak
             runs[(layers, T)] = (saved / per, peak / per, nograd / per)
@@ -205,8 +224,9 @@ def probe_activations(config, cfg: GRPOConfig) -> ActivationModel:
     ts = sorted({t for _, t in runs})
     layer = _fit(ts, [runs[(2, t)][0] - runs[(1, t)][0] for t in ts])
     rest = _fit(ts, [runs[(1, t)][1] - _poly(layer, t) for t in ts])
+    rest_saved = _fit(ts, [runs[(1, t)][0] - _poly(layer, t) for t in ts])
     nograd = _fit(ts, [runs[(2, t)][2] for t in ts])
-    return ActivationModel(layer, rest, nograd)
+    return ActivationModel(layer, rest, nograd, rest_saved)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -233,7 +253,8 @@ class Estimator:
     def __init__(self, cfg: GRPOConfig, device: str = "cpu"):
         if device not in ("cpu", "cuda"):
             raise ValueError(f"--device must be cpu or cuda, got {device!r}")
-        self.cfg, self.device = cfg, device
+        self.cfg, self.precision = resolve(cfg, torch.device(device))
+        self.device = device
         self.runtime = _runtime_bytes(device)
         self.config = model_config(cfg)
         self.params = parameter_bytes(self.config, cfg)
@@ -244,13 +265,16 @@ class Estimator:
             import dataclasses
 
             self._probes[(gc, share)] = probe_activations(
-                self.config, dataclasses.replace(self.cfg, gradient_checkpointing=gc, share_prefix=share)
+                self.config,
+                dataclasses.replace(self.cfg, gradient_checkpointing=gc, share_prefix=share),
+                self.precision,
             )
         return self._probes[(gc, share)]
 
-    def micro_batch_bytes(self, groups, P: int, C: int, gc: bool) -> tuple[float, float, float]:
-        """(activations, the loss's per-row part, a no-grad forward's peak) of one micro-batch of `groups`
-        [(prompt length, [completion lengths])] with prompts P and completions C wide, laid out as
+    def micro_batch_bytes(self, groups, P: int, C: int, gc: bool) -> tuple[float, float, float, float]:
+        """(activations' peak through the backward, the loss's per-row part, a no-grad forward's peak, the
+        activations the forward saves: live while the loss runs) of one micro-batch of `groups` [(prompt
+        length, [completion lengths])] with prompts P and completions C wide, laid out as
         modeling.completion_hidden_states lays it out."""
         L, H = self.config.num_hidden_layers, self.config.hidden_size
         rows = sum(len(lens) for _, lens in groups)
@@ -266,6 +290,7 @@ class Estimator:
             acts.train(L, *seq),
             N * H * 4 + (N * 64 if self.device == "cuda" else 0),
             acts.forward_nograd(*seq),
+            acts.saved(L, *seq),
         )
 
     def packer(self, plan: Plan) -> Packer | None:
@@ -289,11 +314,13 @@ class Estimator:
         kvh = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
         hd = getattr(c, "head_dim", None) or H // c.num_attention_heads
         p = self.params
+        optim = OPTIMIZERS[self.precision.optim]
         parts = {
             "runtime": self.runtime,
             "weights": p["weights"],
             "reference model": p["weights"] if cfg.beta != 0 and cfg.lora_r == 0 else 0.0,
-            "optimizer state": 2 * p["trainable"],
+            "master weights": optim.master_bytes * p["trainable_16bit_params"],
+            "optimizer state": optim.state_bytes * p["trainable_params"],
         }
         # rollout: the native engine's KV, its prefill, and (CPU, eager) its copy of the linear weights
         kv_tok = L * 2 * kvh * hd * b
@@ -327,12 +354,16 @@ class Estimator:
             )
             for part in micro
         ]
-        act, loss_rows, nograd = max(sizes, key=lambda x: x[0] + x[1])
+        act, loss_rows, nograd, saved = max(sizes, key=lambda x: x[0] + x[1])
         head_grad = V * H * 4 if p["head_trainable"] else 0.0  # fp32 d weight (a frozen head: none)
         if self.device == "cpu":
             from .kernels.logprobs import twin_chunk_rows
 
-            loss_fixed = 2 * twin_chunk_rows(V) * V * 4 + head_grad
+            # the twin's logits tile and one temporary (a chunk: at most the micro-batch's tokens); in mixed
+            # precision its 16-bit copy of the (fp32) head weight
+            tokens = max(sum(len(rows) for _, rows in part) for part in micro) * C
+            loss_fixed = 2 * min(tokens, twin_chunk_rows(V)) * V * 4 + head_grad
+            loss_fixed += V * H * 2 if self.precision.autocast else 0.0
         else:
             loss_fixed = head_grad
         logps = (2 if cfg.beta != 0 else 0) * n * G * C * 4
@@ -343,9 +374,24 @@ class Estimator:
             "loss working set": loss_fixed + loss_rows,
             "old / reference log-probs": logps,
         }
+        # the optimizer step: gradients still held, activations gone; one tensor's temporaries at a time
+        # (measured per optimizer: OPTIMIZERS' step_bytes), except torch's unfused AdamW on CUDA (foreach:
+        # temporaries of every tensor at once) and bitsandbytes' fused CUDA kernels (none)
+        largest16, largest = p["largest_16bit_trainable"], p["largest_trainable"]
+        step_temps = max(largest * optim.step_bytes[0], largest16 * optim.step_bytes[1])
+        if self.device == "cuda" and not optim.fused:
+            step_temps = 0.0 if optim.bnb_class else 8.0 * p["trainable_params"]
+        # the loss runs on the forward's saved activations with its tiles; the backward frees the tiles
+        # (the twin's gradients are made in the forward) and keeps only the head's d weight and d hidden
+        # (gradients exist by then only from an earlier micro-batch: the first one's backward makes them)
+        grads_at_loss = p["trainable"] if len(micro) > 1 else 0.0
+        at_loss = grads_at_loss + saved + loss_fixed + loss_rows
+        in_backward = p["trainable"] + act + head_grad + loss_rows
         persistent = sum(parts.values())
         rollout_peak = persistent + sum(rollout.values())
-        train_peak = persistent + max(sum(train.values()), old_ref + logps)
+        train_peak = persistent + max(
+            logps + max(at_loss, in_backward), old_ref + logps, p["trainable"] + step_temps
+        )
         return {
             "parts": {**parts, **rollout, **train},
             "rollout_peak": rollout_peak,
@@ -453,7 +499,14 @@ def main(argv=None) -> None:
     c = est.config
     print(
         f"model: {cfg.model or 'the embedded default'} ({est.params['params'] / 1e6:.1f}M params, "
-        f"{c.num_hidden_layers} layers, vocabulary {c.vocab_size}), {cfg.dtype}, device {device}"
+        f"{c.num_hidden_layers} layers, vocabulary {c.vocab_size}), device {device}"
+    )
+    pr = est.precision
+    bpp = pr.bytes_per_param()
+    print(
+        f"precision: {pr.storage} weights, {pr.compute} compute{' (autocast)' if pr.autocast else ''}, "
+        f"--optim {pr.optim}: {' + '.join(f'{v:g}' for v in bpp.values())} bytes per trainable parameter "
+        f"({', '.join(bpp)})"
     )
     print(
         f"step: {cfg.prompts_per_step} prompts x G={cfg.num_generations}, P<={cfg.max_prompt_length}, "

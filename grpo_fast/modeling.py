@@ -167,6 +167,23 @@ def _single_sequence(model, prompt_ids, prompt_mask, completion_ids, completion_
     return out
 
 
+def fp32_source(model, path: str) -> dict | None:
+    """{parameter: its fp32 original} when `path` stores fp32 weights that `model` holds in a 16-bit dtype
+    (--dtype bf16 of an fp32 checkpoint), for the optimizer's master weights; None otherwise."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    files = sorted(Path(path).glob("*.safetensors")) if Path(path).is_dir() else []
+    if not files or next(model.parameters()).dtype == torch.float32:
+        return None
+    with safe_open(str(files[0]), "pt") as f:
+        first = next(iter(f.keys()), None)
+        if first is None or f.get_slice(first).get_dtype() != "F32":
+            return None
+    full = dict(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).named_parameters())
+    return {p: full[n].detach() for n, p in model.named_parameters() if n in full}
+
+
 def load_weights_from_checkpoint(model, ckpt: Path, lora: bool) -> None:
     """Put a checkpoint's weights into the already-built model (optimizer state stays bound to its params)."""
     from safetensors.torch import load_file

@@ -18,6 +18,8 @@ from .distributed import DistInfo, all_done, all_gather_rows, all_sum, full_tens
 from .kernels import fused_linear_grpo_loss, fused_linear_logprobs, group_advantages
 from .model_parts import lm_head_of
 from .modeling import completion_hidden_states
+from .precision import of_config as precision_of
+from .precision import rollout_dtype_of
 from .rewards import score
 from .rollout import generate_groups, is_exact, native, resolve_engine, vllm_engine
 from .rollout.trajectories import generate_trajectories
@@ -73,8 +75,8 @@ def encode_prompts(rows, tokenizer, max_prompt_length, device):
 def engine_options(cfg: GRPOConfig) -> dict:
     """The rollout engine and its settings, as `generate_groups` takes them."""
     opts = {"engine": cfg.rollout, "compile": {"auto": "auto", "on": True, "off": False}[cfg.rollout_compile]}
-    if cfg.rollout_dtype != "model":
-        opts["rollout_dtype"] = cfg.rollout_dtype
+    if rollout_dtype_of(cfg) != "model":
+        opts["rollout_dtype"] = rollout_dtype_of(cfg)
     if cfg.rollout == "vllm":
         opts["vllm_options"] = {
             "max_model_len": cfg.max_prompt_length + cfg.max_completion_length,
@@ -87,11 +89,14 @@ def engine_options(cfg: GRPOConfig) -> dict:
 
 
 def eval_engine_options(cfg: GRPOConfig) -> dict:
-    """`engine_options` for held-out accuracy: the policy's own precision, never a low-precision copy of it;
-    except on vLLM, whose dtype is fixed when it starts (its evaluation runs in the rollout dtype)."""
+    """`engine_options` for held-out accuracy: the training precision (the policy's own, or its bf16 / fp16
+    copy under autocast), never a lower one asked for rollouts; except on vLLM, whose dtype is fixed when it
+    starts (its evaluation runs in the rollout dtype)."""
     opts = engine_options(cfg)
     if cfg.rollout != "vllm":
         opts.pop("rollout_dtype", None)
+        if precision_of(cfg).rollout_dtype != "model":
+            opts["rollout_dtype"] = precision_of(cfg).rollout_dtype
     return opts
 
 
@@ -237,16 +242,23 @@ def score_rollout(run, rows, ro: Rollout) -> Scored:
 # --------------------------------------------------------------------------------------------------------
 @torch.no_grad()
 def sequence_logps(model, batch, cfg: GRPOConfig):
-    """Per-token log-probs (no grad) of the completions, through the fused kernel (old / reference)."""
-    hidden = completion_hidden_states(model, *batch[:4], share_prefix=cfg.share_prefix, counts=batch[4])
-    head = lm_head_of(model)
-    return fused_linear_logprobs(hidden, head.weight, batch[2], bias=head.bias, temperature=cfg.temperature)
+    """Per-token log-probs (no grad) of the completions, through the fused kernel (old / reference), in the
+    training precision."""
+    device = batch[0].device
+    with precision_of(cfg).autocast_context(device):
+        hidden = completion_hidden_states(model, *batch[:4], share_prefix=cfg.share_prefix, counts=batch[4])
+        head = lm_head_of(model)
+        return fused_linear_logprobs(
+            hidden, head.weight, batch[2], bias=head.bias, temperature=cfg.temperature
+        )
 
 
 def sampling_correction(cfg: GRPOConfig, engine: str, rollout_dtype: str = "model"):
     """The rollout-mismatch correction mode, or None when the engine is the training forward (TRL's
-    vllm_importance_sampling_correction, on for every engine or rollout dtype that is not exact)."""
-    if is_exact(engine, rollout_dtype) or not cfg.vllm_importance_sampling_correction:
+    vllm_importance_sampling_correction, on for every engine or rollout dtype that is not exact; in 16-bit
+    training no engine is: its decode-shaped GEMMs round differently from the training forward's)."""
+    exact = is_exact(engine, rollout_dtype) and precision_of(cfg).exact_rollout_possible
+    if exact or not cfg.vllm_importance_sampling_correction:
         return None
     return cfg.vllm_importance_sampling_mode
 
@@ -278,7 +290,8 @@ def loss_options(cfg: GRPOConfig, engine: str, rollout_dtype: str = "model") -> 
 def policy_loss(
     model, batch, loss_mask, advantages, old_logps, ref_logps, sampling_logps, n_items, cfg, options
 ):
-    """The GRPO loss of one micro-batch, from the policy's last hidden states through the fused kernel."""
+    """The GRPO loss of one micro-batch, from the policy's last hidden states through the fused kernel (the
+    caller runs it inside the training precision's autocast region)."""
     hidden = completion_hidden_states(model, *batch[:4], share_prefix=cfg.share_prefix, counts=batch[4])
     head = lm_head_of(model)
     return fused_linear_grpo_loss(
@@ -364,6 +377,8 @@ def optimize(run, ro: Rollout, sc: Scored) -> tuple[dict, float, int]:
             with ctx:
                 ref = [(run.ref_policy or run.policy)(sequence_logps, b, cfg) for b in batches]
     options = loss_options(cfg, ro.engine, ro.rollout_dtype)
+    autocast = run.precision.autocast_context(run.device)  # the forward only; backward runs as recorded
+    scale = run.scaler.scale if run.scaler is not None else (lambda x: x)  # fp16: the loss scaled
     run.policy.train()
     for _ in range(cfg.num_iterations):
         metrics = {}
@@ -372,24 +387,31 @@ def optimize(run, ro: Rollout, sc: Scored) -> tuple[dict, float, int]:
             # the entropy bonus is a mean over the step's tokens: this micro-batch's share of it
             coef = cfg.entropy_coef * float(share) / weights[k] if cfg.entropy_coef else 0.0
             with gradient_sync(run.policy, k == len(micro) - 1):
-                loss, m = run.policy(
-                    policy_loss,
-                    b,
-                    sc.loss_mask[i],
-                    sc.advantages[i],
-                    old[k] if old else None,
-                    ref[k] if ref else None,
-                    ro.sampling_logps[i],
-                    n_items,
-                    cfg,
-                    {**options, "entropy_coef": coef},
-                )
-                (loss * weights[k]).backward()
+                with autocast:
+                    loss, m = run.policy(
+                        policy_loss,
+                        b,
+                        sc.loss_mask[i],
+                        sc.advantages[i],
+                        old[k] if old else None,
+                        ref[k] if ref else None,
+                        ro.sampling_logps[i],
+                        n_items,
+                        cfg,
+                        {**options, "entropy_coef": coef},
+                    )
+                scale(loss * weights[k]).backward()
             metrics["loss"] = metrics.get("loss", 0.0) + loss.detach() * weights[k]
             for key, v in m.items():
                 metrics[key] = accumulate(key, metrics.get(key), v.detach(), share)
+        if run.scaler is not None:
+            run.scaler.unscale_(run.optimizer)
         grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(run.params, cfg.max_grad_norm)).item()
-        run.optimizer.step()
+        if run.scaler is not None:  # a step with inf / NaN gradients is skipped and the scale lowered
+            run.scaler.step(run.optimizer)
+            run.scaler.update()
+        else:
+            run.optimizer.step()
         run.scheduler.step()
         run.optimizer.zero_grad(set_to_none=True)
         run.step += 1

@@ -41,7 +41,7 @@ from tqdm import tqdm
 
 from . import checkpoint as ckpt_mod
 from .batching import Packer
-from .config import GRPOConfig, parse_config, to_dict
+from .config import GRPOConfig, check_correction, parse_config, to_dict
 from .data import PromptSampler, check_rows, train_and_eval_rows
 from .distributed import (
     DistInfo,
@@ -57,8 +57,11 @@ from .distributed import (
     wrap,
 )
 from .memory import map_large_allocations, peak_mib, release_free_memory, reset_peak
-from .modeling import load_model_and_tokenizer, load_weights_from_checkpoint, model_path
+from .modeling import fp32_source, load_model_and_tokenizer, load_weights_from_checkpoint, model_path
+from .optimizers import AdamW16, build_optimizer
 from .plotting import pyplot
+from .precision import Precision
+from .precision import resolve as resolve_precision
 from .rewards import load_from_file, load_reward, reward_name
 from .step import encode_prompts, evaluate, optimize, rollout, score_rollout, step_record
 from .tools import Toolbox
@@ -82,6 +85,8 @@ class Run:
     params: list
     optimizer: torch.optim.Optimizer
     scheduler: object
+    precision: Precision  # storage / compute dtypes, the optimizer (grpo_fast.precision)
+    scaler: object  # fp16: torch.amp.GradScaler (the loss scaled); else None
     sampler: PromptSampler
     generator: torch.Generator
     reward_funcs: list
@@ -246,6 +251,8 @@ def setup(cfg: GRPOConfig) -> Run:
     torch.manual_seed(cfg.seed)
     device = device_of(dist)
     check_distributed(cfg, dist)
+    cfg, precision = resolve_precision(cfg, device)  # --bf16 unset: decided here, said once
+    check_correction(cfg)
     # everything that reads only files is checked before anything heavy (memory probes, the model) runs
     model_path(cfg)
     train_rows, eval_rows, reward_funcs, reward_names = load_data_and_rewards(cfg)
@@ -258,6 +265,8 @@ def setup(cfg: GRPOConfig) -> Run:
     cfg, memory_plan, packer = plan_memory(cfg, dist, device)
     model, tokenizer, info = load_model_and_tokenizer(cfg, device)
     info["memory_plan"] = memory_plan
+    info["precision"] = {"storage": precision.storage, "compute": precision.compute, "optim": precision.optim,
+                         "autocast": precision.autocast, "reason": precision.reason}  # fmt: skip
     # the reference policy: the base with adapters off (LoRA), else a frozen copy, only when beta != 0
     ref_model = None
     if cfg.beta != 0.0 and not info["lora"]:
@@ -270,14 +279,20 @@ def setup(cfg: GRPOConfig) -> Run:
     # one module per model behind which every use of the parameters runs (DDP / FSDP hooks see them all)
     policy = wrap(model, dist)
     params = [p for p in policy.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(
-        params, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.weight_decay
+    optimizer = build_optimizer(
+        params, cfg.optim, cfg.learning_rate, (cfg.adam_beta1, cfg.adam_beta2), cfg.weight_decay
     )
+    if isinstance(optimizer, AdamW16) and resume_from is None and not (dist.on and dist.kind == "fsdp"):
+        source = fp32_source(model, model_path(cfg))  # bf16 weights of an fp32 checkpoint: exact masters
+        if source:
+            optimizer.seed_from(source.get)
     run = Run(
         cfg=cfg, dist=dist, device=device, out=out, model=model, tokenizer=tokenizer, info=info,
         policy=policy,
         ref_policy=wrap(ref_model, dist, trainable=False) if ref_model is not None else None, params=params,
         optimizer=optimizer, scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg)),
+        precision=precision,
+        scaler=torch.amp.GradScaler(device.type) if precision.compute == "fp16" else None,
         sampler=sampler, generator=generator, reward_funcs=reward_funcs,
         reward_names=reward_names,
         reward_weights=weights,
@@ -420,6 +435,7 @@ def resume(run: Run) -> None:
         lambda sd: load_full_optimizer_state(run.policy, run.optimizer, sd, dist),
         run.scheduler,
         run.generator if dist.world == 1 else None,
+        run.scaler,
     )
     run.sampler.load_state_dict(state["sampler"])
     run.step, run.elapsed_train = state["step"], state.get("elapsed_train_s", 0.0)
@@ -459,6 +475,7 @@ def save(run: Run, at_step: int) -> Path:
         path = ckpt_mod.save_checkpoint(
             run.out, at_step, run.model, run.tokenizer, optimizer_state, run.scheduler,
             run.sampler.state_dict(), run.generator, extra, cfg.save_total_limit, model_state=model_state,
+            scaler=run.scaler,
         )  # fmt: skip
     barrier(dist)
     run.saved[at_step] = path or run.out / f"checkpoint-{at_step}"

@@ -1,10 +1,13 @@
-"""Shared plumbing for the kernel modules: implementation dispatch and argument checks.
+"""Shared plumbing for the kernel modules: implementation dispatch, argument checks, the compute dtype.
 
 Every public kernel takes `impl="auto"|"triton"|"torch"`; "auto" picks Triton for CUDA tensors and the
 PyTorch twin otherwise. Triton on CPU only works through its interpreter, which Triton reads when a kernel
 is *defined*, so TRITON_INTERPRET=1 must be in the environment before `grpo_fast.kernels` is imported.
+Mixed precision: `compute_dtype` is the one rule for the dtype of the LM-head GEMMs (ambient autocast's,
+else the shared dtype, else the 16-bit one of hidden and weight); the kernels run with autocast off.
 """
 
+import contextlib
 import os
 
 import torch
@@ -32,6 +35,37 @@ def resolve_impl(impl: str, *tensors: torch.Tensor) -> str:
             "before importing grpo_fast.kernels, or use impl='torch'"
         )
     return impl
+
+
+_SIXTEEN_BIT = (torch.bfloat16, torch.float16)
+
+
+def compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The dtype the LM-head GEMMs (logits, d hidden, d weight) run in, accumulating in fp32.
+
+    torch.autocast enabled for the inputs' device type: its dtype (as F.linear would). Otherwise hidden's and
+    weight's shared dtype, or, when they differ, the 16-bit one of the two (bf16 or fp16 activations on an
+    fp32 master weight, or the reverse). Two different 16-bit dtypes, or two wider ones, raise a TypeError.
+    """
+    device_type = hidden.device.type
+    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    if hidden.dtype == weight.dtype:
+        return hidden.dtype
+    low = [d for d in (hidden.dtype, weight.dtype) if d in _SIXTEEN_BIT]
+    if len(low) != 1:
+        raise TypeError(
+            "hidden and weight must share a dtype, or one of them be 16-bit (bf16 or fp16; the GEMMs then "
+            f"run in it): got hidden {hidden.dtype} and weight {weight.dtype}"
+        )
+    return low[0]
+
+
+def autocast_off(device: torch.device):
+    """A context with autocast disabled on `device`'s type: inside the kernels every cast is explicit."""
+    if not torch.amp.is_autocast_available(device.type):  # e.g. meta tensors: no autocast to turn off
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, enabled=False)
 
 
 def check_tensor(name: str, t, ndims: tuple[int, ...], floating: bool = True) -> None:

@@ -7,11 +7,14 @@ over chunks of tokens computes logits, log-probs, the loss and, since the loss i
 (three matmuls, as plain PyTorch); options that need a whole row (sequence level, sequence-mode corrections,
 the off-policy mask, VESPO) take the same single pass over chunks of whole rows; only every token's entropy
 (top_entropy_quantile, entropy_coef) or a row longer than a chunk needs a scoring pass before the gradients.
+Mixed precision as in logprobs.py: the GEMMs run in `compute_dtype(hidden, weight)` (autocast's dtype, else
+the shared one, else the 16-bit one), with autocast off inside and the twin's weight cast once per call;
+gradients come back in hidden's, weight's and bias's own dtypes (an fp32 master weight's accumulated in fp32).
 """
 
 import torch
 
-from ._common import check_tensor, resolve_impl
+from ._common import autocast_off, check_tensor, compute_dtype, resolve_impl
 from .logprobs import (
     _twin_bwd,
     _twin_fwd,
@@ -55,6 +58,7 @@ def _row_chunks(mask, step):
 def _one_pass(h, weight, bias, tgt, inv_t, w, adv, old, sampling, ref, m, params, need_grad, need_w, rows):
     """One sweep over chunks of active tokens: loss, metric sums, the detached log-probs and, when asked,
     every gradient (d weight only with need_w), each chunk's gradient taken while its softmax is at hand.
+    `weight` comes in the compute dtype, `h` in hidden's (cast per chunk).
 
     rows None: token-local options (`params.token_local`), flat chunks, every tensor flat over active tokens.
     Otherwise `rows` = (chunks from `_row_chunks`, positions of the active tokens in (B * T), T): each chunk
@@ -80,8 +84,9 @@ def _one_pass(h, weight, bias, tgt, inv_t, w, adv, old, sampling, ref, m, params
     part = lambda x, sl: None if x is None else x[sl]  # noqa: E731
     for t0, t1, sl in chunks:
         tok = slice(t0, t1)
-        # 1. logits tile, log-probs
-        z = twin_logits(h[tok], weight, bias, inv_t, out=buf)
+        # 1. logits tile, log-probs (hidden cast to the compute dtype per chunk; weight already is)
+        h_c = h[tok].to(weight.dtype)
+        z = twin_logits(h_c, weight, bias, inv_t, out=buf)
         zt = z.gather(1, tgt[tok, None]).squeeze(1)
         m_max = z.amax(dim=1)
         p = z.sub_(m_max[:, None]).exp_()  # the tile becomes the softmax in place: no second tile
@@ -108,7 +113,7 @@ def _one_pass(h, weight, bias, tgt, inv_t, w, adv, old, sampling, ref, m, params
         # 3. gradients of this chunk: d logits in place of z, then d hidden, d weight, d bias
         if need_grad and bool(g.any()):
             dz = twin_grad_from_probs(p, tgt[tok], g, inv_t)
-            grad_h[tok], grad_w = twin_accumulate(dz, h[tok], weight, grad_w, grad_b, need_w)
+            grad_h[tok], grad_w = twin_accumulate(dz, h_c, weight, grad_w, grad_b, need_w)
     if need_grad and need_w and grad_w is None:
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=h.device)
     return sums, logps, grad_h, grad_w, grad_b
@@ -117,7 +122,8 @@ def _one_pass(h, weight, bias, tgt, inv_t, w, adv, old, sampling, ref, m, params
 def _two_pass(h, weight, bias, tgt, inv_t, B, T, idx, mask, adv, old, sampling, ref, params, n_items, need_w):
     """Options that need whole rows (or every token's entropy): log-probs (and entropies) of active tokens
     first, then the loss on (B, T), then the gradients."""
-    logp_act, lse, ent_act, ez = _twin_fwd(h, weight, bias, tgt, inv_t, params.needs_entropy)
+    cdtype = weight.dtype  # the caller cast the weight to the compute dtype
+    logp_act, lse, ent_act, ez = _twin_fwd(h, weight, bias, tgt, inv_t, params.needs_entropy, cdtype)
 
     def scatter(x):  # active tokens -> (B, T), 0 on padding
         return torch.zeros(B * T, dtype=torch.float32, device=h.device).index_copy_(0, idx, x).view(B, T)
@@ -130,12 +136,14 @@ def _two_pass(h, weight, bias, tgt, inv_t, B, T, idx, mask, adv, old, sampling, 
         return loss, metrics, None, None, None
     g_ent_act = None if g_ent is None else g_ent.reshape(-1)[idx]
     grad_h, grad_w, grad_b = _twin_bwd(
-        h, weight, bias, tgt, inv_t, lse, g.reshape(-1)[idx], g_ent_act, ez, need_w
+        h, weight, bias, tgt, inv_t, lse, g.reshape(-1)[idx], g_ent_act, ez, need_w, cdtype
     )
     return loss, metrics, grad_h, grad_w, grad_b
 
 
-def _fused_twin(hidden, weight, targets, mask, advantages, bias, inv_t, old, sampling, ref, params, n_items):
+def _fused_twin(
+    hidden, weight, targets, mask, advantages, bias, inv_t, old, sampling, ref, params, n_items, cdtype
+):
     B, T, H = hidden.shape
     need_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (hidden, weight, bias)
@@ -145,7 +153,8 @@ def _fused_twin(hidden, weight, targets, mask, advantages, bias, inv_t, old, sam
     idx = mask.reshape(-1).nonzero().squeeze(1)
     h = hidden.detach().reshape(-1, H).index_select(0, idx)
     tgt = targets.reshape(-1).long().index_select(0, idx)
-    wt, bs = weight.detach(), None if bias is None else bias.detach()
+    # the weight in the compute dtype once per call (a no-op when it is already); hidden per chunk
+    wt, bs = weight.detach().to(cdtype), None if bias is None else bias.detach()
     adv = advantages.reshape(-1).float()
     old, sampling, ref = (None if t is None else t.float() for t in (old, sampling, ref))
     row_chunks = None
@@ -215,13 +224,19 @@ def fused_linear_grpo_loss(
     (top_entropy_quantile, entropy_coef), and rows longer than a chunk, take a scoring pass first, as Triton
     always does.
 
+    Mixed precision as `fused_linear_logprobs`: the matmuls run in autocast's dtype when autocast is enabled
+    for the inputs' device type, else in hidden's and weight's shared dtype, else in the 16-bit one of the two
+    (bf16 hidden on an fp32 master weight), with fp32 accumulation; the loss and metrics are fp32 and the
+    gradients come back in each input's dtype (an fp32 weight's accumulated in fp32).
+
     Args:
         hidden: (B, T, H) float tensor, the LM head's input at the positions predicting `targets`.
-        weight: (V, H) LM head weight, hidden's dtype.
+        weight: (V, H) float LM head weight: hidden's dtype, or fp32 with 16-bit hidden (or 16-bit with fp32
+            hidden); bf16 with fp16 is a TypeError (outside autocast).
         targets: (B, T) int64 completion token ids in [0, V).
         mask: (B, T) completion mask; tokens with mask 0 are neither scored nor differentiated.
         advantages: (B,) float advantages.
-        bias: optional (V,) LM head bias.
+        bias: optional (V,) LM head bias, any float dtype (added to the logits in fp32).
         temperature: float > 0 dividing the logits (the sampling temperature).
         old_logps, ref_logps, sampling_logps, num_items_in_batch: (B, T) tensors / normalizer as in
             `grpo_loss`.
@@ -261,31 +276,26 @@ def fused_linear_grpo_loss(
     impl = resolve_impl(
         impl, hidden, weight, targets, mask, advantages, bias, old_logps, ref_logps, sampling_logps
     )
-    if impl == "torch":
-        return _fused_twin(
-            hidden, weight, targets, mask, advantages, bias, 1.0 / float(temperature), old_logps,
-            sampling_logps, ref_logps, params, num_items_in_batch,
+    cdtype = compute_dtype(hidden, weight)  # decided here, ambient autocast included; then autocast is off
+    with autocast_off(hidden.device):
+        if impl == "torch":
+            return _fused_twin(
+                hidden, weight, targets, mask, advantages, bias, 1.0 / float(temperature), old_logps,
+                sampling_logps, ref_logps, params, num_items_in_batch, cdtype,
+            )  # fmt: skip
+        # Triton: score the active tokens with the fused log-prob kernels, then the loss kernel
+        B, T = mask.shape
+        active = mask.reshape(-1) != 0
+        logp_act, ent_act = linear_logprobs(
+            flat_h[active], weight, bias, flat_t[active], float(temperature), params.needs_entropy, "triton",
+            cdtype,
         )  # fmt: skip
-    # Triton: score the active tokens with the fused log-prob kernels, then the loss kernel
-    B, T = mask.shape
-    active = mask.reshape(-1) != 0
-    logp_act, ent_act = linear_logprobs(
-        flat_h[active], weight, bias, flat_t[active], float(temperature), params.needs_entropy, "triton"
-    )
-    logps = logp_act.new_zeros(B * T).masked_scatter(active, logp_act).view(B, T)
-    ent = None if ent_act is None else ent_act.new_zeros(B * T).masked_scatter(active, ent_act).view(B, T)
-    return grpo_loss_from_params(
-        logps,
-        ent,
-        advantages,
-        mask,
-        old_logps,
-        sampling_logps,
-        ref_logps,
-        params,
-        num_items_in_batch,
-        "triton",
-    )
+        logps = logp_act.new_zeros(B * T).masked_scatter(active, logp_act).view(B, T)
+        ent = None if ent_act is None else ent_act.new_zeros(B * T).masked_scatter(active, ent_act).view(B, T)
+        return grpo_loss_from_params(
+            logps, ent, advantages, mask, old_logps, sampling_logps, ref_logps, params, num_items_in_batch,
+            "triton",
+        )  # fmt: skip
 
 
 __all__ = ["fused_linear_grpo_loss"]

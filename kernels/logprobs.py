@@ -7,6 +7,10 @@
 Triton: the forward sweeps vocabulary tiles with an online logsumexp (fp32) and writes only per-token
 statistics; the backward recomputes each logits tile from the saved LSE and adds its share of the hidden,
 weight and bias gradients with fp32 atomics. The PyTorch twin does the same over chunks of tokens.
+Mixed precision: the GEMMs run in `compute_dtype(hidden, weight)` (autocast's dtype, else the shared one, else
+the 16-bit one: bf16 activations on an fp32 master head), fixed at the forward and reused by the backward;
+Triton casts tiles as they load, the twin the weight once per call. Gradients come back in each input's own
+dtype (an fp32 weight's accumulated in fp32); the bias is added in fp32.
 """
 
 from dataclasses import dataclass
@@ -15,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import INTERPRET, check_positive, check_tensor, resolve_impl
+from ._common import INTERPRET, autocast_off, check_positive, check_tensor, compute_dtype, resolve_impl
 
 # The twin's logits tile: at most this many fp32 elements (64 MiB) live at once, plus one temporary of the
 # same size. 2**24 keeps 110 tokens per chunk at V=151,936: large enough for an efficient CPU matmul.
@@ -27,7 +31,8 @@ TWIN_MAX_ROWS = 2048  # forward-only blocks: tokens per block, the vocabulary sl
 # constants so that bench/gpu_suite.py's "tiles" section can time the alternatives. 16-bit: measured on an
 # H200 at N, H, V = 16384, 4096, 151936 bf16 (bench/results/h200): forward 42 ms (484 TFLOP/s) vs 86 ms for
 # 64x128x64; backward ~1.6x faster than 64x128x64 (its atomics scale with 1/BLOCK_N + 1/BLOCK_V). 32-bit
-# tiles take twice the shared memory per stage, so fp32 keeps the smaller tile (checked on the H200).
+# tiles take twice the shared memory per stage, so fp32 keeps the smaller tile (checked on the H200). The key
+# is the compute dtype's width; see `_tiles` for operands wider than it (an fp32 master head on bf16 GEMMs).
 FWD_TILES = {
     16: dict(BLOCK_N=128, BLOCK_V=256, BLOCK_H=64, num_warps=8, num_stages=3),
     32: dict(BLOCK_N=64, BLOCK_V=128, BLOCK_H=64, num_warps=8),
@@ -38,8 +43,28 @@ BWD_TILES = {
 }
 
 
-def _tiles(table, dtype):
-    return table[32 if dtype == torch.float32 else 16]
+def _tiles(table, cdtype, h_dtype, w_dtype):
+    """The compute dtype's tiles. An operand wider than it is cast in registers after the pipelined load, so
+    its tiles sit in shared memory at their own width: BLOCK_H is halved (down to tl.dot's minimum K of 16)
+    until a K step's two tiles take no more bytes than in the measured configuration (unmeasured on a GPU)."""
+    tiles = dict(table[32 if cdtype == torch.float32 else 16])
+
+    def step_bytes(h_size, w_size):
+        return (tiles["BLOCK_N"] * h_size + tiles["BLOCK_V"] * w_size) * tiles["BLOCK_H"]
+
+    budget = step_bytes(cdtype.itemsize, cdtype.itemsize)
+    while tiles["BLOCK_H"] > 16 and step_bytes(h_dtype.itemsize, w_dtype.itemsize) > budget:
+        tiles["BLOCK_H"] //= 2
+    return tiles
+
+
+# torch dtype -> Triton dtype of the tiles fed to tl.dot (the CDTYPE constexpr)
+_TL_DTYPES = {
+    torch.float32: tl.float32,
+    torch.bfloat16: tl.bfloat16,
+    torch.float16: tl.float16,
+    torch.float64: tl.float64,
+}
 
 
 # The backward adds each (token block x vocab block) tile's share of d hidden and d weight with fp32 atomics
@@ -69,6 +94,7 @@ def _logits_tile(
     stride_w,
     inv_t,
     HAS_BIAS: tl.constexpr,
+    CDTYPE: tl.constexpr,
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -80,16 +106,17 @@ def _logits_tile(
     for h0 in range(0, H, BLOCK_H):
         offs_h = h0 + tl.arange(0, BLOCK_H)
         h_mask = offs_h < H
+        # operands cast to the compute dtype as they load (a no-op in it): no copy of an fp32 master head
         a = tl.load(
             h_ptr + offs_n[:, None] * stride_h + offs_h[None, :],
             mask=n_mask[:, None] & h_mask[None, :],
             other=0.0,
-        )
+        ).to(CDTYPE)
         b = tl.load(
             w_ptr + offs_v[:, None] * stride_w + offs_h[None, :],
             mask=v_mask[:, None] & h_mask[None, :],
             other=0.0,
-        )
+        ).to(CDTYPE)
         if UPCAST:  # the interpreter's tl.dot is wrong on bf16/fp16 tiles
             a = a.to(tl.float32)
             b = b.to(tl.float32)
@@ -119,6 +146,7 @@ def _logprob_fwd_kernel(
     inv_t,
     HAS_BIAS: tl.constexpr,
     WITH_ENTROPY: tl.constexpr,
+    CDTYPE: tl.constexpr,
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -154,6 +182,7 @@ def _logprob_fwd_kernel(
             stride_w,
             inv_t,
             HAS_BIAS,
+            CDTYPE,
             UPCAST,
             PRECISION,
             BLOCK_N,
@@ -202,6 +231,7 @@ def _logprob_bwd_kernel(
     HAS_BIAS: tl.constexpr,
     WITH_ENTROPY: tl.constexpr,
     WITH_GW: tl.constexpr,  # False for a frozen head (LoRA): no d weight, no hidden tiles loaded
+    CDTYPE: tl.constexpr,
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
     SEM: tl.constexpr,
@@ -241,6 +271,7 @@ def _logprob_bwd_kernel(
         stride_w,
         inv_t,
         HAS_BIAS,
+        CDTYPE,
         UPCAST,
         PRECISION,
         BLOCK_N,
@@ -263,7 +294,7 @@ def _logprob_bwd_kernel(
         tl.atomic_add(gb_ptr + offs_v, tl.sum(dz, axis=0), mask=v_mask, sem=SEM)
 
     # 3. this tile's share of d hidden = dz @ W and d W = dz.T @ hidden, accumulated in fp32
-    dz_mm = dz.to(h_ptr.dtype.element_ty)
+    dz_mm = dz.to(CDTYPE)
     if UPCAST:
         dz_mm = dz
     for h0 in range(0, H, BLOCK_H):
@@ -273,7 +304,7 @@ def _logprob_bwd_kernel(
             w_ptr + offs_v[:, None] * stride_w + offs_h[None, :],
             mask=v_mask[:, None] & h_mask[None, :],
             other=0.0,
-        )
+        ).to(CDTYPE)
         if UPCAST:
             w = w.to(tl.float32)
         gh = tl.dot(dz_mm, w, input_precision=PRECISION)
@@ -288,7 +319,7 @@ def _logprob_bwd_kernel(
                 h_ptr + offs_n[:, None] * stride_h + offs_h[None, :],
                 mask=n_mask[:, None] & h_mask[None, :],
                 other=0.0,
-            )
+            ).to(CDTYPE)
             if UPCAST:
                 x = x.to(tl.float32)
             gw = tl.dot(tl.trans(dz_mm), x, input_precision=PRECISION)
@@ -318,10 +349,20 @@ def _num_splits(n_blocks: int, V: int, block_v: int, device: torch.device) -> in
     return max(1, min(triton.cdiv(4 * sms, n_blocks), triton.cdiv(V, 8 * block_v)))
 
 
-def _logprob_fwd(hidden, weight, bias, targets, inv_t, with_entropy):
+def _interpreter_operands(hidden, weight, cdtype):
+    # The interpreter casts fp32 -> bf16 toward zero (GPUs round to nearest even, as torch does), which would
+    # double the rounding error: under it the operands are cast here and the kernels' tile casts are no-ops.
+    if INTERPRET:
+        return hidden.to(cdtype), weight.to(cdtype)
+    return hidden, weight
+
+
+def _logprob_fwd(hidden, weight, bias, targets, inv_t, with_entropy, cdtype):
+    # the tiles from the operands as given: the interpreter runs the GPU's configuration
+    tiles = _tiles(FWD_TILES, cdtype, hidden.dtype, weight.dtype)
+    hidden, weight = _interpreter_operands(hidden, weight, cdtype)
     N, H = hidden.shape
     V = weight.shape[0]
-    tiles = _tiles(FWD_TILES, hidden.dtype)
     n_blocks = triton.cdiv(N, tiles["BLOCK_N"])
     splits = _num_splits(n_blocks, V, tiles["BLOCK_V"], hidden.device)
     v_per_split = triton.cdiv(triton.cdiv(V, splits), tiles["BLOCK_V"]) * tiles["BLOCK_V"]
@@ -346,8 +387,9 @@ def _logprob_fwd(hidden, weight, bias, targets, inv_t, with_entropy):
         weight.stride(0),
         inv_t,
         WITH_ENTROPY=with_entropy,
+        CDTYPE=_TL_DTYPES[cdtype],
         UPCAST=INTERPRET,
-        PRECISION=_precision(hidden.dtype),
+        PRECISION=_precision(cdtype),
         **tiles,
     )
     # 3. merge the splits' partial logsumexps (a few floats per token)
@@ -363,7 +405,9 @@ def _logprob_fwd(hidden, weight, bias, targets, inv_t, with_entropy):
     return logp, lse, lse - ez, ez
 
 
-def _logprob_bwd(hidden, weight, bias, targets, inv_t, lse, g_logp, g_ent, ez, with_w=True):
+def _logprob_bwd(hidden, weight, bias, targets, inv_t, lse, g_logp, g_ent, ez, with_w, cdtype):
+    tiles = _tiles(BWD_TILES, cdtype, hidden.dtype, weight.dtype)
+    hidden, weight = _interpreter_operands(hidden, weight, cdtype)
     N, H = hidden.shape
     V = weight.shape[0]
     gh = torch.zeros(N, H, dtype=torch.float32, device=hidden.device)
@@ -372,7 +416,6 @@ def _logprob_bwd(hidden, weight, bias, targets, inv_t, lse, g_logp, g_ent, ez, w
     with_entropy = g_ent is not None
     if N == 0:
         return gh, gw, gb
-    tiles = _tiles(BWD_TILES, hidden.dtype)
     grid = (triton.cdiv(N, tiles["BLOCK_N"]) * triton.cdiv(V, tiles["BLOCK_V"]),)
     _logprob_bwd_kernel[grid](
         hidden,
@@ -394,8 +437,9 @@ def _logprob_bwd(hidden, weight, bias, targets, inv_t, lse, g_logp, g_ent, ez, w
         inv_t,
         WITH_ENTROPY=with_entropy,
         WITH_GW=with_w,
+        CDTYPE=_TL_DTYPES[cdtype],
         UPCAST=INTERPRET,
-        PRECISION=_precision(hidden.dtype),
+        PRECISION=_precision(cdtype),
         SEM=BWD_ATOMIC_SEM,
         GROUP_N=BWD_GROUP_N,
         **tiles,
@@ -415,19 +459,23 @@ def twin_chunk_rows(V: int) -> int:
 
 
 def twin_logits(h_chunk, weight, bias, inv_t, out=None):
-    """fp32 (C, V) logits of a chunk; the matmul runs in the input dtype, as in plain PyTorch.
+    """fp32 (C, V) logits of a chunk; h_chunk and weight come in the compute dtype and the matmul runs in it,
+    as in plain PyTorch. A bias of that dtype goes into the matmul (as before); any other is added in fp32.
 
     `out` is a reusable fp32 buffer of at least C * V elements (fresh pages cost a fault each on CPU)."""
+    in_mm = bias is not None and bias.dtype == weight.dtype
     if out is not None and h_chunk.dtype == torch.float32:
         # computed as (V, C) = W @ h.T and used through its transpose: BLAS runs this shape faster
         zt = out[: h_chunk.shape[0] * weight.shape[0]].view(weight.shape[0], h_chunk.shape[0])
-        if bias is None:
-            torch.mm(weight, h_chunk.T, out=zt)
-        else:
+        if in_mm:
             torch.addmm(bias[:, None], weight, h_chunk.T, out=zt)
+        else:
+            torch.mm(weight, h_chunk.T, out=zt)
         z = zt.T
     else:
-        z = (h_chunk @ weight.T if bias is None else torch.addmm(bias, h_chunk, weight.T)).float()
+        z = (torch.addmm(bias, h_chunk, weight.T) if in_mm else h_chunk @ weight.T).float()
+    if bias is not None and not in_mm:
+        z += bias.float()  # an fp32 master bias on bf16 GEMMs: added in fp32, not rounded to bf16
     return z if inv_t == 1.0 else z.mul_(inv_t)
 
 
@@ -454,9 +502,10 @@ def twin_grad_from_probs(p, targets, g_logp, inv_t, extra=None):
 
 
 def twin_accumulate(dz, h_chunk, weight, grad_w, grad_b, with_w=True):
-    """d hidden of the chunk, and d weight / d bias accumulated in fp32. `grad_w` None: this chunk starts it
-    (no zero-filled weight-sized buffer to add into). with_w False (a frozen head, as under LoRA): no d
-    weight, a third of the chunk's matmuls saved. Returns (grad_h, grad_w)."""
+    """d hidden of the chunk (in the compute dtype of h_chunk and weight), and d weight / d bias accumulated
+    in fp32. `grad_w` None: this chunk starts it (no zero-filled weight-sized buffer to add into). with_w
+    False (a frozen head, as under LoRA): no d weight, a third of the chunk's matmuls saved. Returns
+    (grad_h, grad_w)."""
     grad_h = dz.to(weight.dtype) @ weight
     if with_w and grad_w is None:
         grad_w = torch.mm(dz.T, h_chunk.float())
@@ -467,10 +516,11 @@ def twin_accumulate(dz, h_chunk, weight, grad_w, grad_b, with_w=True):
     return grad_h, grad_w
 
 
-def _twin_fwd(hidden, weight, bias, targets, inv_t, with_entropy):
+def _twin_fwd(hidden, weight, bias, targets, inv_t, with_entropy, cdtype):
     # Blocks of up to TWIN_MAX_ROWS tokens x a vocabulary slice, merged with an online logsumexp: the
     # matmuls keep a large M (a (110 x V) token chunk runs ~1.3x slower per flop on CPU BLAS).
     N, V = hidden.shape[0], weight.shape[0]
+    weight = weight.to(cdtype)  # once per call (a no-op in the compute dtype); hidden per block below
     f32 = dict(dtype=torch.float32, device=hidden.device)
     logp, lse = torch.empty(N, **f32), torch.empty(N, **f32)
     ent, ez = (torch.empty(N, **f32), torch.empty(N, **f32)) if with_entropy else (None, None)
@@ -479,7 +529,7 @@ def _twin_fwd(hidden, weight, bias, targets, inv_t, with_entropy):
     buf = torch.empty(rows * vc, **f32)
     ebuf = torch.empty(rows * vc, **f32) if with_entropy else None  # the entropy's one temporary
     for i in range(0, N, rows):
-        h, t = hidden[i : i + rows], targets[i : i + rows]
+        h, t = hidden[i : i + rows].to(cdtype), targets[i : i + rows]
         n = h.shape[0]
         m = torch.full((n,), float("-inf"), **f32)
         s, zt, sz = torch.zeros(n, **f32), torch.zeros(n, **f32), torch.zeros(n, **f32)
@@ -509,8 +559,9 @@ def _twin_fwd(hidden, weight, bias, targets, inv_t, with_entropy):
     return logp, lse, ent, ez
 
 
-def _twin_bwd(hidden, weight, bias, targets, inv_t, lse, g_logp, g_ent, ez, with_w=True):
+def _twin_bwd(hidden, weight, bias, targets, inv_t, lse, g_logp, g_ent, ez, with_w, cdtype):
     N, H = hidden.shape
+    w_c = weight.to(cdtype)  # once per call; hidden per chunk
     grad_h = torch.empty(N, H, dtype=hidden.dtype, device=hidden.device)
     grad_w = None
     grad_b = (
@@ -520,7 +571,8 @@ def _twin_bwd(hidden, weight, bias, targets, inv_t, lse, g_logp, g_ent, ez, with
     buf = torch.empty(min(N, step) * weight.shape[0], dtype=torch.float32, device=hidden.device)
     for i in range(0, N, step):
         sl = slice(i, i + step)
-        z = twin_logits(hidden[sl], weight, bias, inv_t, out=buf)
+        h_c = hidden[sl].to(cdtype)
+        z = twin_logits(h_c, w_c, bias, inv_t, out=buf)
         dz = twin_grad_from_logits(
             z,
             lse[sl],
@@ -530,7 +582,7 @@ def _twin_bwd(hidden, weight, bias, targets, inv_t, lse, g_logp, g_ent, ez, with
             None if g_ent is None else g_ent[sl],
             None if ez is None else ez[sl],
         )
-        grad_h[sl], grad_w = twin_accumulate(dz, hidden[sl], weight, grad_w, grad_b, with_w)
+        grad_h[sl], grad_w = twin_accumulate(dz, h_c, w_c, grad_w, grad_b, with_w)
     if grad_w is None and with_w:
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
     return grad_h, grad_w, grad_b
@@ -544,13 +596,17 @@ class _Params:
     inv_t: float
     with_entropy: bool
     impl: str
+    compute_dtype: torch.dtype  # decided once at entry (ambient autocast included), reused by the backward
 
 
 class _FusedLinearLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, params: _Params):
         fwd = _logprob_fwd if params.impl == "triton" else _twin_fwd
-        logp, lse, ent, ez = fwd(hidden, weight, bias, targets, params.inv_t, params.with_entropy)
+        with autocast_off(hidden.device):  # ambient autocast would re-cast the twin's matmuls: casts explicit
+            logp, lse, ent, ez = fwd(
+                hidden, weight, bias, targets, params.inv_t, params.with_entropy, params.compute_dtype
+            )
         ctx.save_for_backward(hidden, weight, bias, targets, lse, ez)
         ctx.params = params
         if ent is None:
@@ -566,7 +622,10 @@ class _FusedLinearLogprobs(torch.autograd.Function):
         g_ent = g_ent.float() if (p.with_entropy and g_ent is not None) else None
         bwd = _logprob_bwd if p.impl == "triton" else _twin_bwd
         with_w = ctx.needs_input_grad[1]
-        gh, gw, gb = bwd(hidden, weight, bias, targets, p.inv_t, lse, g_logp.float(), g_ent, ez, with_w)
+        with autocast_off(hidden.device):  # the forward's compute dtype, whatever autocast is on here
+            g_logp, cdtype = g_logp.float(), p.compute_dtype
+            gh, gw, gb = bwd(hidden, weight, bias, targets, p.inv_t, lse, g_logp, g_ent, ez, with_w, cdtype)
+        # each input's own dtype: an fp32 master weight gets its fp32 accumulator, never rounded to bf16
         return (
             gh.to(hidden.dtype) if ctx.needs_input_grad[0] else None,
             gw.to(weight.dtype) if with_w else None,
@@ -596,8 +655,6 @@ def check_logprob_inputs(hidden, weight, targets, bias, temperature):
         if bias.shape[0] != weight.shape[0]:
             raise ValueError(f"bias must have shape ({weight.shape[0]},), got {tuple(bias.shape)}")
     check_positive("temperature", temperature)
-    if hidden.dtype != weight.dtype:
-        raise TypeError(f"hidden and weight must share a dtype, got {hidden.dtype} and {weight.dtype}")
     V = weight.shape[0]
     if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= V):
         raise ValueError(
@@ -606,9 +663,10 @@ def check_logprob_inputs(hidden, weight, targets, bias, temperature):
     return hidden.reshape(-1, hidden.shape[-1]).contiguous(), targets.reshape(-1).long().contiguous()
 
 
-def linear_logprobs(flat_hidden, weight, bias, flat_targets, temperature, with_entropy, impl):
-    """`fused_linear_logprobs` on validated, flattened (N, H) / (N,) inputs with a resolved impl."""
-    params = _Params(inv_t=1.0 / temperature, with_entropy=with_entropy, impl=impl)
+def linear_logprobs(flat_hidden, weight, bias, flat_targets, temperature, with_entropy, impl, cdtype):
+    """`fused_linear_logprobs` on validated, flattened (N, H) / (N,) inputs with a resolved impl and the
+    GEMMs' compute dtype (`compute_dtype`)."""
+    params = _Params(inv_t=1.0 / temperature, with_entropy=with_entropy, impl=impl, compute_dtype=cdtype)
     bias_c = bias.contiguous() if bias is not None else None
     return _FusedLinearLogprobs.apply(flat_hidden, weight.contiguous(), bias_c, flat_targets, params)
 
@@ -622,11 +680,18 @@ def fused_linear_logprobs(
     the PyTorch twin holds one fp32 tile of about 2**24 elements (64 MiB; 128 tokens x V at V=151,936, see
     `twin_chunk_rows`) plus one temporary of the same size. Log-probs, LSE and entropy are fp32.
 
+    Mixed precision: the matmuls run in the compute dtype, with fp32 accumulation: under `torch.autocast`
+    (enabled for the inputs' device type) autocast's dtype, else hidden's and weight's shared dtype, else
+    the 16-bit one of the two (bf16 hidden on an fp32 master weight: bf16; the reverse too). The twin then
+    holds one copy of the weight in that dtype. Gradients come back in each input's dtype (an fp32 weight's
+    accumulated in fp32); the backward runs in the forward's compute dtype whatever autocast is on then.
+
     Args:
         hidden: (N, H) or (B, T, H) float tensor, the LM head's input.
-        weight: (V, H) tensor of hidden's dtype, the LM head's weight.
+        weight: (V, H) float tensor, the LM head's weight: hidden's dtype, or fp32 with 16-bit hidden (or
+            16-bit with fp32 hidden); bf16 with fp16 is a TypeError (outside autocast).
         targets: int64 tensor of hidden's leading shape, values in [0, V).
-        bias: optional (V,) LM head bias.
+        bias: optional (V,) LM head bias, any float dtype (added to the logits in fp32).
         temperature: float > 0; logits are divided by it before the softmax.
         return_entropy: also return the entropy of softmax(logits / temperature), fp32.
         impl: "auto" (Triton for CUDA tensors, else the twin), "triton" or "torch".
@@ -636,8 +701,11 @@ def fused_linear_logprobs(
         Differentiable with respect to hidden, weight and bias.
     """
     flat_h, flat_t = check_logprob_inputs(hidden, weight, targets, bias, temperature)
+    cdtype = compute_dtype(hidden, weight)
     impl = resolve_impl(impl, hidden, weight, targets, bias)
-    logp, ent = linear_logprobs(flat_h, weight, bias, flat_t, float(temperature), bool(return_entropy), impl)
+    logp, ent = linear_logprobs(
+        flat_h, weight, bias, flat_t, float(temperature), bool(return_entropy), impl, cdtype
+    )
     lead = hidden.shape[:-1]
     if return_entropy:
         return logp.view(lead), ent.view(lead)

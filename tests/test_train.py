@@ -6,7 +6,8 @@ import shutil
 
 import pytest
 import torch
-from oracle import naive_advantages, naive_grpo_loss
+from oracle import naive_grpo_loss
+from replay import first_step_batch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
@@ -14,11 +15,10 @@ import grpo_fast.train as train_mod
 from grpo_fast import default_task
 from grpo_fast.batching import Packer
 from grpo_fast.config import parse_config
-from grpo_fast.data import PromptSampler, train_and_eval_rows
+from grpo_fast.data import PromptSampler
 from grpo_fast.rewards import RewardError
-from grpo_fast.rollout import generate_groups
 from grpo_fast.step import sampling_correction
-from grpo_fast.train import encode_prompts, train
+from grpo_fast.train import train
 
 ASSET = default_task.ASSET_DIR
 QUICK = [
@@ -48,11 +48,10 @@ def _records(tmp_path):
     return [json.loads(x) for x in lines]
 
 
-class _SGD(torch.optim.SGD):
-    """AdamW's signature, plain SGD's update: params after - before = -lr * grad, grads readable back."""
-
-    def __init__(self, params, lr, betas=None, weight_decay=0.0):
-        super().__init__(params, lr=lr)
+def _sgd(params, optim, lr, *args, **kwargs):
+    """build_optimizer's signature, plain SGD's update: params after - before = -lr * grad, grads readable
+    back."""
+    return torch.optim.SGD(params, lr=lr)
 
 
 SPLITS = ["--group-split", "2"]  # each group of 4 in sub-batches of 2 completions, each carrying its prompt
@@ -81,7 +80,7 @@ def test_one_step_equals_naive_grpo(tmp_path, monkeypatch, loss_type, beta, extr
     groups are trained in sub-batches (--group-split), micro-batches, or packed to a budget: the same
     gradients."""
     lr, seed, T = 1e-2, 7, 0.9
-    monkeypatch.setattr(train_mod.torch.optim, "AdamW", _SGD)
+    monkeypatch.setattr(train_mod, "build_optimizer", _sgd)
     if pack is not None:
         packer = Packer(lambda groups, P, C: sum(len(lens) for _, lens in groups), pack)
         monkeypatch.setattr(train_mod, "plan_memory", lambda cfg, dist, device: (cfg, None, packer))
@@ -109,26 +108,13 @@ def test_one_step_equals_naive_grpo(tmp_path, monkeypatch, loss_type, beta, extr
     # the same step, naively: same prompts, same sampled completions, full logits and plain formulas
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_pretrained(ASSET)
-    tok = AutoTokenizer.from_pretrained(ASSET)
     ref_model = AutoModelForCausalLM.from_pretrained(ASSET)
-    rows = PromptSampler(train_and_eval_rows(cfg)[0], 2, seed).next()
-    texts, ids, mask = encode_prompts(rows, tok, cfg.max_prompt_length, "cpu")
-    gen = torch.Generator().manual_seed(seed)
-    c_ids, c_mask = generate_groups(
-        model, ids, mask, 4, 16, temperature=T, eos_token_id=tok.eos_token_id, generator=gen
-    )
-    comps = tok.batch_decode(c_ids * c_mask, skip_special_tokens=True)
-    rewards = torch.tensor(
-        default_task.shop_answer_reward(None, comps, [r["answer"] for r in rows for _ in range(4)])
-    )
-    adv = naive_advantages(rewards, 4)
-    full = torch.cat([ids.repeat_interleave(4, 0), c_ids], 1)
-    fmask = torch.cat([mask.repeat_interleave(4, 0), c_mask], 1)
-    pos = (fmask.cumsum(-1) - 1).clamp(min=0)
-    P = ids.shape[1]
+    b = first_step_batch(cfg, model, seed, temperature=T)
+    c_ids, c_mask, adv, P = b.completion_ids, b.completion_mask, b.advantages, b.P
 
     def logps(m):
-        logits = m(input_ids=full, attention_mask=fmask, position_ids=pos).logits[:, P - 1 : -1].double() / T
+        logits = m(input_ids=b.full_ids, attention_mask=b.full_mask, position_ids=b.position_ids).logits
+        logits = logits[:, P - 1 : -1].double() / T
         return torch.log_softmax(logits, -1).gather(-1, c_ids[..., None]).squeeze(-1)
 
     with torch.no_grad():
@@ -439,6 +425,8 @@ def test_unknown_flag_values(argv, words, capsys):
         (["--delta", "0"], "delta must be > 0"),
         (["--top-entropy-quantile", "1.5"], r"top_entropy_quantile must be in \[0, 1\]"),
         (["--rollout", "vllm", "--loss-type", "vespo"], "vespo needs vllm_importance_sampling_mode token_"),
+        (["--bf16", "--loss-type", "vespo"], "vespo needs .*16-bit training"),
+        (["--dtype", "bf16", "--loss-type", "vespo"], "vespo needs vllm_importance_sampling_mode token_"),
         (
             ["--rollout", "vllm", "--top-p", "0.9", "--temperature", "0.8"],
             "renormalized over the kept tokens",

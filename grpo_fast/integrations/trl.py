@@ -31,6 +31,7 @@ clip_ratio/high_max are not logged on the fused path.
 """
 
 import warnings
+from contextlib import nullcontext
 
 import torch
 import trl
@@ -253,14 +254,15 @@ class GRPOTrainer(trl.GRPOTrainer):
                 out = decoder_of(model)(input_ids=ids, attention_mask=mask, use_cache=False)
             hidden = out.last_hidden_state
             hidden = hidden[:, -logits_to_keep - 1 : -1].to(weight.dtype)
-            out = fused_linear_logprobs(
-                hidden,
-                weight,
-                ids[:, -logits_to_keep:],
-                bias=bias,
-                temperature=self.temperature,
-                return_entropy=compute_entropy,
-            )
+            with self._head_precision():
+                out = fused_linear_logprobs(
+                    hidden,
+                    weight,
+                    ids[:, -logits_to_keep:],
+                    bias=bias,
+                    temperature=self.temperature,
+                    return_entropy=compute_entropy,
+                )
             logps.append(out[0] if compute_entropy else out)
             if compute_entropy:
                 entropies.append(out[1])
@@ -269,6 +271,13 @@ class GRPOTrainer(trl.GRPOTrainer):
     # ---------------------------------------------------------------------------------------------------
     # The loss
     # ---------------------------------------------------------------------------------------------------
+    def _head_precision(self):
+        """The LM head's precision, as TRL's forward has it: inside the mixed-precision autocast (bf16 / fp16
+        GEMM, fp32 accumulation and log-probs in the kernels), unless cast_lm_head_to_fp32 keeps it fp32."""
+        if getattr(self.args, "cast_lm_head_to_fp32", False):
+            return nullcontext()
+        return self.accelerator.autocast()
+
     def _compute_loss(self, model, inputs):
         why = self.fused_fallback_reason or self._batch_fallback_reason(model, inputs)
         if why:
@@ -290,49 +299,52 @@ class GRPOTrainer(trl.GRPOTrainer):
             num_items = inputs["num_items_in_batch"].clamp(min=1.0).float() / self.accelerator.num_processes
             if mode == "train":
                 num_items = num_items * accumulation / self.args.steps_per_generation
-        # TRL corrects vLLM's samples; ours too when the native engine ran a low-precision copy of the policy
+        # TRL corrects vLLM's samples; ours too when the native engine ran a low-precision copy of the policy,
+        # or when the training forward is mixed precision (no engine equals a bf16 / fp16 forward)
+        mixed = bool(self.args.bf16 or self.args.fp16)
         inexact = self.use_vllm or (
             self.grpo_fast_rollout == "native"
-            and not is_exact("native", native.engine_for(model).rollout_dtype)
+            and (mixed or not is_exact("native", native.engine_for(model).rollout_dtype))
         )
         correcting = inexact and self.vllm_importance_sampling_correction
         entropy_coef = self.entropy_coef if self._entropy_bonus_enabled else 0.0
         if self.loss_type in ITEM_NORMALIZED:  # TRL's bonus is / accumulation whatever the loss type
             entropy_coef = entropy_coef / accumulation
         args = self.args
-        loss, metrics = fused_linear_grpo_loss(
-            hidden,
-            weight,
-            completion_ids,
-            mask,
-            inputs["advantages"],
-            bias=bias,
-            temperature=self.temperature,
-            old_logps=inputs.get("old_per_token_logps"),
-            ref_logps=inputs.get("ref_per_token_logps") if self.beta != 0.0 else None,
-            sampling_logps=inputs.get("sampling_per_token_logps"),
-            beta=self.beta,
-            epsilon_low=self.epsilon_low,
-            epsilon_high=self.epsilon_high,
-            loss_type=self.loss_type,
-            importance_sampling_level=self.importance_sampling_level,
-            max_completion_length=self.max_completion_length,
-            num_items_in_batch=num_items,
-            use_bias_correction_kl=args.use_bias_correction_kl,
-            delta=args.delta,
-            sampling_correction=self.vllm_importance_sampling_mode if correcting else None,
-            sampling_clip_max=self.vllm_importance_sampling_clip_max,
-            sampling_clip_min=self.vllm_importance_sampling_clip_min,
-            off_policy_mask_threshold=self.off_policy_mask_threshold,
-            sapo_temperature_pos=args.sapo_temperature_pos,
-            sapo_temperature_neg=args.sapo_temperature_neg,
-            vespo_k_pos=args.vespo_k_pos,
-            vespo_lambda_pos=args.vespo_lambda_pos,
-            vespo_k_neg=args.vespo_k_neg,
-            vespo_lambda_neg=args.vespo_lambda_neg,
-            top_entropy_quantile=self.top_entropy_quantile,
-            entropy_coef=entropy_coef,
-        )
+        with self._head_precision():
+            loss, metrics = fused_linear_grpo_loss(
+                hidden,
+                weight,
+                completion_ids,
+                mask,
+                inputs["advantages"],
+                bias=bias,
+                temperature=self.temperature,
+                old_logps=inputs.get("old_per_token_logps"),
+                ref_logps=inputs.get("ref_per_token_logps") if self.beta != 0.0 else None,
+                sampling_logps=inputs.get("sampling_per_token_logps"),
+                beta=self.beta,
+                epsilon_low=self.epsilon_low,
+                epsilon_high=self.epsilon_high,
+                loss_type=self.loss_type,
+                importance_sampling_level=self.importance_sampling_level,
+                max_completion_length=self.max_completion_length,
+                num_items_in_batch=num_items,
+                use_bias_correction_kl=args.use_bias_correction_kl,
+                delta=args.delta,
+                sampling_correction=self.vllm_importance_sampling_mode if correcting else None,
+                sampling_clip_max=self.vllm_importance_sampling_clip_max,
+                sampling_clip_min=self.vllm_importance_sampling_clip_min,
+                off_policy_mask_threshold=self.off_policy_mask_threshold,
+                sapo_temperature_pos=args.sapo_temperature_pos,
+                sapo_temperature_neg=args.sapo_temperature_neg,
+                vespo_k_pos=args.vespo_k_pos,
+                vespo_lambda_pos=args.vespo_lambda_pos,
+                vespo_k_neg=args.vespo_k_neg,
+                vespo_lambda_neg=args.vespo_lambda_neg,
+                top_entropy_quantile=self.top_entropy_quantile,
+                entropy_coef=entropy_coef,
+            )
         if self.loss_type not in ITEM_NORMALIZED:  # TRL scales these for accumulation; num_items does it
             loss = loss / accumulation
 

@@ -1,0 +1,199 @@
+"""What a precision recipe costs and keeps, on this machine: bf16 autocast vs fp32 GEMMs at a real model's
+training shapes, and every optimizer's step time, bytes per parameter and exactness.
+
+    python -m bench.bench_precision [--tokens 4096] [--repeats 5]
+
+1. `linears`: one SmolLM2-135M decoder layer's linear layers (q, k, v, o, gate, up, down) forward + backward
+   over `--tokens` tokens, fp32 vs under bf16 autocast (fp32 weights): the ratio is the row of
+   grpo_fast/precision.py's CPU_BF16_TRAIN_SPEEDUP for this CPU's instruction set; fp32 GFLOP/s beside it.
+2. `optimizers`: a step of each `--optim` on SmolLM2-135M's parameters (random, its shapes), weights fp32 or
+   bf16 (and torch's plain AdamW stepping bf16 weights in place, the path before grpo_fast.optimizers):
+   median step seconds and the state's bytes per parameter; and on one 1536 x 576 layer (std 0.02, 12 steps,
+   lr 1e-5, the same gradients) the weights' movement on the bf16 grid over fp64 AdamW's, and the kept
+   weight's (master, weight + compensation, weight) largest error over the mean movement.
+
+Writes bench/results/<machine>/bench_precision.{json,md} with the CPU model and flags.
+"""
+
+import argparse
+import time
+
+import torch
+
+from bench._utils import cpu_line, machine_info, markdown_table, write_results
+
+H, FF, KV = 576, 1536, 192  # SmolLM2-135M: hidden, MLP, k/v width (3 of 9 heads x 64)
+LAYER = {"q": (H, H), "k": (KV, H), "v": (KV, H), "o": (H, H),
+         "gate": (FF, H), "up": (FF, H), "down": (H, FF)}  # fmt: skip
+
+
+def _median_s(fn, repeats):
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def linears(tokens: int, repeats: int) -> list[dict]:
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    total = {"fp32": 0.0, "bf16": 0.0}
+    for name, (out_f, in_f) in LAYER.items():
+        x = torch.randn(tokens, in_f, generator=g).requires_grad_()
+        w = (torch.randn(out_f, in_f, generator=g) * 0.02).requires_grad_()
+        up = torch.randn(tokens, out_f, generator=g)
+
+        def step(autocast):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                y = torch.nn.functional.linear(x, w)
+            y.backward(up.to(y.dtype))
+            x.grad = w.grad = None
+
+        t32, t16 = _median_s(lambda: step(False), repeats), _median_s(lambda: step(True), repeats)
+        total["fp32"] += t32
+        total["bf16"] += t16
+        flops = 6 * tokens * in_f * out_f  # forward, d input, d weight
+        rows.append(dict(linear=f"{name} {in_f}->{out_f}", fp32_ms=t32 * 1e3, bf16_ms=t16 * 1e3,
+                         speedup=t32 / t16, fp32_gflops=flops / t32 / 1e9))  # fmt: skip
+    flops = sum(6 * tokens * i * o for o, i in LAYER.values())
+    t32, t16 = total["fp32"], total["bf16"]
+    rows.append(dict(linear="the layer", fp32_ms=t32 * 1e3, bf16_ms=t16 * 1e3, speedup=t32 / t16,
+                     fp32_gflops=flops / t32 / 1e9))  # fmt: skip
+    return rows
+
+
+OPTIMIZER_ROWS = [
+    ("fp32", "adamw_torch"), ("fp32", "adamw_torch_fused"), ("fp32", "adamw_8bit"),
+    ("bf16", "adamw_torch_fused"), ("bf16", "adamw_torch"), ("bf16", "adamw_kahan"),
+    ("bf16", "adamw_stochastic"), ("bf16", "plain torch AdamW"),
+]  # fmt: skip
+
+
+def _smollm2_params(dtype):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from bench.bench_memory import SMOLLM2_SHAPE
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**SMOLLM2_SHAPE)).to(dtype)
+    return [p for p in model.parameters()]
+
+
+def _optimizer(params, optim, lr):
+    from grpo_fast.optimizers import build_optimizer
+
+    if optim == "plain torch AdamW":
+        return torch.optim.AdamW(params, lr=lr)
+    return build_optimizer(params, optim, lr)
+
+
+def _fp64_adamw(w0, grads, lr, betas=(0.9, 0.999), eps=1e-8):
+    w, m, v = w0.double().clone(), torch.zeros_like(w0, dtype=torch.float64), 0
+    v = torch.zeros_like(m)
+    for t, gr in enumerate(grads, 1):
+        m = betas[0] * m + (1 - betas[0]) * gr.double()
+        v = betas[1] * v + (1 - betas[1]) * gr.double() ** 2
+        w = w - lr / (1 - betas[0] ** t) * m / ((v / (1 - betas[1] ** t)).sqrt() + eps)
+    return w
+
+
+def exactness(storage: str, optim: str) -> dict:
+    g = torch.Generator().manual_seed(1)
+    dtype = torch.float32 if storage == "fp32" else torch.bfloat16
+    w0 = (torch.randn(FF, H, generator=g) * 0.02).to(dtype)
+    grads = [torch.randn(FF, H, generator=g).to(dtype) for _ in range(12)]
+    lr = 1e-5
+    ref = _fp64_adamw(w0, grads, lr)
+    p = torch.nn.Parameter(w0.clone())
+    opt = _optimizer([p], optim, lr)
+    for gr in grads:
+        p.grad = gr.clone()
+        opt.step()
+    st = opt.state[p]
+    kept = p.double()
+    if "master" in st:
+        kept = st["master"].double()
+    elif "compensation" in st:
+        kept = kept + st["compensation"].double()
+    grid = lambda t: t.float().bfloat16().double()  # noqa: E731
+    moved = (grid(p.detach()) - grid(w0)).abs().mean().item()
+    ref_moved = (grid(ref) - grid(w0)).abs().mean().item()
+    mean_move = (ref - w0.double()).abs().mean().item()
+    return dict(
+        grid_movement=moved / ref_moved,
+        changed=(p.detach() != w0).float().mean().item(),
+        max_err=(kept - ref).abs().max().item() / mean_move,
+    )
+
+
+def optimizers(repeats: int) -> list[dict]:
+    rows = []
+    for storage, optim in OPTIMIZER_ROWS:
+        row = dict(weights=storage, optim=optim)
+        try:
+            params = _smollm2_params(torch.float32 if storage == "fp32" else torch.bfloat16)
+            opt = _optimizer(params, optim, 1e-5)
+            g = torch.Generator().manual_seed(0)
+            for p in params:
+                p.grad = (torch.randn(p.shape, generator=g) * 1e-3).to(p.dtype)
+            step_s = _median_s(opt.step, repeats)
+            n = sum(p.numel() for p in params)
+            tensors = [t for s in opt.state.values() for t in s.values() if torch.is_tensor(t)]
+            state = sum(t.numel() * t.element_size() for t in tensors)
+            weights = sum(p.numel() * p.element_size() for p in params)
+            row.update(step_s=step_s, state_bytes_per_param=state / n,
+                       bytes_per_param=(state + 2 * weights) / n, **exactness(storage, optim))  # fmt: skip
+            del params, opt
+        except (ImportError, ValueError, RuntimeError) as exc:
+            row["note"] = f"{type(exc).__name__}: {exc}"[:120]
+        rows.append(row)
+        print(f"  {row}", flush=True)
+    return rows
+
+
+LINEAR_COLUMNS = [("linear", "linear"), ("fp32_ms", "fp32 ms"), ("bf16_ms", "bf16 autocast ms"),
+                  ("speedup", "bf16 speed over fp32"), ("fp32_gflops", "fp32 GFLOP/s")]  # fmt: skip
+OPT_COLUMNS = [
+    ("weights", "weights"), ("optim", "--optim"), ("step_s", "step s (134.5M params)"),
+    ("state_bytes_per_param", "state bytes / param"), ("bytes_per_param", "+ weights + grads"),
+    ("grid_movement", "movement on the bf16 grid / fp64 AdamW's"), ("changed", "weights changed"),
+    ("max_err", "kept weight's max error / mean movement"), ("note", "note"),
+]  # fmt: skip
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=4096, help="tokens of the linear layers' batch")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--out-dir", default=None)
+    args = ap.parse_args(argv)
+    info = machine_info()
+    lin = linears(args.tokens, args.repeats)
+    opt = optimizers(args.repeats)
+    from grpo_fast.precision import cpu_isa
+    from grpo_fast.rollout.native import cpu_flags
+
+    isa = cpu_isa(cpu_flags())
+    layer = lin[-1]["speedup"]
+    md = (
+        f"# Precision recipes on {cpu_line(info)}\n\n"
+        f"torch {torch.__version__}; instruction-set class `{isa}`: bf16 autocast trains a layer's linears "
+        f"at **{layer:.2f}x** fp32 (grpo_fast/precision.py's CPU_BF16_TRAIN_SPEEDUP row).\n\n"
+        f"## Linear layers, forward + backward, {args.tokens} tokens (one SmolLM2-135M layer)\n\n"
+        + markdown_table(lin, LINEAR_COLUMNS)
+        + "\n\n## Optimizers: a step of SmolLM2-135M's parameters; exactness on one layer "
+        "(12 steps, lr 1e-5)\n\n"
+        + markdown_table(opt, OPT_COLUMNS)
+        + "\n"
+    )
+    payload = {"machine": info, "isa": isa, "tokens": args.tokens, "linears": lin, "optimizers": opt}
+    out = write_results("bench_precision", payload, md, args.out_dir)
+    print(md)
+    print(f"results in {out}")
+
+
+if __name__ == "__main__":
+    main()

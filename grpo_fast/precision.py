@@ -1,0 +1,154 @@
+"""Precision recipes: where the weights live, what the GEMMs compute in, what the optimizer keeps.
+
+One place says what a run's precision is (`Precision`, from `resolve(cfg, device)`), read by the trainer (the
+autocast region, the rollout dtype, whether the rollout is exact), the memory planner (bytes per parameter)
+and the benchmarks. TRL's names and meaning:
+- `--dtype` fp32 | bf16: the parameters' storage dtype (TRL: `model_init_kwargs` dtype, fp32 by default);
+- `--bf16` / `--fp16`: autocast the training forward to that dtype on the stored weights (TRL's mixed
+  precision; TRL defaults `bf16` to on). Ours defaults to on only where bf16 measured faster: a GPU with bf16
+  tensor cores, a CPU whose instruction set's row in CPU_BF16_TRAIN_SPEEDUP says so; fp16 scales the loss;
+- `--optim` (HF's names, grpo_fast.optimizers): bf16 weights never lose an update, each optimizer keeps fp32
+  master weights or compensates the rounding (Kahan) or rounds stochastically.
+"""
+
+from contextlib import nullcontext
+from dataclasses import dataclass, replace
+
+import torch
+
+HALF_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+STORAGE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+# A Linear's forward + backward under bf16 autocast, over fp32, at SmolLM2-135M's training shapes (4096
+# tokens, 576 -> 1536 and back), per CPU instruction set (bench/bench_precision.py; torch 2.13). "auto" takes
+# bf16 on a CPU only where its row is > 1; an instruction set with no row stays fp32 until it is measured.
+CPU_BF16_TRAIN_SPEEDUP = {
+    # Intel Xeon, avx512_bf16 + avx512_fp16, no AMX flag (measured for issue 31)
+    "avx512_bf16": 0.78,
+    # AMD EPYC (Zen 3), avx2 + fma, no avx512: bf16 GEMMs run a non-native path
+    # (bench/results/cpu/bench_precision.md)
+    "avx2": 0.09,
+}
+
+
+def cpu_isa(flags: set) -> str:
+    """The instruction-set class that decides CPU bf16 speed: amx_bf16 > avx512_bf16 > avx512f > avx2."""
+    for isa in ("amx_bf16", "avx512_bf16", "avx512f", "avx2"):
+        if isa in flags:
+            return isa
+    return "other"
+
+
+@dataclass(frozen=True)
+class Precision:
+    """A run's precision recipe: storage dtype of the parameters, compute dtype of the training forward
+    (autocast when they differ), the optimizer (HF name) and how it keeps 16-bit weights' updates."""
+
+    storage: str  # "fp32" | "bf16": the parameters as stored and saved
+    compute: str  # "fp32" | "bf16" | "fp16": the training forward's GEMMs
+    optim: str  # HF's optimizer name (grpo_fast.optimizers.OPTIMIZERS)
+    reason: str = ""  # why compute is what it is (auto)
+
+    @property
+    def autocast(self) -> bool:
+        return self.compute != self.storage
+
+    @property
+    def exact_rollout_possible(self) -> bool:
+        """Only a full-fp32 run has a rollout that can equal its training forward up to rounding: in 16 bits
+        the engine's GEMMs (decode shapes) round differently from the training forward's."""
+        return self.compute == "fp32"
+
+    @property
+    def rollout_dtype(self) -> str:
+        """The rollout dtype that samples in the training precision ("model": the policy's own)."""
+        return self.compute if self.storage == "fp32" and self.compute != "fp32" else "model"
+
+    def autocast_context(self, device: torch.device):
+        """The training forward's autocast region (a no-op when compute is the storage dtype)."""
+        if not self.autocast:
+            return nullcontext()
+        return torch.autocast(device.type, dtype=HALF_DTYPES[self.compute])
+
+    def bytes_per_param(self, trainable: bool = True) -> dict:
+        """Persistent bytes per parameter by part: weights, master copy (or compensation), optimizer state,
+        gradient (grpo_fast.optimizers.OPTIMIZERS has the optimizer's)."""
+        from .optimizers import OPTIMIZERS
+
+        w = STORAGE_DTYPES[self.storage].itemsize
+        if not trainable:
+            return {"weights": w, "master": 0, "optimizer": 0, "gradients": 0}
+        spec = OPTIMIZERS[self.optim]
+        return {
+            "weights": w,
+            "master": spec.master_bytes if self.storage != "fp32" else 0,
+            "optimizer": spec.state_bytes,
+            "gradients": w,
+        }
+
+
+def auto_bf16(device: torch.device) -> tuple[bool, str]:
+    """(bf16 autocast on?, why) for --bf16 left unset: where bf16 is measured (or known) faster than fp32."""
+    if device.type == "cuda":
+        if not torch.cuda.is_available():  # sizing a GPU run from here (grpo-fast estimate --device cuda)
+            return True, "CUDA, assumed to have bf16 tensor cores (no GPU visible here to ask)"
+        cap = torch.cuda.get_device_capability(device)
+        if cap >= (8, 0):
+            return True, f"the GPU has bf16 tensor cores (compute capability {cap[0]}.{cap[1]} >= 8.0)"
+        return False, f"the GPU has no bf16 tensor cores (compute capability {cap[0]}.{cap[1]} < 8.0)"
+    if device.type != "cpu":
+        return False, f"{device.type}: bf16 speed not measured"
+    from .rollout import native
+
+    isa = cpu_isa(native.cpu_flags())
+    speedup = CPU_BF16_TRAIN_SPEEDUP.get(isa)
+    if speedup is None:
+        return False, f"bf16 training speed is not measured on this CPU's instruction set ({isa})"
+    faster = speedup > 1.0
+    return faster, f"bf16 autocast trains at {speedup:.2f}x fp32 on this CPU's instruction set ({isa})"
+
+
+_said: set = set()
+
+
+def resolve(cfg, device: torch.device):
+    """(cfg with `bf16` decided, Precision): --bf16 unset becomes on or off here (auto), said once with the
+    reason; every combination checked, with an error naming the arguments."""
+    from .optimizers import check_optimizer
+
+    if cfg.bf16 and cfg.fp16:
+        raise ValueError("--bf16 and --fp16 are both set: choose one autocast dtype")
+    if cfg.fp16 and cfg.dtype == "bf16":
+        raise ValueError("--fp16 with --dtype bf16: fp16 autocast needs fp32 (or fp16) weights; use --bf16")
+    bf16, reason = cfg.bf16, "asked for" if cfg.bf16 else ""
+    if bf16 is None:
+        if cfg.fp16:
+            bf16, reason = False, "--fp16 asked for"
+        elif cfg.dtype == "bf16":
+            bf16, reason = True, "the weights are bf16"
+        else:
+            bf16, reason = auto_bf16(device)
+            if reason not in _said:
+                _said.add(reason)
+                print(f"grpo-fast precision: {'bf16 autocast' if bf16 else 'fp32'} ({reason})", flush=True)
+    if cfg.dtype == "bf16" and bf16 is False:
+        raise ValueError("--dtype bf16 with --no-bf16: bf16 weights compute in bf16 (drop --no-bf16)")
+    compute = "bf16" if bf16 or cfg.dtype == "bf16" else "fp16" if cfg.fp16 else "fp32"
+    precision = Precision(cfg.dtype, compute, cfg.optim, reason or ("--fp16" if cfg.fp16 else "fp32"))
+    check_optimizer(precision, device)
+    return replace(cfg, bf16=bool(bf16)), precision
+
+
+def of_config(cfg) -> Precision:
+    """The Precision of a config whose `bf16` is already decided (after `resolve`), or of any config on the
+    CPU it would run on (auto decided here)."""
+    if cfg.bf16 is None:
+        return resolve(cfg, torch.device("cpu"))[1]
+    compute = "bf16" if cfg.bf16 or cfg.dtype == "bf16" else "fp16" if cfg.fp16 else "fp32"
+    return Precision(cfg.dtype, compute, cfg.optim)
+
+
+def rollout_dtype_of(cfg) -> str:
+    """The rollouts' precision: --rollout-dtype, or with "model" the training precision's (a bf16 copy of
+    fp32 weights under bf16 autocast: rollouts sample as the policy trains)."""
+    return cfg.rollout_dtype if cfg.rollout_dtype != "model" else of_config(cfg).rollout_dtype

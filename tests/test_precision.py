@@ -1,0 +1,355 @@
+"""Precision recipes (grpo_fast.precision, grpo_fast.optimizers): bf16 weights that keep their updates, bf16
+autocast on fp32 master weights, the choices and their errors. References: AdamW written out in fp64 here,
+naive full-logit GRPO in fp64 and in plain autocast, TRL's and transformers' own config classes."""
+
+import json
+import math
+
+import pytest
+import torch
+from oracle import naive_grpo_loss
+from replay import first_step_batch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+import grpo_fast.train as train_mod
+from grpo_fast import default_task, precision
+from grpo_fast.config import parse_config
+from grpo_fast.optimizers import OPTIMIZERS, AdamW16, build_optimizer, stochastic_round_bf16
+from grpo_fast.rollout import native
+from grpo_fast.step import engine_options, eval_engine_options, sampling_correction
+from grpo_fast.train import train
+
+ASSET = default_task.ASSET_DIR
+QUICK = ["--num-generations", "4", "--prompts-per-step", "2", "--max-completion-length", "16",
+         "--eval-max-samples", "0", "--save-steps", "0", "--warmup-ratio", "0",
+         "--lr-scheduler-type", "constant"]  # fmt: skip
+
+
+def _cfg(out, *extra):
+    return parse_config(["--output-dir", str(out), *QUICK, *extra])
+
+
+# --------------------------------------------------------------------------------------------------------
+# The optimizer against AdamW in fp64
+# --------------------------------------------------------------------------------------------------------
+def fp64_adamw(w0, grads, lr, wd, betas=(0.9, 0.999), eps=1e-8):
+    """torch.optim.AdamW's update (decoupled weight decay, bias-corrected moments), written out in fp64."""
+    w = w0.double().clone()
+    m, v = torch.zeros_like(w), torch.zeros_like(w)
+    b1, b2 = betas
+    for t, g in enumerate(grads, 1):
+        g = g.double()
+        w = w * (1 - lr * wd)
+        m = b1 * m + (1 - b1) * g
+        v = b2 * v + (1 - b2) * g * g
+        w = w - lr / (1 - b1**t) * m / ((v / (1 - b2**t)).sqrt() + eps)
+    return w
+
+
+def _bf16_problem(steps=10, shape=(384, 97)):
+    g = torch.Generator().manual_seed(3)
+    w0 = (torch.randn(shape, generator=g) * 0.02).bfloat16()  # a linear layer's init
+    grads = [torch.randn(shape, generator=g).bfloat16() for _ in range(steps)]
+    return w0, grads
+
+
+def _run(opt_factory, w0, grads):
+    p = torch.nn.Parameter(w0.clone())
+    opt = opt_factory([p])
+    for g in grads:
+        p.grad = g.clone()
+        opt.step()
+    return p.detach(), opt.state[p]
+
+
+@pytest.mark.parametrize("lr", [1e-6, 1e-5])
+def test_master_weights_follow_fp64_adamw_and_the_weight_is_their_rounding(lr):
+    w0, grads = _bf16_problem()
+    ref = fp64_adamw(w0, grads, lr, wd=0.01)
+    for optim in ("adamw_torch_fused", "adamw_torch"):
+        p, st = _run(lambda ps: build_optimizer(ps, optim, lr, weight_decay=0.01), w0, grads)
+        assert p.dtype == torch.bfloat16 and st["master"].dtype == torch.float32
+        err = (st["master"].double() - ref).abs().max().item()
+        fp32_rounding = len(grads) * 2.0**-24 * ref.abs().max().item()  # half an fp32 ulp per step
+        assert err <= 2 * fp32_rounding, f"{optim}: master vs fp64 AdamW max err {err:.3g}"
+        assert torch.equal(p, st["master"].bfloat16())  # round to nearest of the fp32 weight
+        assert (p != ref.float().bfloat16()).float().mean() < 1e-3  # fp64's rounding but for near-ties
+
+
+@pytest.mark.parametrize("lr", [1e-6, 1e-5])
+def test_kahan_weight_plus_compensation_follows_fp64_adamw(lr):
+    w0, grads = _bf16_problem()
+    ref = fp64_adamw(w0, grads, lr, wd=0.01)
+    p, st = _run(lambda ps: build_optimizer(ps, "adamw_kahan", lr, weight_decay=0.01), w0, grads)
+    assert st["compensation"].dtype == torch.bfloat16
+    moved = (ref - w0.double()).abs().mean().item()
+    err = (p.double() + st["compensation"].double() - ref).abs()
+    # the compensation's own bf16 rounding is what remains: ~0.3% of the movement (plain AdamW: ~90-100%)
+    assert err.mean() < 0.01 * moved and err.max() < 0.1 * moved, (err.mean() / moved, err.max() / moved)
+    # the stored weight is the fp64 result's nearest bf16 almost everywhere (ties of the compensation aside)
+    assert (p != ref.float().bfloat16()).float().mean() < 0.01
+
+
+def test_plain_adamw_on_bf16_weights_loses_the_updates_our_optimizers_keep():
+    """What --dtype bf16 did before: torch AdamW on bf16 weights. Its weights end far from fp64 AdamW's on
+    the bf16 grid; every AdamW16 mode moves them as far as fp64 AdamW does (stochastic: unbiased, noisier)."""
+    lr = 1e-5
+    w0, grads = _bf16_problem(steps=12)
+    target = fp64_adamw(w0, grads, lr, wd=0.0).float().bfloat16().double()
+    ref_moved = (target - w0.double()).abs().mean().item()
+
+    def moved(p):
+        return (p.double() - w0.double()).abs().mean().item() / ref_moved
+
+    plain, _ = _run(lambda ps: torch.optim.AdamW(ps, lr=lr, weight_decay=0.0), w0, grads)
+    assert moved(plain) < 0.5
+    for optim in ("adamw_torch_fused", "adamw_kahan", "adamw_stochastic"):
+        p, _ = _run(lambda ps: build_optimizer(ps, optim, lr), w0, grads)
+        assert 0.5 <= moved(p) <= 2.0, (optim, moved(p))
+
+
+def test_stochastic_rounding_is_unbiased_and_exact_on_the_grid():
+    g = torch.Generator().manual_seed(0)
+    grid = torch.randn(1000, generator=g).bfloat16().float()
+    assert torch.equal(stochastic_round_bf16(grid, g).float(), grid)
+    # 0.25 of an ulp above a grid value: rounds up a quarter of the time, the mean is the value
+    x = torch.full((200_000,), 1.0 + 2.0**-7 / 4)
+    r = stochastic_round_bf16(x, g).double()
+    assert set(r.unique().tolist()) == {1.0, 1.0 + 2.0**-7}
+    assert abs((r == 1.0 + 2.0**-7).double().mean().item() - 0.25) < 0.005
+    assert abs(r.mean().item() - x.double()[0].item()) < 1e-5
+    neg = stochastic_round_bf16(-x, g).double()
+    assert abs(neg.mean().item() + x.double()[0].item()) < 1e-5
+
+
+def test_fp32_parameters_step_as_torch_adamw_does():
+    g = torch.Generator().manual_seed(1)
+    w0 = torch.randn(64, 33, generator=g)
+    grads = [torch.randn(64, 33, generator=g) for _ in range(5)]
+    a, _ = _run(lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.1), w0, grads)
+    b, _ = _run(lambda ps: AdamW16(ps, lr=1e-3, weight_decay=0.1, mode="kahan", fused=False), w0, grads)
+    assert torch.allclose(a, b, rtol=0, atol=1e-7)
+    opt = build_optimizer([torch.nn.Parameter(w0.clone())], "adamw_torch_fused", 1e-3)
+    assert type(opt) is torch.optim.AdamW and opt.defaults["fused"]  # all-fp32: torch's own, as HF builds it
+
+
+def test_optimizer_names_and_default_are_transformers_own(tmp_path):
+    from transformers.training_args import OptimizerNames
+    from trl import GRPOConfig as TRLConfig
+
+    ours = {f.name: f for f in __import__("dataclasses").fields(parse_config([]).__class__)}
+    trl_cfg = TRLConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True)
+    trl_optim = getattr(trl_cfg.optim, "value", trl_cfg.optim)
+    assert ours["optim"].default == trl_optim
+    hf = {o.value for o in OptimizerNames}
+    assert {"adamw_torch_fused", "adamw_torch", "adamw_8bit", "paged_adamw_8bit"} <= hf
+    assert set(ours["optim"].metadata["choices"]) == set(OPTIMIZERS)
+    assert set(OPTIMIZERS) - hf == {"adamw_kahan", "adamw_stochastic"}  # ours: HF has no name for these
+    # TRL's mixed-precision flags keep their names here; its bf16 means autocast on fp32 weights
+    assert hasattr(trl_cfg, "bf16") and hasattr(trl_cfg, "fp16") and trl_cfg.bf16 is True
+
+
+def test_8bit_optimizers_refuse_bf16_weights():
+    with pytest.raises(ValueError, match="--optim adamw_8bit.*--dtype bf16|needs bitsandbytes"):
+        precision.resolve(parse_config(["--dtype", "bf16", "--optim", "adamw_8bit"]), torch.device("cpu"))
+
+
+# --------------------------------------------------------------------------------------------------------
+# Choosing the precision
+# --------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "flags,on",
+    [
+        ({"avx2", "fma"}, False),  # measured: 0.09x
+        ({"avx2", "avx512f", "avx512_bf16", "avx512_fp16"}, False),  # measured: 0.78x
+        ({"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}, False),  # not measured: fp32
+    ],
+)
+def test_auto_bf16_reads_the_measured_table(monkeypatch, flags, on):
+    monkeypatch.setattr(native, "cpu_flags", lambda: flags)
+    got, why = precision.auto_bf16(torch.device("cpu"))
+    isa = precision.cpu_isa(flags)
+    assert got is on and isa in why
+    measured = precision.CPU_BF16_TRAIN_SPEEDUP.get(isa)
+    assert got == (measured is not None and measured > 1.0)
+    monkeypatch.setattr(precision, "CPU_BF16_TRAIN_SPEEDUP", {isa: 1.4})
+    assert precision.auto_bf16(torch.device("cpu"))[0] is True  # a faster measurement turns it on
+
+
+def test_auto_bf16_on_gpus_by_compute_capability(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for cap, on in (((7, 5), False), ((8, 0), True), ((9, 0), True)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None, c=cap: c)
+        assert precision.auto_bf16(torch.device("cuda", 0))[0] is on
+
+
+@pytest.mark.parametrize(
+    "argv,words",
+    [
+        (["--bf16", "--fp16"], "--bf16 and --fp16"),
+        (["--fp16", "--dtype", "bf16"], "--fp16 with --dtype bf16"),
+        (["--dtype", "bf16", "--no-bf16"], "--dtype bf16 with --no-bf16"),
+    ],
+)
+def test_conflicting_precision_flags(argv, words):
+    with pytest.raises(ValueError, match=words):
+        precision.resolve(parse_config(argv), torch.device("cpu"))
+
+
+def test_recipes_resolve_to_their_dtypes(monkeypatch):
+    monkeypatch.setattr(native, "cpu_flags", lambda: {"avx2"})
+    cpu = torch.device("cpu")
+    table = {
+        (): ("fp32", "fp32", False, "model"),
+        ("--bf16",): ("fp32", "bf16", True, "bf16"),
+        ("--fp16",): ("fp32", "fp16", True, "fp16"),
+        ("--dtype", "bf16"): ("bf16", "bf16", False, "model"),
+    }
+    for argv, (storage, compute, autocast, rollout) in table.items():
+        cfg, p = precision.resolve(parse_config(list(argv)), cpu)
+        assert (p.storage, p.compute, p.autocast, p.rollout_dtype) == (storage, compute, autocast, rollout)
+        assert cfg.bf16 is (compute == "bf16")
+    # bytes per trainable parameter: weights, master (or compensation), AdamW's two fp32 moments, gradient
+    bf16 = precision.Precision("bf16", "bf16", "adamw_torch_fused").bytes_per_param()
+    assert bf16 == {"weights": 2, "master": 4, "optimizer": 8, "gradients": 2}
+    kahan = precision.Precision("bf16", "bf16", "adamw_kahan").bytes_per_param()
+    assert sum(kahan.values()) == 2 + 2 + 8 + 2
+
+
+def test_the_rollout_and_evaluation_follow_the_training_precision():
+    """--bf16 on fp32 weights: rollouts and held-out evaluation sample in bf16 (the native engine's copy),
+    and since no engine equals a 16-bit training forward, the mismatch correction is on; fp32: exact."""
+    mp, _ = precision.resolve(parse_config(["--bf16"]), torch.device("cpu"))
+    assert engine_options(mp)["rollout_dtype"] == eval_engine_options(mp)["rollout_dtype"] == "bf16"
+    assert sampling_correction(mp, "native") == "sequence_mask"
+    assert sampling_correction(mp, "native", "model") == "sequence_mask"
+    low, _ = precision.resolve(parse_config(["--bf16", "--rollout-dtype", "int8"]), torch.device("cpu"))
+    assert engine_options(low)["rollout_dtype"] == "int8"
+    assert eval_engine_options(low)["rollout_dtype"] == "bf16"
+    bf16w, _ = precision.resolve(parse_config(["--dtype", "bf16"]), torch.device("cpu"))
+    assert "rollout_dtype" not in engine_options(bf16w)  # the bf16 policy's own weights
+    assert sampling_correction(bf16w, "native") == "sequence_mask"
+    fp32, _ = precision.resolve(parse_config(["--no-bf16"]), torch.device("cpu"))
+    assert "rollout_dtype" not in engine_options(fp32) and sampling_correction(fp32, "native") is None
+
+
+# --------------------------------------------------------------------------------------------------------
+# Through the trainer
+# --------------------------------------------------------------------------------------------------------
+def _movement(run_dir, steps, base):
+    """Mean |saved - base| on the bf16 grid, over every weight of the saved model."""
+    saved = load_file(run_dir / f"checkpoint-{steps}" / "model.safetensors")
+    total = n = 0
+    for name, w in saved.items():
+        d = (w.bfloat16().double() - base[name].bfloat16().double()).abs()
+        total, n = total + d.sum().item(), n + d.numel()
+    return total / n
+
+
+@pytest.mark.slow
+def test_bf16_weights_move_as_far_as_fp32_weights(tmp_path, monkeypatch):
+    """Issue 31's measurement at test size: GRPO at lr 1e-5 moves bf16-stored weights (default optimizer:
+    fp32 masters) as far as fp32 weights on the bf16 grid; torch AdamW stepping the bf16 weights in place
+    (the path before) does not."""
+    base = {k: v for k, v in AutoModelForCausalLM.from_pretrained(ASSET).state_dict().items()}
+    # 12 steps as measured on SmolLM2: the masters must gather more than half a bf16 ulp before a weight moves
+    args = ["--max-steps", "12", "--learning-rate", "1e-5"]
+    train(_cfg(tmp_path / "fp32", *args))
+    ref = _movement(tmp_path / "fp32", 12, base)
+    train(_cfg(tmp_path / "bf16", *args, "--dtype", "bf16"))
+    ratio = _movement(tmp_path / "bf16", 12, base) / ref
+    plain = lambda params, optim, lr, betas, weight_decay: torch.optim.AdamW(params, lr=lr, betas=betas)  # noqa: E731
+    monkeypatch.setattr(train_mod, "build_optimizer", plain)
+    train(_cfg(tmp_path / "plain", *args, "--dtype", "bf16"))
+    plain_ratio = _movement(tmp_path / "plain", 12, base) / ref
+    print(f"bf16 weights' movement over fp32's: {ratio:.3f} (plain AdamW: {plain_ratio:.3f})")
+    assert 0.5 <= ratio <= 2.0 and plain_ratio < 0.5, (ratio, plain_ratio)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optim", ["adamw_torch_fused", "adamw_kahan"])
+def test_resume_of_a_bf16_run_is_bitwise_the_uninterrupted_run(tmp_path, optim):
+    args = ["--dtype", "bf16", "--optim", optim, "--learning-rate", "1e-4"]
+    train(_cfg(tmp_path / "full", "--max-steps", "3", *args))
+    train(_cfg(tmp_path / "part", "--max-steps", "2", *args))
+    opt = torch.load(tmp_path / "part" / "checkpoint-2" / "optimizer.pt", weights_only=False)["optimizer"]
+    kept = "master" if optim == "adamw_torch_fused" else "compensation"
+    assert all(kept in s for s in opt["state"].values())  # the master state is in the checkpoint
+    train(_cfg(tmp_path / "part", "--max-steps", "3", "--resume", *args))
+    a = load_file(tmp_path / "full" / "checkpoint-3" / "model.safetensors")
+    b = load_file(tmp_path / "part" / "checkpoint-3" / "model.safetensors")
+    assert a.keys() == b.keys() and all(a[k].dtype == torch.bfloat16 for k in a)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    sa = torch.load(tmp_path / "full" / "checkpoint-3" / "optimizer.pt", weights_only=False)["optimizer"]
+    sb = torch.load(tmp_path / "part" / "checkpoint-3" / "optimizer.pt", weights_only=False)["optimizer"]
+    for name, st in sa["state"].items():
+        for k, v in st.items():
+            assert torch.equal(v, sb["state"][name][k]), (name, k)
+    # the saved model loads in transformers as usual, bf16
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "part" / "checkpoint-3")
+    assert next(model.parameters()).dtype == torch.bfloat16
+
+
+def test_bf16_autocast_step_equals_naive_autocast_grpo(tmp_path, monkeypatch):
+    """One --bf16 step (autocast on fp32 weights) against full logits: the update's error to fp64 math is at
+    most about twice plain PyTorch autocast's (STYLE.md's rule), and gradients land on fp32 weights."""
+    lr, seed = 1e-2, 7
+    sgd = lambda params, optim, lr, *a, **k: torch.optim.SGD(params, lr=lr)  # noqa: E731
+    monkeypatch.setattr(train_mod, "build_optimizer", sgd)
+    cfg = _cfg(tmp_path, "--max-steps", "1", "--learning-rate", str(lr), "--max-grad-norm", "1e9",
+               "--seed", str(seed), "--bf16", "--rollout-dtype", "fp32",
+               "--no-vllm-importance-sampling-correction")  # fmt: skip
+    train(cfg)
+    after = load_file(tmp_path / "checkpoint-1" / "model.safetensors")
+    assert all(v.dtype == torch.float32 for v in after.values())
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(ASSET)
+    b = first_step_batch(cfg, model, seed)
+
+    def grads(dtype, autocast):
+        m = AutoModelForCausalLM.from_pretrained(ASSET, dtype=dtype)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            logits = m(input_ids=b.full_ids, attention_mask=b.full_mask, position_ids=b.position_ids).logits
+        logits = logits[:, b.P - 1 : -1]
+        logps = torch.log_softmax(logits.double(), -1).gather(-1, b.completion_ids[..., None]).squeeze(-1)
+        loss, _ = naive_grpo_loss(
+            logps, b.advantages, b.completion_mask, loss_type="dapo", max_completion_length=16
+        )
+        loss.backward()
+        return {n: p.grad.double() for n, p in m.named_parameters()}
+
+    exact, lowp = grads(torch.float64, False), grads(torch.float32, True)
+    checked = 0
+    for name, g64 in exact.items():
+        if name not in after:
+            continue  # a tied head: its gradient is on the embedding
+        ours = (model.state_dict()[name].double() - after[name].double()) / lr
+        err, err_lowp = (ours - g64).abs().max().item(), (lowp[name] - g64).abs().max().item()
+        scale = max(1e-3, g64.abs().max().item())
+        assert err <= 2 * err_lowp + 1e-3 * scale, f"{name}: ours {err:.3g}, plain autocast {err_lowp:.3g}"
+        checked += 1
+    assert checked == len(after)
+
+
+def test_fp16_autocast_scales_the_loss_and_resumes_its_scale(tmp_path):
+    train(_cfg(tmp_path / "a", "--max-steps", "2", "--fp16", "--save-steps", "1", "--learning-rate", "1e-4"))
+    state = torch.load(tmp_path / "a" / "checkpoint-2" / "optimizer.pt", weights_only=False)
+    assert state["scaler"] is not None and state["scaler"]["scale"] > 0
+    recs = [json.loads(x) for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in recs if "loss" in r]
+    assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in steps)
+    cfg = json.loads((tmp_path / "a" / "config.json").read_text())
+    assert cfg["resolved"]["precision"]["compute"] == "fp16" and cfg["resolved"]["precision"]["autocast"]
+
+
+def test_lora_under_bf16_autocast_and_on_bf16_weights(tmp_path):
+    """Adapters stay fp32 (peft's own cast) whether the base is fp32 under autocast or stored bf16; both
+    train and move the adapters."""
+    for name, extra in (("mp", ["--bf16"]), ("bf16", ["--dtype", "bf16"])):
+        out = tmp_path / name
+        train(_cfg(out, "--max-steps", "2", "--lora-r", "4", "--learning-rate", "1e-3", *extra))
+        adapters = load_file(out / "checkpoint-2" / "adapter_model.safetensors")
+        assert adapters and all(v.dtype == torch.float32 for v in adapters.values())
+        assert any(v.abs().max() > 0 for k, v in adapters.items() if "lora_B" in k)
