@@ -16,7 +16,9 @@ Writes bench/results/<machine>/bench_precision.{json,md} with the CPU model and 
 """
 
 import argparse
+import gc
 import time
+from pathlib import Path
 
 import torch
 
@@ -100,6 +102,25 @@ def _fp64_adamw(w0, grads, lr, betas=(0.9, 0.999), eps=1e-8):
     return w
 
 
+def step_transient(storage: str, optim: str) -> float:
+    """Bytes per element a step allocates while it steps one tensor (SmolLM2's embedding, 28.3M elements):
+    the process's resident-set peak above its level, allocations mapped on their own (grpo_fast.memory), after
+    a first step made the state. grpo_fast/optimizers.py's OPTIMIZERS step_bytes are these figures."""
+    from grpo_fast.memory import current_mib, peak_mib, reset_peak
+
+    cpu = torch.device("cpu")
+    n = 49152 * H
+    p = torch.nn.Parameter((torch.randn(n) * 0.02).to(torch.float32 if storage == "fp32" else torch.bfloat16))
+    opt = _optimizer([p], optim, 1e-5)
+    p.grad = torch.randn_like(p)
+    opt.step()
+    gc.collect()
+    base = current_mib("cpu")
+    reset_peak(cpu)
+    opt.step()
+    return (peak_mib(cpu) - base) * 2**20 / n
+
+
 def exactness(storage: str, optim: str) -> dict:
     g = torch.Generator().manual_seed(1)
     dtype = torch.float32 if storage == "fp32" else torch.bfloat16
@@ -146,7 +167,8 @@ def optimizers(repeats: int) -> list[dict]:
             weights = sum(p.numel() * p.element_size() for p in params)
             row.update(step_s=step_s, state_bytes_per_param=state / n,
                        bytes_per_param=(state + 2 * weights) / n, **exactness(storage, optim))  # fmt: skip
-            del params, opt
+            del params, opt, tensors
+            row["step_transient"] = step_transient(storage, optim)
         except (ImportError, ValueError, RuntimeError) as exc:
             row["note"] = f"{type(exc).__name__}: {exc}"[:120]
         rows.append(row)
@@ -159,6 +181,7 @@ LINEAR_COLUMNS = [("linear", "linear"), ("fp32_ms", "fp32 ms"), ("bf16_ms", "bf1
 OPT_COLUMNS = [
     ("weights", "weights"), ("optim", "--optim"), ("step_s", "step s (134.5M params)"),
     ("state_bytes_per_param", "state bytes / param"), ("bytes_per_param", "+ weights + grads"),
+    ("step_transient", "step transient bytes / element of a tensor"),
     ("grid_movement", "movement on the bf16 grid / fp64 AdamW's"), ("changed", "weights changed"),
     ("max_err", "kept weight's max error / mean movement"), ("note", "note"),
 ]  # fmt: skip
@@ -170,6 +193,9 @@ def main(argv=None) -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out-dir", default=None)
     args = ap.parse_args(argv)
+    from grpo_fast.memory import map_large_allocations
+
+    map_large_allocations(torch.device("cpu"))  # before anything is allocated: step_transient's peaks
     info = machine_info()
     lin = linears(args.tokens, args.repeats)
     opt = optimizers(args.repeats)
@@ -190,7 +216,7 @@ def main(argv=None) -> None:
         + "\n"
     )
     payload = {"machine": info, "isa": isa, "tokens": args.tokens, "linears": lin, "optimizers": opt}
-    out = write_results("bench_precision", payload, md, args.out_dir)
+    out = write_results("bench_precision", payload, md, Path(args.out_dir) if args.out_dir else None)
     print(md)
     print(f"results in {out}")
 
