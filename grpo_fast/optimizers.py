@@ -137,6 +137,10 @@ class AdamW16(torch.optim.Optimizer):
                     continue
                 st = self._state(p)
                 src = src.to(device=p.device, dtype=torch.float32)
+                if hasattr(p, "device_mesh"):  # an FSDP2 shard: this rank's part of the full original
+                    from torch.distributed.tensor import distribute_tensor
+
+                    src = distribute_tensor(src, p.device_mesh, p.placements)
                 if self.mode == "master":
                     st["master"].copy_(src)
                 else:

@@ -282,7 +282,7 @@ def setup(cfg: GRPOConfig) -> Run:
     optimizer = build_optimizer(
         params, cfg.optim, cfg.learning_rate, (cfg.adam_beta1, cfg.adam_beta2), cfg.weight_decay
     )
-    if isinstance(optimizer, AdamW16) and resume_from is None and not (dist.on and dist.kind == "fsdp"):
+    if isinstance(optimizer, AdamW16) and resume_from is None:
         source = fp32_source(model, model_path(cfg))  # bf16 weights of an fp32 checkpoint: exact masters
         if source:
             optimizer.seed_from(source.get)

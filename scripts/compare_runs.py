@@ -119,13 +119,12 @@ def summarize(workload: str, name: str, seed: int, recs: list[dict]) -> dict:
     return row
 
 
-def plot(workload: str, compare: str, curves: dict, path: Path) -> None:
+def plot(workload: str, names: list, curves: dict, path: Path, compare: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = list(COMPARISONS[compare])
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for (name, seed), recs in curves.items():
         if workload == "demo":
@@ -152,6 +151,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=0, help="optimizer steps (default: demo 400, smollm2 20)")
     ap.add_argument("--set", nargs="*", default=[], help="train fields to override, name=value")
     ap.add_argument("--movement", action="store_true", help="also the saved weights' movement from the base")
+    ap.add_argument("--only", default="", help="comma-separated variants of the comparison (default: all)")
     ap.add_argument("--out", default="bench/results/cpu/precision")
     ap.add_argument("--work", default="/tmp/compare-runs")
     args = ap.parse_args()
@@ -163,9 +163,12 @@ def main() -> None:
     overrides = dict(kv.split("=", 1) for kv in args.set)
     flags, model_dir = workload_flags(args.workload, args.steps, work, overrides)
     base = base_weights(model_dir) if args.movement else None
+    variants = COMPARISONS[args.compare]
+    if args.only:
+        variants = {n: variants[n] for n in args.only.split(",")}
     curves, rows = {}, []
     for seed in [int(s) for s in args.seeds.split(",")]:
-        for name, extra in COMPARISONS[args.compare].items():  # interleaved
+        for name, extra in variants.items():  # interleaved
             d = work / f"{args.workload}-{args.compare}-{name.replace(' ', '_').replace(',', '')}-{seed}"
             recs = run(flags + extra + ["--seed", str(seed)], d)
             curves[(name, seed)] = recs
@@ -178,7 +181,7 @@ def main() -> None:
             ref = next(x["movement"] for x in rows if x["seed"] == r["seed"] and x["variant"] == "fp32")
             r["movement_vs_fp32"] = r["movement"] / ref
     stem = f"{args.workload}_{args.compare.replace('-', '_')}"
-    plot(args.workload, args.compare, curves, out / f"{stem}.png")
+    plot(args.workload, list(variants), curves, out / f"{stem}.png", args.compare)
     metric = ("held-out accuracy before", "after", "best") if args.workload == "demo" else (
         "reward, first half", "second half", "step-to-step std")  # fmt: skip
     keys = ("first", "last", "best" if args.workload == "demo" else "step_std")
@@ -196,7 +199,7 @@ def main() -> None:
     md = (
         f"# {args.workload}: {args.compare}\n\n"
         f"Machine: {cpu_line(info)}, commit {info['git_commit']}; flags `{' '.join(flags)}` plus each "
-        f"variant's: " + "; ".join(f"{n}: `{' '.join(f)}`" for n, f in COMPARISONS[args.compare].items())
+        f"variant's: " + "; ".join(f"{n}: `{' '.join(f)}`" for n, f in variants.items())
         + ". Runs interleaved by seed.\n\n" + "\n".join(lines) + f"\n\n![curves]({stem}.png)\n"
     )
     (out / f"{stem}.md").write_text(md)

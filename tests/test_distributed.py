@@ -187,6 +187,33 @@ def test_checkpoints_resume_with_another_world_size(runs, first_world, then_worl
     _assert_same_run(one, out, 2, steps_to_compare=(2,))
 
 
+@pytest.mark.parametrize("kind", ["ddp", "fsdp"])
+def test_bf16_weights_keep_fp32_masters_across_ranks(runs, kind):
+    """--dtype bf16 (fp32 masters in AdamW16, seeded from the fp32 checkpoint: under FSDP each rank its shard)
+    replicated or sharded: two ranks train as one process does and the checkpoint holds the masters whole.
+    In bf16 the two runs' gradients differ by bf16 rounding (their GEMMs see other batch shapes), so moments
+    agree to 5e-2 of their largest and the masters to AdamW's 2 lr per step (see _assert_same_run)."""
+    tmp, _ = runs
+    one = tmp / "bf16-one"
+    if not (one / "checkpoint-1").is_dir():  # one single-process run for both kinds
+        _run(tmp, "bf16-one", 1, dtype="bf16", max_steps=1)
+    two = _run(tmp, f"bf16-two-{kind}", 2, kind, dtype="bf16", max_steps=1)
+    sa, sb = _optimizer_state(one / "checkpoint-1"), _optimizer_state(two / "checkpoint-1")
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        assert sa[k]["master"].dtype == torch.float32 and sa[k]["master"].shape == sb[k]["master"].shape
+        for moment in ("exp_avg", "exp_avg_sq"):
+            x, y = sa[k][moment], sb[k][moment]
+            err = ((x - y).abs().max() / x.abs().max().clamp_min(1e-30)).item()
+            assert err <= 5e-2, f"{k} {moment}: difference {err:.3g} of its largest"
+        err = (sa[k]["master"] - sb[k]["master"]).abs().max().item() / LR
+        assert err <= 2.01, f"{k}: masters {err:.3g} lr apart"
+    wa, wb = _weights(one / "checkpoint-1"), _weights(two / "checkpoint-1")
+    assert all(w.dtype == torch.bfloat16 for w in wb.values())
+    for k in wa:  # the saved bf16 weights are the masters' rounding: at most an ulp apart where those differ
+        assert (wa[k].float() - wb[k].float()).abs().max().item() <= 2.01 * LR + 2**-8 * wa[k].abs().max()
+
+
 def test_a_dead_rank_makes_the_other_exit_with_an_error(tmp_path):
     (tmp_path / "rewards.py").write_text(REWARD)
     port = _free_port()
