@@ -32,9 +32,9 @@ COMPARISONS = {
     "precision": {"fp32": ["--no-bf16"], "bf16 mixed": ["--bf16"]},
     "bf16-weights": {
         "fp32": ["--no-bf16"],
-        "bf16 weights, fp32 masters": ["--dtype", "bf16"],
-        "bf16 weights, Kahan": ["--dtype", "bf16", "--optim", "adamw_kahan"],
-        "bf16 weights, stochastic rounding": ["--dtype", "bf16", "--optim", "adamw_stochastic"],
+        "bf16 weights + fp32 masters": ["--dtype", "bf16"],
+        "bf16 weights + Kahan": ["--dtype", "bf16", "--optim", "adamw_kahan"],
+        "bf16 weights + stochastic rounding": ["--dtype", "bf16", "--optim", "adamw_stochastic"],
     },
 }
 SMOLLM2_RUN = dict(
@@ -169,7 +169,7 @@ def main() -> None:
     curves, rows = {}, []
     for seed in [int(s) for s in args.seeds.split(",")]:
         for name, extra in variants.items():  # interleaved
-            d = work / f"{args.workload}-{args.compare}-{name.replace(' ', '_').replace(',', '')}-{seed}"
+            d = work / f"{args.workload}-{args.compare}-{name.replace(' ', '_').replace('+', 'and')}-{seed}"
             recs = run(flags + extra + ["--seed", str(seed)], d)
             curves[(name, seed)] = recs
             rows.append(summarize(args.workload, name, seed, recs))
