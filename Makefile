@@ -55,9 +55,9 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_ENV)/bin/python -c "import vllm; print('vllm', vllm.__version__)"
 	touch $(VLLM_STAMP)
 
-# SmolLM2-135M-Instruct as a Hugging Face directory, built offline once (grpo_fast/smollm2.py)
+# SmolLM2-135M-Instruct as a Hugging Face directory, built offline once (grpo_fast/tasks/smollm2.py)
 smollm2: setup
-	$(VPY) -m grpo_fast.smollm2
+	$(VPY) -m grpo_fast.tasks.smollm2
 
 # the documentation site (docs/, mkdocs-material, the API reference from the docstrings) into site/; --strict:
 # a broken link or reference fails
@@ -74,7 +74,7 @@ test: setup setup-bare setup-vllm smollm2 docs
 demo: setup
 	$(VPY) -m grpo_fast.train --output-dir runs/demo --overwrite-output-dir
 
-# the embedded multi-turn task: the shop problems with a calculator tool (grpo_fast/tools_task.py), its own
+# the embedded multi-turn task: the shop problems with a calculator tool (grpo_fast/tasks/tools_task.py), its own
 # base model; rollouts call the tool, the tool's tokens stay out of the loss
 demo-tools: setup
 	$(VPY) -m grpo_fast.train --task shop-tools --output-dir runs/demo-tools --overwrite-output-dir

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from grpo_fast.plotting import pyplot
+from grpo_fast.trainer.plotting import pyplot
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -110,7 +110,7 @@ def machine_name() -> str:
 # ---------------------------------------------------------------------------------------------------------
 def peak_memory_mb(fn, device) -> float:
     """Peak memory (MiB) that `fn()` uses above what is allocated when it starts."""
-    from grpo_fast.memory import peak_mib
+    from grpo_fast.trainer.memory import peak_mib
 
     base = baseline_mib(device)
     fn()
@@ -121,8 +121,8 @@ def peak_memory_mb(fn, device) -> float:
 
 def baseline_mib(device) -> float:
     """What is live now (MiB: freed memory handed back first), with the peak restarted from it
-    (grpo_fast.memory)."""
-    from grpo_fast.memory import current_mib, release_free_memory, reset_peak
+    (grpo_fast.trainer.memory)."""
+    from grpo_fast.trainer.memory import current_mib, release_free_memory, reset_peak
 
     gc.collect()
     if torch.device(device).type == "cuda":

@@ -24,7 +24,7 @@ Providers:
   grpo_fast_vllm_bf16 the same with --rollout-dtype bf16 (vLLM's weights in bf16; the loss corrects)
 
 `our_default` in the results names our provider at our default precision on this machine (grpo_fast_mp
-where --bf16 unset means on: grpo_fast/precision.py), compared with TRL at its default (trl_bf16).
+where --bf16 unset means on: grpo_fast/trainer/precision.py), compared with TRL at its default (trl_bf16).
 
 Step time is split into generation / scoring (rewards and advantages) / training (log-probs, loss,
 backward, optimizer); peak memory is the process's resident-set high-water mark (CPU) or
@@ -52,8 +52,8 @@ from bench._utils import (
     worker_main,
     write_results,
 )
-from grpo_fast.memory import peak_mib
-from grpo_fast.plotting import pyplot
+from grpo_fast.trainer.memory import peak_mib
+from grpo_fast.trainer.plotting import pyplot
 
 PROVIDERS = ["trl", "trl_liger", "trl_grpo_fast", "grpo_fast_unshared", "grpo_fast", "grpo_fast_vllm"]
 REAL_PROVIDERS = [
@@ -94,9 +94,9 @@ def real_reward(completions, answer, **kwargs):
 
 
 def build_real_work(out: Path, n_prompts: int) -> tuple[Path, Path, int]:
-    """SmolLM2-135M-Instruct (grpo_fast.smollm2) and chat prompts with answers: small arithmetic questions,
-    phrased a few ways so that prompt lengths differ."""
-    from grpo_fast.smollm2 import build
+    """SmolLM2-135M-Instruct (grpo_fast.tasks.smollm2) and chat prompts with answers: small arithmetic
+    questions, phrased a few ways so that prompt lengths differ."""
+    from grpo_fast.tasks.smollm2 import build
 
     model_dir = build()
     g = torch.Generator().manual_seed(0)
@@ -182,7 +182,7 @@ def run_trl(a: dict) -> dict:
     from transformers import AutoModelForCausalLM, TrainerCallback
 
     from grpo_fast.integrations.trl import GRPOTrainer as OurTRL
-    from grpo_fast.modeling import load_tokenizer
+    from grpo_fast.trainer.modeling import load_tokenizer
 
     warnings.simplefilter("ignore", FutureWarning)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -277,8 +277,8 @@ def run_trl(a: dict) -> dict:
 
 
 def run_grpo_fast(a: dict) -> dict:
-    import grpo_fast.train as train_mod
-    from grpo_fast.config import GRPOConfig
+    import grpo_fast.trainer.train as train_mod
+    from grpo_fast.trainer.config import GRPOConfig
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     peak_at_end = {}
@@ -331,7 +331,7 @@ def _import_libraries() -> None:
     compares the work, not import footprints (our trainer imports some of these lazily, later)."""
     import importlib
 
-    for name in ("transformers", "grpo_fast.rewards", "grpo_fast.train"):
+    for name in ("transformers", "grpo_fast.rewards", "grpo_fast.trainer.train"):
         importlib.import_module(name)
     for name in (
         "matplotlib.pyplot",
@@ -429,6 +429,7 @@ def main(argv=None) -> None:
     ap.add_argument("--quick", action="store_true", help="tiny model and shapes (a smoke run)")
     ap.add_argument("--workload", default="synthetic", choices=("synthetic", "real"))
     ap.add_argument("--providers", default=None, help="comma-separated (default: the workload's list)")
+    ap.add_argument("--max-completion-length", type=int, default=None, help="C in place of the workload's")
     ap.add_argument("--warmup", type=int, default=1, help="steps not counted")
     ap.add_argument("--steps", type=int, default=2, help="steps measured")
     ap.add_argument("--out-dir", default=None, help="results folder (default bench/results/<machine>)")
@@ -438,7 +439,9 @@ def main(argv=None) -> None:
     )
     args = ap.parse_args(argv)
     real = args.workload == "real"
-    shape = SHAPES["real" if real else "quick" if args.quick else "full"]
+    shape = dict(SHAPES["real" if real else "quick" if args.quick else "full"])
+    if args.max_completion_length is not None:
+        shape["C"] = args.max_completion_length
     providers = args.providers or ",".join(REAL_PROVIDERS if real else PROVIDERS)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -509,7 +512,7 @@ def main(argv=None) -> None:
     )
     name = "bench_e2e" + ("_real" if real else "_quick" if args.quick else "")
     out_dir = Path(args.out_dir) if args.out_dir else None
-    from grpo_fast.precision import auto_bf16
+    from grpo_fast.trainer.precision import auto_bf16
 
     payload = {"machine": info, "config": dict(shape, warmup=args.warmup, steps=args.steps), "rows": rows}
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

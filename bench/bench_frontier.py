@@ -40,7 +40,7 @@ WATCH_S = 0.05
 
 def _watchdog(limit_mib: float):
     """Stop this process (exit 3) once its resident set passes `limit_mib`."""
-    from grpo_fast.memory import current_mib
+    from grpo_fast.trainer.memory import current_mib
 
     def watch():
         while True:
@@ -54,7 +54,7 @@ def _watchdog(limit_mib: float):
 
 def measure_one(a: dict) -> dict:
     from bench import bench_e2e
-    from grpo_fast.memory import current_mib
+    from grpo_fast.trainer.memory import current_mib
 
     bench_e2e._import_libraries()
     if not torch.cuda.is_available():
@@ -148,7 +148,7 @@ COLUMNS = [
 
 
 def plot(payload: dict, path: Path) -> None:
-    from grpo_fast.plotting import pyplot
+    from grpo_fast.trainer.plotting import pyplot
 
     plt = pyplot(str(path))
     if plt is None:

@@ -19,8 +19,8 @@ Providers (same prompts, same sampling: T=1, no top-k / top-p, EOS ends a sample
   vllm_<dtype>   vLLM with `rollout_dtype` bf16 / fp16 (its weights in that dtype) or fp8 (GPU)
 Workloads:
   bench   the end-to-end bench model (random-init ~45M Qwen2 shape), 2 prompts of P=512, G=8, C=128
-  real    SmolLM2-135M-Instruct (grpo_fast.smollm2), chat prompts of different lengths, G=8, C=256; 2 and 8
-          prompts
+  real    SmolLM2-135M-Instruct (grpo_fast.tasks.smollm2), chat prompts of different lengths, G=8, C=256;
+          2 and 8 prompts
   demo    the embedded demo model and task, 16 prompts, G=8, C=20 (the demo's own settings)
   tools   multi-turn (grpo_fast.rollout.trajectories): SmolLM2-135M-Instruct, 8 chat prompts, greedy, up
           to 256 tokens per trajectory; a `lookup` tool whose answer is the next call, three tool turns
@@ -55,8 +55,8 @@ from bench._utils import (
     worker_main,
     write_results,
 )
-from grpo_fast.memory import peak_mib
 from grpo_fast.rollout.native import LINEAR_FORMATS
+from grpo_fast.trainer.memory import peak_mib
 
 PROVIDERS = ["hf", "reference", "native", "native_compiled", "vllm"]
 QUESTIONS = [
@@ -104,7 +104,7 @@ def _tool_prompts(n):
 def _hf_tools(model, tok, prompts, C):
     """TRL's multi-turn loop with HF generate: every turn one batched greedy `generate` over the rows still
     going, from their whole token sequence so far; returns the model's tokens."""
-    from grpo_fast import tools as T
+    from grpo_fast.rollout import tools as T
 
     template, box = T.tool_chat_template(tok), T.Toolbox([lookup])
     seqs = [tok(T.render(tok, p, box.schemas, template), add_special_tokens=False).input_ids for p in prompts]
@@ -182,11 +182,11 @@ QUICK = {"bench": dict(prompts=2, G=4, C=8, P=24), "demo": dict(prompts=4, G=4, 
 
 
 def _smollm2():
-    """(model, tokenizer): SmolLM2-135M-Instruct in fp32, built offline (grpo_fast.smollm2)."""
+    """(model, tokenizer): SmolLM2-135M-Instruct in fp32, built offline (grpo_fast.tasks.smollm2)."""
     from transformers import AutoModelForCausalLM
 
-    from grpo_fast.modeling import load_tokenizer
-    from grpo_fast.smollm2 import build
+    from grpo_fast.tasks.smollm2 import build
+    from grpo_fast.trainer.modeling import load_tokenizer
 
     path = build()
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), load_tokenizer(str(path))
@@ -224,11 +224,11 @@ def _work(name: str, a: dict):
         tok.padding_side = "left"
         enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
         return model, enc.input_ids, enc.attention_mask, tok.eos_token_id
-    from grpo_fast import default_task
-    from grpo_fast.config import parse_config
-    from grpo_fast.data import train_and_eval_rows
-    from grpo_fast.modeling import load_model_and_tokenizer
-    from grpo_fast.train import encode_prompts
+    from grpo_fast.tasks import default_task
+    from grpo_fast.trainer.config import parse_config
+    from grpo_fast.trainer.data import train_and_eval_rows
+    from grpo_fast.trainer.modeling import load_model_and_tokenizer
+    from grpo_fast.trainer.train import encode_prompts
 
     cfg = parse_config([])
     model, tok, _ = load_model_and_tokenizer(cfg, torch.device("cpu"))
@@ -300,8 +300,8 @@ def _mismatch(model, ids, mask, sample):
     """The engine's log-probs of its samples vs the fp32 training forward's (what the correction sees)."""
     from grpo_fast.kernels import fused_linear_logprobs
 
-    from grpo_fast.model_parts import lm_head_of
-    from grpo_fast.shared_prefix import shared_prefix_forward
+    from grpo_fast.models.model_parts import lm_head_of
+    from grpo_fast.models.shared_prefix import shared_prefix_forward
 
     c_ids, c_mask, logp = sample
     hidden = shared_prefix_forward(model, ids, mask, c_ids, c_mask)

@@ -7,7 +7,7 @@ The model has SmolLM2-135M-Instruct's shape and vocabulary (Llama, hidden 576, 9
 tied embeddings; `--layers` of its 30), random weights and a word-level tokenizer, so that every prompt is
 exactly P tokens and completions (no EOS from random weights, in practice) run to C: the worst case a budget
 has to hold. Measured: on CUDA `max_memory_allocated`, on the CPU the resident set's high-water mark (the
-whole process: Python and torch included), each reset at the step's start (grpo_fast.memory).
+whole process: Python and torch included), each reset at the step's start (grpo_fast.trainer.memory).
 """
 
 import argparse
@@ -32,8 +32,8 @@ CONFIGS = {
     "lora_gc_unshared": dict(lora_r=16, gradient_checkpointing=True, share_prefix=False),
     "full_bf16_beta_c512": dict(dtype="bf16", beta=0.04, C=512),
     "full_gc_g16_c512": dict(gradient_checkpointing=True, G=16, C=512),
-    # the precision recipes (grpo_fast.precision): bf16 weights with fp32 masters / a Kahan compensation,
-    # bf16 autocast on fp32 weights, 8-bit AdamW states; and torch's unfused AdamW
+    # the precision recipes (grpo_fast.trainer.precision): bf16 weights with fp32 masters / a Kahan
+    # compensation, bf16 autocast on fp32 weights, 8-bit AdamW states; and torch's unfused AdamW
     "full_bf16_master": dict(dtype="bf16"),
     "full_bf16_kahan": dict(dtype="bf16", optim="adamw_kahan"),
     "full_autocast_bf16": dict(bf16=True),
@@ -77,13 +77,13 @@ def train_flags(model_dir: Path, data: Path, out: Path, c: dict, steps: int) -> 
 
 def measure_one(a: dict) -> dict:
     """Worker: train `steps` steps of one configuration; the per-step peaks from its metrics.jsonl."""
-    from grpo_fast.config import parse_config
-    from grpo_fast.memory import current_mib
-    from grpo_fast.train import train
+    from grpo_fast.trainer.config import parse_config
+    from grpo_fast.trainer.memory import current_mib
+    from grpo_fast.trainer.train import train
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if a.get("map_large"):
-        from grpo_fast.memory import map_large_allocations
+        from grpo_fast.trainer.memory import map_large_allocations
 
         map_large_allocations(device)
     base = current_mib(device)
@@ -115,7 +115,7 @@ def estimate_of(flags: list[str], device: str) -> dict | None:
 
 def _worker(a: dict) -> dict:
     if "estimate" in a:
-        from grpo_fast.estimate import estimate_from_flags
+        from grpo_fast.trainer.estimate import estimate_from_flags
 
         return estimate_from_flags(a["estimate"], a["device"])
     return measure_one(a)
@@ -140,8 +140,8 @@ def run(
 ) -> dict:
     """Every configuration of `names` in its own process; rows with the estimate beside the measurement,
     each handed to `on_row` as it lands. map_large: on a CPU, the allocator as the trainer holds it under
-    --max-memory-gb (grpo_fast.memory.map_large_allocations), else glibc's default. overrides: settings
-    over every configuration's (e.g. a shorter C)."""
+    --max-memory-gb (grpo_fast.trainer.memory.map_large_allocations), else glibc's default. overrides:
+    settings over every configuration's (e.g. a shorter C)."""
     import subprocess
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -239,7 +239,7 @@ def main(argv=None) -> None:
     ap.add_argument(
         "--map-large",
         action="store_true",
-        help="CPU: the allocator as under --max-memory-gb (grpo_fast.memory)",
+        help="CPU: the allocator as under --max-memory-gb (grpo_fast.trainer.memory)",
     )
     args = ap.parse_args(argv)
     if args.creep:

@@ -5,12 +5,14 @@ training shapes, and every optimizer's step time, bytes per parameter and exactn
 
 1. `linears`: one SmolLM2-135M decoder layer's linear layers (q, k, v, o, gate, up, down) forward + backward
    over `--tokens` tokens, fp32 vs under bf16 autocast (fp32 weights): the ratio is the row of
-   grpo_fast/precision.py's CPU_BF16_TRAIN_SPEEDUP for this CPU's instruction set; fp32 GFLOP/s beside it.
+   grpo_fast/trainer/precision.py's CPU_BF16_TRAIN_SPEEDUP for this CPU's instruction set; fp32 GFLOP/s
+   beside it.
 2. `optimizers`: a step of each `--optim` on SmolLM2-135M's parameters (random, its shapes), weights fp32 or
-   bf16 (and torch's plain AdamW stepping bf16 weights in place, the path before grpo_fast.optimizers):
-   median step seconds and the state's bytes per parameter; and on one 1536 x 576 layer (std 0.02, 12 steps,
-   lr 1e-5, the same gradients) the weights' movement on the bf16 grid over fp64 AdamW's, and the kept
-   weight's (master, weight + compensation, weight) largest error over the mean movement.
+   bf16 (and torch's plain AdamW stepping bf16 weights in place, the path before
+   grpo_fast.trainer.optimizers): median step seconds and the state's bytes per parameter; and on one 1536 x
+   576 layer (std 0.02, 12 steps, lr 1e-5, the same gradients) the weights' movement on the bf16 grid over
+   fp64 AdamW's, and the kept weight's (master, weight + compensation, weight) largest error over the mean
+   movement.
 
 Writes bench/results/<machine>/bench_precision.{json,md} with the CPU model and flags.
 """
@@ -85,7 +87,7 @@ def _smollm2_params(dtype):
 
 
 def _optimizer(params, optim, lr):
-    from grpo_fast.optimizers import build_optimizer
+    from grpo_fast.trainer.optimizers import build_optimizer
 
     if optim == "plain torch AdamW":
         return torch.optim.AdamW(params, lr=lr)
@@ -104,9 +106,10 @@ def _fp64_adamw(w0, grads, lr, betas=(0.9, 0.999), eps=1e-8):
 
 def step_transient(storage: str, optim: str) -> float:
     """Bytes per element a step allocates while it steps one tensor (SmolLM2's embedding, 28.3M elements):
-    the process's resident-set peak above its level, allocations mapped on their own (grpo_fast.memory), after
-    a first step made the state. grpo_fast/optimizers.py's OPTIMIZERS step_bytes are these figures."""
-    from grpo_fast.memory import current_mib, peak_mib, reset_peak
+    the process's resident-set peak above its level, allocations mapped on their own
+    (grpo_fast.trainer.memory), after a first step made the state. grpo_fast/trainer/optimizers.py's
+    OPTIMIZERS step_bytes are these figures."""
+    from grpo_fast.trainer.memory import current_mib, peak_mib, reset_peak
 
     cpu = torch.device("cpu")
     n = 49152 * H
@@ -193,21 +196,21 @@ def main(argv=None) -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out-dir", default=None)
     args = ap.parse_args(argv)
-    from grpo_fast.memory import map_large_allocations
+    from grpo_fast.trainer.memory import map_large_allocations
 
     map_large_allocations(torch.device("cpu"))  # before anything is allocated: step_transient's peaks
     info = machine_info()
     lin = linears(args.tokens, args.repeats)
     opt = optimizers(args.repeats)
-    from grpo_fast.precision import cpu_isa
     from grpo_fast.rollout.native import cpu_flags
+    from grpo_fast.trainer.precision import cpu_isa
 
     isa = cpu_isa(cpu_flags())
     layer = lin[-1]["speedup"]
     md = (
         f"# Precision recipes on {cpu_line(info)}\n\n"
         f"torch {torch.__version__}; instruction-set class `{isa}`: bf16 autocast trains a layer's linears "
-        f"at **{layer:.2f}x** fp32 (grpo_fast/precision.py's CPU_BF16_TRAIN_SPEEDUP row).\n\n"
+        f"at **{layer:.2f}x** fp32 (grpo_fast/trainer/precision.py's CPU_BF16_TRAIN_SPEEDUP row).\n\n"
         f"## Linear layers, forward + backward, {args.tokens} tokens (one SmolLM2-135M layer)\n\n"
         + markdown_table(lin, LINEAR_COLUMNS)
         + "\n\n## Optimizers: a step of SmolLM2-135M's parameters; exactness on one layer "

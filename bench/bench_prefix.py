@@ -25,7 +25,7 @@ from bench._utils import (
     worker_main,
     write_results,
 )
-from grpo_fast.plotting import pyplot
+from grpo_fast.trainer.plotting import pyplot
 
 # (P, C, G): the default CPU subset of the grid P {128, 512, 2048} x C {64, 256} x G {4, 8, 16}
 CPU_GRID = [(128, 64, 4), (512, 64, 4), (512, 64, 8), (512, 64, 16), (512, 256, 8), (2048, 64, 8)]
@@ -64,8 +64,8 @@ def _inputs(P, C, G, V):
 
 
 def measure_one(a):
-    from grpo_fast.modeling import completion_hidden_states
-    from grpo_fast.shared_prefix import generate_groups
+    from grpo_fast.models.shared_prefix import generate_groups
+    from grpo_fast.trainer.modeling import completion_hidden_states
 
     device = torch.device("cpu")
     model = make_model("tiny" if a["quick"] else "50m")

@@ -482,7 +482,7 @@ def section_prefix(sec: Section) -> None:
     """Training step (hidden states forward+backward) with each prompt once per group vs repeated G times,
     on a random-init Qwen2.5-0.5B-shaped model in bf16."""
     from bench.bench_prefix import make_model
-    from grpo_fast.modeling import completion_hidden_states
+    from grpo_fast.trainer.modeling import completion_hidden_states
 
     sec.result["columns"] = [["shared_prefix", "shared prefix"], ["P", "P"], ["C", "C"], ["G", "G"],
                              ["prompts", "prompts"], ["ms", "median ms"], ["peak_mib", "peak MiB"],

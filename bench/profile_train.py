@@ -1,6 +1,6 @@
 """Where a training phase's time goes, per operator, and how close it runs to the machine's GEMM rate: the
-trainer's own optimization phase (grpo_fast.step.optimize: the policy forward through the shared-prefix
-layout, the fused loss, backward, clipping, the optimizer step) on bench_e2e's real workload
+trainer's own optimization phase (grpo_fast.trainer.step.optimize: the policy forward through the
+shared-prefix layout, the fused loss, backward, clipping, the optimizer step) on bench_e2e's real workload
 (SmolLM2-135M-Instruct, 2 chat prompts x G=8, C=256), after one unprofiled warm-up phase on the same rollout.
 
     python -m bench.profile_train [--top 15] [--bf16] [--optim adamw_torch_fused]
@@ -60,11 +60,11 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     from torch.profiler import ProfilerActivity, profile
 
-    import grpo_fast.train as train_mod
+    import grpo_fast.trainer.train as train_mod
     from bench.bench_e2e import SHAPES, build_real_work
-    from grpo_fast.config import GRPOConfig
-    from grpo_fast.model_parts import decoder_of
-    from grpo_fast.step import optimize, rollout, score_rollout
+    from grpo_fast.models.model_parts import decoder_of
+    from grpo_fast.trainer.config import GRPOConfig
+    from grpo_fast.trainer.step import optimize, rollout, score_rollout
 
     shape = SHAPES["real"]
     with tempfile.TemporaryDirectory() as tmp:

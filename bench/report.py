@@ -139,8 +139,8 @@ def e2e_real_section(res, summary) -> str:
 
 
 def _default_precision_line(res, rows, summary) -> str:
-    """Each at its default precision: ours (fp32, or --bf16 where grpo_fast/precision.py measured it faster on
-    this machine) against TRL's bf16=True, which autocasts to bf16 on fp32 master weights."""
+    """Each at its default precision: ours (fp32, or --bf16 where grpo_fast/trainer/precision.py measured it
+    faster on this machine) against TRL's bf16=True, which autocasts to bf16 on fp32 master weights."""
     trl_bf16 = _row(rows, provider="trl_bf16")
     ours = _row(rows, provider=res.get("our_default", "grpo_fast"))
     if not (trl_bf16 and ours):

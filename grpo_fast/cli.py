@@ -1,5 +1,5 @@
 """`grpo-fast` command line: `grpo-fast train [--flag value ...]`, `grpo-fast estimate [same flags]
-[--device cpu|cuda]` (the memory of a step, grpo_fast/estimate.py)."""
+[--device cpu|cuda]` (the memory of a step, grpo_fast/trainer/estimate.py)."""
 
 import sys
 
@@ -13,14 +13,14 @@ def main(argv=None) -> None:
         )
         sys.exit(0 if argv else 2)
     if argv[0] == "estimate":
-        from .estimate import main as estimate_main
+        from .trainer.estimate import main as estimate_main
 
         estimate_main(argv[1:])
         return
     if argv[0] != "train":
         print(f"grpo-fast: unknown command {argv[0]!r}; expected 'train' or 'estimate'", file=sys.stderr)
         sys.exit(2)
-    from .train import main as train_main
+    from .trainer.train import main as train_main
 
     train_main(argv[1:])
 

@@ -1,11 +1,13 @@
-"""Build the embedded default's tokenizer and weak base model (grpo_fast/assets/shop-base), or with
-`--task shop-tools` the multi-turn task's (grpo_fast/assets/shop-tools-base: grpo_fast/tools_task.py).
+"""Build the embedded default's tokenizer and weak base model (grpo_fast/tasks/assets/shop-base), or with
+`--task shop-tools` the multi-turn task's (grpo_fast/tasks/assets/shop-tools-base:
+grpo_fast/tasks/tools_task.py).
 
     python scripts/build_base_model.py [--task shop|shop-tools] [--out DIR] [--steps N]
 
 A word-level tokenizer made offline from the task's vocabulary, and a 2-layer Llama-shaped model pretrained
-by next-token prediction on the noisy teacher's corpus (grpo_fast/default_task.py): it learns the format and
-the procedure, and the teacher's systematic slip. Runs in about a minute on 2 CPU cores; deterministic.
+by next-token prediction on the noisy teacher's corpus (grpo_fast/tasks/default_task.py): it learns the
+format and the procedure, and the teacher's systematic slip. Runs in about a minute on 2 CPU cores;
+deterministic.
 """
 
 import argparse
@@ -17,8 +19,9 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from grpo_fast import default_task as task
-from grpo_fast import tools_task
+from grpo_fast.rollout.tools import tool_schema
+from grpo_fast.tasks import default_task as task
+from grpo_fast.tasks import tools_task
 
 SPECIAL = ["<pad>", "<eos>", "<unk>", "<think>", "</think>"]
 
@@ -61,7 +64,8 @@ def corpus_batch(tok, problems, rng, batch, tools=False):
         question = task.prompt_text(p, rng.randrange(len(task.TEMPLATES)))
         if tools:  # the conversation as the chat template renders it (what a rollout's tokens are)
             msgs = [{"role": "user", "content": question}, *tools_task.noisy_conversation(p, rng)]
-            texts.append(tok.apply_chat_template(msgs, tools=tools_task.tool_schemas(), tokenize=False))
+            schemas = [tool_schema(tools_task.calculator)]
+            texts.append(tok.apply_chat_template(msgs, tools=schemas, tokenize=False))
         else:
             texts.append(question + " " + task.noisy_completion(p, rng) + " " + tok.eos_token)
     enc = tok(texts, return_tensors="pt", padding=True)

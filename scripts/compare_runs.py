@@ -59,7 +59,7 @@ def workload_flags(workload: str, steps: int, work: Path, overrides: dict) -> tu
         flags = ["--time-budget-s", "0", "--save-steps", "0"]
         flags += ["--max-steps", str(steps)] if steps else []
         return flags + [f"--{k.replace('_', '-')}={v}" for k, v in overrides.items()], None
-    from grpo_fast.smollm2 import build
+    from grpo_fast.tasks.smollm2 import build
 
     model_dir = build()
     opts = {**SMOLLM2_RUN, "max_steps": steps or 20, **overrides}
@@ -69,12 +69,25 @@ def workload_flags(workload: str, steps: int, work: Path, overrides: dict) -> tu
 
 
 def run(flags: list, out: Path) -> list[dict]:
-    cmd = [sys.executable, "-m", "grpo_fast.train", *flags, "--output-dir", str(out)]
+    cmd = [sys.executable, "-m", "grpo_fast.trainer.train", *flags, "--output-dir", str(out)]
     cmd.append("--overwrite-output-dir")
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if proc.returncode:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
+    (out / "command.json").write_text(json.dumps(flags))
     return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def finished(out: Path, flags: list) -> list[dict] | None:
+    """The records of a run in `out` that ran these flags to its last step, else None."""
+    try:
+        cmd = json.loads((out / "command.json").read_text())
+        recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    except (OSError, ValueError):
+        return None
+    steps = json.loads((out / "config.json").read_text())["max_steps"]
+    done = [r for r in recs if "loss" in r and r["step"] == steps]
+    return recs if cmd == flags and done else None
 
 
 def movement(run_dir: Path, base: dict) -> float:
@@ -94,7 +107,7 @@ def movement(run_dir: Path, base: dict) -> float:
 def base_weights(model_dir: str | None) -> dict:
     from safetensors.torch import load_file
 
-    from grpo_fast import default_task
+    from grpo_fast.tasks import default_task
 
     path = Path(model_dir) if model_dir else default_task.ASSET_DIR
     return {k: v for f in sorted(path.glob("*.safetensors")) for k, v in load_file(f).items()}
@@ -154,6 +167,7 @@ def main() -> None:
     ap.add_argument("--only", default="", help="comma-separated variants of the comparison (default: all)")
     ap.add_argument("--out", default="bench/results/cpu/precision")
     ap.add_argument("--work", default="/tmp/compare-runs")
+    ap.add_argument("--reuse", action="store_true", help="keep finished runs found in --work (same flags)")
     args = ap.parse_args()
     from bench._utils import cpu_line, machine_info
 
@@ -170,7 +184,8 @@ def main() -> None:
     for seed in [int(s) for s in args.seeds.split(",")]:
         for name, extra in variants.items():  # interleaved
             d = work / f"{args.workload}-{args.compare}-{name.replace(' ', '_').replace('+', 'and')}-{seed}"
-            recs = run(flags + extra + ["--seed", str(seed)], d)
+            recs = finished(d, flags + extra + ["--seed", str(seed)]) if args.reuse else None
+            recs = recs or run(flags + extra + ["--seed", str(seed)], d)
             curves[(name, seed)] = recs
             rows.append(summarize(args.workload, name, seed, recs))
             if base is not None:

@@ -14,11 +14,11 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 @pytest.fixture(scope="module")
 def smollm2():
-    """SmolLM2-135M-Instruct (built offline by grpo_fast.smollm2) and its tokenizer, fp32, eval mode."""
+    """SmolLM2-135M-Instruct (built offline by grpo_fast.tasks.smollm2) and its tokenizer, fp32, eval mode."""
     from transformers import AutoModelForCausalLM
 
-    from grpo_fast.modeling import load_tokenizer
-    from grpo_fast.smollm2 import build
+    from grpo_fast.tasks.smollm2 import build
+    from grpo_fast.trainer.modeling import load_tokenizer
 
     path = build()
     tok = load_tokenizer(str(path))

@@ -9,10 +9,10 @@ import torch
 from oracle import naive_advantages
 from transformers import AutoTokenizer
 
-from grpo_fast import default_task
-from grpo_fast.data import PromptSampler, train_and_eval_rows
 from grpo_fast.rollout import generate_groups
-from grpo_fast.train import encode_prompts
+from grpo_fast.tasks import default_task
+from grpo_fast.trainer.data import PromptSampler, train_and_eval_rows
+from grpo_fast.trainer.train import encode_prompts
 
 
 @dataclass

@@ -1,8 +1,8 @@
-"""How a step's groups become micro-batches (grpo_fast.batching), checked on hand-made lengths."""
+"""How a step's groups become micro-batches (grpo_fast.trainer.batching), checked on hand-made lengths."""
 
 import pytest
 
-from grpo_fast.batching import Packer, partition, split_to
+from grpo_fast.trainer.batching import Packer, partition, split_to
 
 
 def tokens(groups, P, C):  # a micro-batch's cost: its real tokens, the prompt once per group

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from grpo_fast import checkpoint as ck
+from grpo_fast.trainer import checkpoint as ck
 
 
 class _Tiny(torch.nn.Module):
@@ -72,7 +72,7 @@ def test_sigterm_saves_a_checkpoint_then_exits(tmp_path):
         [
             sys.executable,
             "-m",
-            "grpo_fast.train",
+            "grpo_fast.trainer.train",
             "--output-dir",
             str(out),
             "--max-steps",

@@ -64,10 +64,10 @@ def _worker(rank, world, port, cfg, pack=None):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world))
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
-    import grpo_fast.step as S
-    import grpo_fast.train as T
-    from grpo_fast.batching import Packer
-    from grpo_fast.config import GRPOConfig
+    import grpo_fast.trainer.step as S
+    import grpo_fast.trainer.train as T
+    from grpo_fast.trainer.batching import Packer
+    from grpo_fast.trainer.config import GRPOConfig
 
     S.generate_groups = _fixed_completions
     if pack is not None:  # micro-batches packed as under --max-memory-gb, to `pack` completion tokens
@@ -221,7 +221,7 @@ def test_a_dead_rank_makes_the_other_exit_with_an_error(tmp_path):
     for rank in range(2):
         env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank))
         env.update(LOCAL_RANK=str(rank), WORLD_SIZE="2", OMP_NUM_THREADS="1")
-        cmd = [sys.executable, "-m", "grpo_fast.train", "--output-dir", str(tmp_path / "run")]
+        cmd = [sys.executable, "-m", "grpo_fast.trainer.train", "--output-dir", str(tmp_path / "run")]
         cmd += ["--reward", f"{tmp_path / 'rewards.py'}:die_on_rank_1", "--max-steps", "3"]
         cmd += ["--eval-max-samples", "0", "--dist-timeout-s", "30", "--prompts-per-step", "4"]
         pipe = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -5,9 +5,9 @@ import json
 import pytest
 
 from bench import bench_memory
-from grpo_fast.config import parse_config
-from grpo_fast.estimate import PLAN_MARGIN, Estimator, Plan, main, plan
-from grpo_fast.train import train
+from grpo_fast.trainer.config import parse_config
+from grpo_fast.trainer.estimate import PLAN_MARGIN, Estimator, Plan, main, plan
+from grpo_fast.trainer.train import train
 
 TINY = ["--num-generations", "4", "--prompts-per-step", "2", "--max-completion-length", "16",
         "--eval-max-samples", "0", "--save-steps", "0", "--max-steps", "1"]  # fmt: skip
@@ -23,7 +23,8 @@ def test_estimate_within_15_percent_of_measured_peak():
     Kahan compensation, bf16 autocast on fp32 weights, 8-bit AdamW states."""
     names = ["full", "full_beta_gc_unshared", "lora_beta", "lora_gc_unshared"]
     rows = bench_memory.run(names, layers=2, steps=2, map_large=True)["rows"]
-    # every precision recipe (grpo_fast.precision), shorter completions: 16-bit GEMMs are slow on some CPUs
+    # every precision recipe (grpo_fast.trainer.precision), shorter completions: 16-bit GEMMs are slow on
+    # some CPUs
     recipes = [n for n in bench_memory.RECIPES if n != "full"]
     rows += bench_memory.run(recipes, layers=2, steps=2, map_large=True, overrides=dict(C=32, G=4))["rows"]
     assert [r["config"] for r in rows] == names + recipes
@@ -68,7 +69,7 @@ def test_estimate_needs_no_reward_and_says_what_the_plan_fits_first(capsys):
     """A model and a budget are enough (memory does not depend on the rewards). Where the whole step as one
     micro-batch does not fit but the trainer's plan does, the first line says what the plan reaches and the
     second, labelled as one micro-batch, says that nothing fits that way."""
-    from grpo_fast import default_task
+    from grpo_fast.tasks import default_task
 
     argv = ["--model", str(default_task.ASSET_DIR), "--prompts-per-step", "8", "--num-generations", "16",
             "--max-completion-length", "256", "--max-prompt-length", "2048"]  # fmt: skip

@@ -186,9 +186,9 @@ def test_trainer_steps_agree_triton_vs_torch():
     interpreter's numpy matmul vs torch's, each with kernels chosen per CPU) moves it by up to 2 lr."""
     from transformers import AutoModelForCausalLM
 
-    from grpo_fast import default_task
-    from grpo_fast.model_parts import lm_head_of
-    from grpo_fast.modeling import completion_hidden_states
+    from grpo_fast.models.model_parts import lm_head_of
+    from grpo_fast.tasks import default_task
+    from grpo_fast.trainer.modeling import completion_hidden_states
 
     g = torch.Generator().manual_seed(0)
     prompt_ids = torch.randint(5, 100, (2, 6), generator=g)

@@ -14,7 +14,7 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import grpo_fast.integrations.trl as integ
-from grpo_fast import default_task
+from grpo_fast.tasks import default_task
 
 trl = pytest.importorskip("trl")
 

@@ -1,6 +1,6 @@
-"""The code reward's verdicts (grpo_fast/judge.py) against an attack suite, by class: the test running where
-the completion can reach it, a trusted side that can be crashed or stalled, the host's disk, slots that share
-resources, processes that outlive scoring, and honest programs that scored 0.
+"""The code reward's verdicts (grpo_fast/rewards/judge.py) against an attack suite, by class: the test
+running where the completion can reach it, a trusted side that can be crashed or stalled, the host's disk,
+slots that share resources, processes that outlive scoring, and honest programs that scored 0.
 
 Every attack earns 0, leaves no file and no process, and returns within the wall clock; each attack's tests
 are first passed by an honest solution, so a 0 says the exploit failed, not that the tests cannot pass.
@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 from test_sandbox import FAST, _no_trace
 
-from grpo_fast.judge import judge, judge_many, run_many, run_tests
 from grpo_fast.rewards import load_reward, score
-from grpo_fast.sandbox import SandboxLimits
+from grpo_fast.rewards.judge import judge, judge_many, run_many, run_tests
+from grpo_fast.rewards.sandbox import SandboxLimits
 
 ROOT = Path(__file__).resolve().parent.parent
 SQ = "def sq(x):\n    return x * x\ndef squares(n):\n    return [i * i for i in range(n)]\n"  # honest
@@ -347,7 +347,7 @@ def test_the_trusted_side_stays_responsive_while_a_judge_is_flooded():
 # 4. slots: memory, processes and CPU of all of a slot's processes together
 # ---------------------------------------------------------------------------------------------------------
 def _cgroups_here() -> bool:
-    from grpo_fast.sandbox import slot_cgroups
+    from grpo_fast.rewards.sandbox import slot_cgroups
 
     return slot_cgroups(0, FAST) is not None
 
@@ -414,8 +414,8 @@ def test_a_container_pid1_trainer_is_left_no_zombies():
     res = _trainer_process(f"""
         import ctypes, json, os
         ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER: orphans come here
-        from grpo_fast.judge import run_many
-        from grpo_fast.sandbox import SandboxLimits
+        from grpo_fast.rewards.judge import run_many
+        from grpo_fast.rewards.sandbox import SandboxLimits
         L = SandboxLimits(wall_seconds=2.0, cpu_seconds=2, memory_mb=256)
         jobs = [({ORPHANS!r}, ["assert sq(3) == 9"]), ({PDEATH_CLEARED!r}, ["assert sq(3) == 9"])]
         scores = run_many(jobs * 2, L)
@@ -447,8 +447,8 @@ def test_an_unprivileged_trainer_with_many_threads():
         threads = [threading.Thread(target=stop.wait) for _ in range(40)]
         for t in threads:
             t.start()
-        from grpo_fast.judge import run_many
-        from grpo_fast.sandbox import SandboxLimits, processes_of
+        from grpo_fast.rewards.judge import run_many
+        from grpo_fast.rewards.sandbox import SandboxLimits, processes_of
         L = SandboxLimits(wall_seconds=3.0, cpu_seconds=2, memory_mb=256, processes=8)
         honest = "import os\\nfor _ in range(4):\\n    pid = os.fork()\\n    if pid == 0:\\n"
         honest += "        os._exit(0)\\n    os.waitpid(pid, 0)\\ndef sq(x):\\n    return x * x\\n"
@@ -586,10 +586,10 @@ def test_a_grpo_run_on_the_code_task_trains_without_reward_errors(tmp_path):
     reward, failures raising (the default): it trains, and every step's metrics count sandbox failures."""
     import math
 
-    from grpo_fast.config import parse_config
-    from grpo_fast.default_task import CODE_TASK
-    from grpo_fast.smollm2 import build
-    from grpo_fast.train import train
+    from grpo_fast.tasks.default_task import CODE_TASK
+    from grpo_fast.tasks.smollm2 import build
+    from grpo_fast.trainer.config import parse_config
+    from grpo_fast.trainer.train import train
 
     argv = ["--model", str(build()), "--dataset", str(CODE_TASK), "--reward", "code",
             "--num-generations", "2", "--prompts-per-step", "2", "--max-completion-length", "48",

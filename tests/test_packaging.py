@@ -31,6 +31,7 @@ def test_wheel_holds_every_module(tmp_path):
     expected |= {
         f"grpo_fast/kernels/{p.relative_to(ROOT / 'kernels')}" for p in (ROOT / "kernels").rglob("*.py")
     }
-    assets = ROOT / "grpo_fast" / "assets"  # the embedded default model
-    expected |= {f"grpo_fast/assets/{p.relative_to(assets)}" for p in assets.rglob("*") if p.is_file()}
+    kinds = ("", ".json", ".jsonl", ".jinja", ".safetensors", ".txt")  # the embedded models, tasks, template
+    data = [p for p in (ROOT / "grpo_fast").rglob("*") if p.is_file() and p.suffix in kinds]
+    expected |= {f"grpo_fast/{p.relative_to(ROOT / 'grpo_fast')}" for p in data}
     assert not expected - names, sorted(expected - names)

@@ -1,6 +1,7 @@
-"""Precision recipes (grpo_fast.precision, grpo_fast.optimizers): bf16 weights that keep their updates, bf16
-autocast on fp32 master weights, the choices and their errors. References: AdamW written out in fp64 here,
-naive full-logit GRPO in fp64 and in plain autocast, TRL's and transformers' own config classes."""
+"""Precision recipes (grpo_fast.trainer.precision, grpo_fast.trainer.optimizers): bf16 weights that keep
+their updates, bf16 autocast on fp32 master weights, the choices and their errors. References: AdamW written
+out in fp64 here, naive full-logit GRPO in fp64 and in plain autocast, TRL's and transformers' own config
+classes."""
 
 import json
 import math
@@ -12,13 +13,14 @@ from replay import first_step_batch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-import grpo_fast.train as train_mod
-from grpo_fast import default_task, precision
-from grpo_fast.config import parse_config
-from grpo_fast.optimizers import OPTIMIZERS, AdamW16, build_optimizer, stochastic_round_bf16
+import grpo_fast.trainer.train as train_mod
 from grpo_fast.rollout import native
-from grpo_fast.step import engine_options, eval_engine_options, sampling_correction
-from grpo_fast.train import train
+from grpo_fast.tasks import default_task
+from grpo_fast.trainer import precision
+from grpo_fast.trainer.config import parse_config
+from grpo_fast.trainer.optimizers import OPTIMIZERS, AdamW16, build_optimizer, stochastic_round_bf16
+from grpo_fast.trainer.step import engine_options, eval_engine_options, sampling_correction
+from grpo_fast.trainer.train import train
 
 ASSET = default_task.ASSET_DIR
 QUICK = ["--num-generations", "4", "--prompts-per-step", "2", "--max-completion-length", "16",
@@ -132,6 +134,21 @@ def test_fp32_parameters_step_as_torch_adamw_does():
     assert torch.allclose(a, b, rtol=0, atol=1e-7)
     opt = build_optimizer([torch.nn.Parameter(w0.clone())], "adamw_torch_fused", 1e-3)
     assert type(opt) is torch.optim.AdamW and opt.defaults["fused"]  # all-fp32: torch's own, as HF builds it
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("optim", ["adamw_torch_fused", "adamw_torch", "adamw_kahan", "adamw_stochastic"])
+def test_a_step_marks_the_stepped_parameters_changed(optim, dtype):
+    """Whatever keys on version counters (the vLLM engine pushes the weights whose version changed) sees
+    every step: torch's fused AdamW alone does not bump them."""
+    if optim == "adamw_stochastic" and dtype == torch.float32:
+        pytest.skip("fp32 weights need no rounding")
+    stepped, frozen = torch.nn.Parameter(torch.randn(8, dtype=dtype)), torch.nn.Parameter(torch.randn(8))
+    opt = build_optimizer([stepped, frozen], optim, 1e-3)
+    before = stepped._version, frozen._version
+    stepped.grad = torch.ones_like(stepped)
+    opt.step()
+    assert stepped._version > before[0] and frozen._version == before[1]
 
 
 def test_optimizer_names_and_default_are_transformers_own(tmp_path):

@@ -1,4 +1,4 @@
-"""A real pretrained model (SmolLM2-135M-Instruct, built offline by grpo_fast.smollm2): chat prompts of
+"""A real pretrained model (SmolLM2-135M-Instruct, built offline by grpo_fast.tasks.smollm2): chat prompts of
 different lengths, left padding, EOS at various points. Greedy completions equal HF `generate`, shared and
 unshared. Also run under the oldest transformers we support (make test), where a misnamed cache argument
 once garbled every completion silently."""

@@ -13,9 +13,9 @@ from oracle import assert_greedy_equal
 from tiny_models import eos_likely_lm, ragged_prompts
 
 import grpo_fast.rollout.native as native
-from grpo_fast.model_parts import lm_head_of
+from grpo_fast.models.model_parts import lm_head_of
+from grpo_fast.models.shared_prefix import shared_prefix_forward
 from grpo_fast.rollout import generate_groups, is_exact
-from grpo_fast.shared_prefix import shared_prefix_forward
 
 pytestmark = pytest.mark.transformers_range
 V, EOS = 97, 1

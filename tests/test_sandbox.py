@@ -12,9 +12,9 @@ import tempfile
 
 import pytest
 
-from grpo_fast.judge import run_many, run_tests
 from grpo_fast.rewards import code_reward, score
-from grpo_fast.sandbox import SANDBOX_UID_BASE, SandboxLimits, cgroup_processes, processes_of
+from grpo_fast.rewards.judge import run_many, run_tests
+from grpo_fast.rewards.sandbox import SANDBOX_UID_BASE, SandboxLimits, cgroup_processes, processes_of
 
 if shutil.which("bwrap") is None or shutil.which("setpriv") is None:
     if os.environ.get("GRPO_FAST_REQUIRE_SANDBOX"):  # make test: the sandbox must be there, never skipped
@@ -210,7 +210,7 @@ def test_sandbox_user_is_unprivileged_and_sees_no_host_files():
 
 
 def test_without_bubblewrap_code_rewards_refuse_unless_allowed(monkeypatch):
-    import grpo_fast.sandbox as sb
+    import grpo_fast.rewards.sandbox as sb
     from grpo_fast.rewards import load_reward
 
     monkeypatch.setattr(sb.shutil, "which", lambda tool: None)
@@ -235,9 +235,10 @@ def test_without_bubblewrap_code_rewards_refuse_unless_allowed(monkeypatch):
 
 
 def test_python_tool_runs_model_code_in_the_sandbox():
-    """grpo_fast.tools.python_tool: a multi-turn tool that runs model-written code, in this sandbox; every
-    way the code can fail is an error message for the model (through run_tool_calls), calls in parallel."""
-    from grpo_fast import tools as T
+    """grpo_fast.rollout.tools.python_tool: a multi-turn tool that runs model-written code, in this sandbox;
+    every way the code can fail is an error message for the model (through run_tool_calls), calls in
+    parallel."""
+    from grpo_fast.rollout import tools as T
 
     python = T.python_tool(FAST)
     assert python("print(6 * 7)") == "42\n"

@@ -6,9 +6,9 @@ import torch
 from oracle import assert_greedy_equal, assert_greedy_row_equal
 from tiny_models import tiny_lm
 
+from grpo_fast.models.shared_prefix import shared_prefix_forward
 from grpo_fast.rollout.reference import generate_plain as plain_generate
 from grpo_fast.rollout.reference import generate_shared
-from grpo_fast.shared_prefix import shared_prefix_forward
 
 pytestmark = pytest.mark.transformers_range
 
@@ -48,7 +48,7 @@ def _plain_hidden(model, prompt_ids, prompt_mask, completion_ids, completion_mas
 def test_ragged_groups_equal_plain_forward():
     """Prompts with different numbers of completions (a micro-batch packed to a memory budget cuts groups
     anywhere): each completion's states equal its own plain forward, shared and unshared."""
-    from grpo_fast.modeling import completion_hidden_states
+    from grpo_fast.trainer.modeling import completion_hidden_states
 
     model = _model("llama").eval()
     p_ids, p_mask, c_ids, c_mask, G = _batch()
@@ -143,7 +143,7 @@ def test_flash_attention_models_take_the_varlen_path():
 def test_one_prompt_one_completion_is_the_plain_forward(share_prefix):
     """--group-split 1 trains sub-batches of one prompt and one completion: the maskless path, against each
     sample's plain forward (padding on both sides, a completion ending early)."""
-    from grpo_fast.modeling import completion_hidden_states
+    from grpo_fast.trainer.modeling import completion_hidden_states
 
     model = _model("llama").train()
     batch = _batch()

@@ -1,4 +1,4 @@
-"""Multi-turn rollouts with tools (grpo_fast.tools, grpo_fast.rollout.trajectories).
+"""Multi-turn rollouts with tools (grpo_fast.rollout.tools, grpo_fast.rollout.trajectories).
 
 Against independent references: greedy trajectories of SmolLM2-135M-Instruct equal a plain loop written here
 (HF `generate` to the end of a turn, the tool run, the conversation re-rendered with the chat template,
@@ -15,7 +15,7 @@ import pytest
 import torch
 from oracle import assert_greedy_row_equal
 
-from grpo_fast import tools as T
+from grpo_fast.rollout import tools as T
 from grpo_fast.rollout.trajectories import generate_trajectories
 
 
@@ -384,10 +384,10 @@ def seen(prompts, completions, environments=None, **kw):
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["tools", "environment"])
 def test_train_multi_turn_trains_on_the_model_tokens_only(smollm2, tmp_path, monkeypatch, how):
-    import grpo_fast.step as step_mod
-    from grpo_fast.config import parse_config
-    from grpo_fast.smollm2 import build
-    from grpo_fast.train import train
+    import grpo_fast.trainer.step as step_mod
+    from grpo_fast.tasks.smollm2 import build
+    from grpo_fast.trainer.config import parse_config
+    from grpo_fast.trainer.train import train
 
     log = tmp_path / "log.jsonl"
     tools = tmp_path / "shop_tools.py"
@@ -440,8 +440,8 @@ def test_train_multi_turn_trains_on_the_model_tokens_only(smollm2, tmp_path, mon
 
 
 def test_bad_tools_and_environment_flags_are_named(tmp_path):
-    from grpo_fast.config import parse_config
-    from grpo_fast.train import load_tools
+    from grpo_fast.trainer.config import parse_config
+    from grpo_fast.trainer.train import load_tools
 
     f = tmp_path / "t.py"
     f.write_text("def nodoc(a: int):\n    return a\n\nclass NoReset:\n    pass\n")
@@ -503,7 +503,7 @@ def test_native_rows_keep_their_kv_cache_across_turns(smollm2, monkeypatch):
 
 # ---- the embedded multi-turn task (make demo-tools) -------------------------------------------------------
 def test_calculator_refuses_what_is_not_arithmetic():
-    from grpo_fast.tools_task import calculator
+    from grpo_fast.tasks.tools_task import calculator
 
     assert calculator("6 * 8 - 9") == "39" and calculator("-(2 + 3) * 4 // 3") == "-7"
     for bad in ["2 ** 99999", "__import__('os').system('true')", "1e9", "(1, 2)", "x + 1", "9" * 80, "1 / 2"]:
@@ -518,17 +518,17 @@ def test_calculator_refuses_what_is_not_arithmetic():
 def test_embedded_tools_task_base_model_calls_the_tool_and_trains(tmp_path):
     import random
 
-    from grpo_fast import default_task, tools_task
-    from grpo_fast.config import parse_config
-    from grpo_fast.modeling import load_tokenizer
-    from grpo_fast.train import train
+    from grpo_fast.tasks import default_task, tools_task
+    from grpo_fast.trainer.config import parse_config
+    from grpo_fast.trainer.modeling import load_tokenizer
+    from grpo_fast.trainer.train import train
 
     # the teacher's conversations, rendered by the shipped tokenizer's template, are what rollouts produce
     tok = load_tokenizer(str(tools_task.ASSET_DIR))
     rng = random.Random(0)
     msgs = next(m for m in (tools_task.noisy_conversation((6, 8, 9), rng) for _ in range(50)) if len(m) == 3)
     question = {"role": "user", "content": default_task.prompt_text((6, 8, 9))}
-    text = T.render(tok, [question, *msgs], tools_task.tool_schemas(), None, False)
+    text = T.render(tok, [question, *msgs], [T.tool_schema(tools_task.calculator)], None, False)
     assert tok.unk_token_id not in tok(text, add_special_tokens=False).input_ids
     turn = text.split("?", 1)[1].split("<eos>")[0]
     assert T.parse_tool_calls(turn)[1] == [T.ToolCall("calculator", {"expression": "6 * 8 - 9"})]
@@ -551,8 +551,8 @@ def tiny_tool_model():
 
     from transformers import AutoModelForCausalLM
 
-    from grpo_fast import default_task, tools_task
-    from grpo_fast.modeling import load_tokenizer
+    from grpo_fast.tasks import default_task, tools_task
+    from grpo_fast.trainer.modeling import load_tokenizer
 
     torch.manual_seed(0)
     tok = load_tokenizer(str(tools_task.ASSET_DIR))
@@ -571,7 +571,7 @@ def tiny_tool_model():
                     "content": tools_task.think(default_task.answer(*p), default_task.answer(*p)),
                 },
             ]
-            texts.append(T.render(tok, conv, tools_task.tool_schemas(), None, False))
+            texts.append(T.render(tok, conv, [T.tool_schema(tools_task.calculator)], None, False))
         tok.padding_side = "left"
         enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
         pos = (enc.attention_mask.cumsum(-1) - 1).clamp(min=0)
@@ -587,7 +587,7 @@ def tiny_tool_model():
 
 @pytest.mark.parametrize("engine", ["native", "reference"])
 def test_tiny_model_greedy_trajectories_equal_the_plain_loop(tiny_tool_model, engine):
-    from grpo_fast import default_task, tools_task
+    from grpo_fast.tasks import default_task, tools_task
 
     model, tok = tiny_tool_model
     problems = default_task.split_problems()["eval"][:6]

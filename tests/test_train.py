@@ -11,14 +11,14 @@ from replay import first_step_batch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-import grpo_fast.train as train_mod
-from grpo_fast import default_task
-from grpo_fast.batching import Packer
-from grpo_fast.config import parse_config
-from grpo_fast.data import PromptSampler
+import grpo_fast.trainer.train as train_mod
 from grpo_fast.rewards import RewardError
-from grpo_fast.step import sampling_correction
-from grpo_fast.train import train
+from grpo_fast.tasks import default_task
+from grpo_fast.trainer.batching import Packer
+from grpo_fast.trainer.config import parse_config
+from grpo_fast.trainer.data import PromptSampler
+from grpo_fast.trainer.step import sampling_correction
+from grpo_fast.trainer.train import train
 
 ASSET = default_task.ASSET_DIR
 QUICK = [
@@ -68,7 +68,8 @@ SPLITS = ["--group-split", "2"]  # each group of 4 in sub-batches of 2 completio
         ("bnpo", 0.0, SPLITS, None),
         ("grpo", 0.0, [*SPLITS, "--gradient-accumulation-steps", "2", "--no-share-prefix"], None),
         ("dr_grpo", 0.04, ["--group-split", "1"], None),
-        # packed as --max-memory-gb packs (grpo_fast.batching), a micro-batch's cost here its completions:
+        # packed as --max-memory-gb packs (grpo_fast.trainer.batching), a micro-batch's cost here its
+        # completions:
         ("bnpo", 0.04, [], 3),  # rows 0-2 | 3 with 4-5 (a ragged micro-batch) | 6-7
         ("grpo", 0.0, ["--no-share-prefix"], 3),
         ("dapo", 0.0, [], 8),  # both groups in one micro-batch

@@ -16,9 +16,9 @@ from grpo_fast.kernels import fused_linear_logprobs
 from oracle import assert_greedy_equal, assert_greedy_row_equal
 from tiny_models import eos_likely_lm, ragged_prompts
 
-from grpo_fast.model_parts import lm_head_of
+from grpo_fast.models.model_parts import lm_head_of
+from grpo_fast.models.shared_prefix import shared_prefix_forward
 from grpo_fast.rollout import generate_groups
-from grpo_fast.shared_prefix import shared_prefix_forward
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 needs_vllm = pytest.mark.skipif(not HAVE_VLLM, reason="vLLM not installed (make setup-vllm)")
@@ -180,7 +180,7 @@ def test_torch_threads_are_the_trainers_after_generation():
 
 def _train(out: Path, rollout: str, steps: int, *extra):
     cmd = [
-        sys.executable, "-m", "grpo_fast.train", "--output-dir", str(out), "--overwrite-output-dir",
+        sys.executable, "-m", "grpo_fast.trainer.train", "--output-dir", str(out), "--overwrite-output-dir",
         "--rollout", rollout, "--max-steps", str(steps), "--eval-steps", "0", "--save-steps", "20",
         "--time-budget-s", "0", "--vllm-kv-cache-gb", "1", *extra,
     ]  # fmt: skip
@@ -234,9 +234,9 @@ def test_multi_turn_trajectories_equal_the_plain_loop():
     from test_tools import QUESTIONS, assert_like_plain_loop, multiply
     from transformers import AutoModelForCausalLM
 
-    from grpo_fast.modeling import load_tokenizer
     from grpo_fast.rollout.trajectories import generate_trajectories
-    from grpo_fast.smollm2 import build
+    from grpo_fast.tasks.smollm2 import build
+    from grpo_fast.trainer.modeling import load_tokenizer
 
     tok = load_tokenizer(str(build()))
     model = AutoModelForCausalLM.from_pretrained(build(), dtype=torch.float32).eval()

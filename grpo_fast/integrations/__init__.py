@@ -1,1 +1,2 @@
-"""Integrations of grpo-fast's kernels into other trainers (TRL)."""
+"""Integrations of grpo-fast's kernels into other trainers (TRL). Imports: grpo_fast.kernels, models and
+rollout; never the trainer."""

@@ -37,9 +37,9 @@ import torch
 import trl
 
 from ..kernels import fused_linear_grpo_loss, fused_linear_logprobs
-from ..model_parts import decoder_of, lm_head_of
+from ..models.model_parts import decoder_of, lm_head_of
+from ..models.shared_prefix import shared_prefix_forward
 from ..rollout import generate_groups, is_exact, native
-from ..shared_prefix import shared_prefix_forward
 
 FUSED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
 ITEM_NORMALIZED = (

@@ -9,6 +9,10 @@ pushed whenever they changed; an optional install). "auto" takes the native engi
 else the reference one with a one-line reason. Prompts are left-padded; sample s belongs to prompt s // G;
 sampling applies temperature, then top-k, then top-p; a sample stops at EOS (kept, mask 1) and later tokens
 are padding (mask 0).
+
+The package: the interface (here), the engines (`native`, `reference`, `vllm_engine`), sampling, decode-time
+shared attention, and the multi-turn loop (`trajectories`) with its tools (`tools`). Imports: grpo_fast.models
+and, for the python tool, grpo_fast.rewards' sandbox; never the trainer.
 """
 
 import torch

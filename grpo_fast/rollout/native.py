@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..model_parts import causal_lm, merged_lora_weight, position_ids_from_mask
+from ..models.model_parts import causal_lm, merged_lora_weight, position_ids_from_mask
 from .sampling import draw, eos_and_pad
 
 SUPPORTED_TYPES = ("llama", "qwen2", "qwen3", "mistral")
@@ -459,7 +459,7 @@ class NativeEngine:
             input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=pos, use_cache=True,
             logits_to_keep=1,
         )  # fmt: skip
-        from ..hf_compat import cache_of
+        from ..models.hf_compat import cache_of
 
         cache = cache_of(res)
         pk = [layer.keys for layer in cache.layers]

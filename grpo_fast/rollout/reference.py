@@ -7,8 +7,8 @@ against it and falls back to it for what it does not cover.
 
 import torch
 
-from ..hf_compat import cache_kwargs, cache_of
-from ..model_parts import position_ids_from_mask
+from ..models.hf_compat import cache_kwargs, cache_of
+from ..models.model_parts import position_ids_from_mask
 from .sampling import check_counts, eos_and_pad, sample_next
 from .shared_attention import shared_prefix_attention_over
 

@@ -13,7 +13,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from ..model_parts import attention_implementation
+from ..models.model_parts import attention_implementation
 
 ATTN_NAME = "grpo_fast_shared_prefix"
 _state = threading.local()  # the prefix KV of the generation in progress (one per thread)

@@ -2,12 +2,13 @@
 `generate_trajectories`, for every engine.
 
 A trajectory is one token sequence after its prompt: model turns and tool turns interleaved. A model turn ends
-at EOS; when its text holds tool calls (grpo_fast.tools), the calls of all trajectories run at once, the
-tool's turn (the chat template's rendering of the results, through the next generation prompt) is appended as
-tokens and the model goes on. A trajectory ends at EOS without a call, at the length limit (`max_new_tokens`,
-counted over the whole trajectory, tool turns included: a tool turn that would not fit ends it as it is) or
-after `max_tool_calling_iterations` tool rounds. Tokens are concatenated, never re-tokenized: what the model
-sampled is what the trainer scores. `tool_mask` is 1 on the model's tokens, 0 on the tools'.
+at EOS; when its text holds tool calls (grpo_fast.rollout.tools), the calls of all trajectories run at once,
+the tool's turn (the chat template's rendering of the results, through the next generation prompt) is
+appended as tokens and the model goes on. A trajectory ends at EOS without a call, at the length limit
+(`max_new_tokens`, counted over the whole trajectory, tool turns included: a tool turn that would not fit
+ends it as it is) or after `max_tool_calling_iterations` tool rounds. Tokens are concatenated, never
+re-tokenized: what the model sampled is what the trainer scores. `tool_mask` is 1 on the model's tokens, 0 on
+the tools'.
 
 The native engine keeps each row's KV cache across its turns: a row that ends a turn with a call waits while
 its tools run (in a thread; the other rows decode on), the tool's turn is run onto the row's own KV cache
@@ -26,8 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import tools as tools_mod
 from . import native
+from . import tools as tools_mod
 from .sampling import check_counts
 
 
@@ -73,7 +74,7 @@ def _common_prefix(seqs):
 
 def _parse_turn(tokenizer, ids, prefix, schemas) -> tuple[str, list]:
     """(content, calls) of one model turn: transformers' parser when the tokenizer has a response template,
-    else grpo_fast.tools' formats."""
+    else grpo_fast.rollout.tools' formats."""
     if getattr(tokenizer, "response_template", None) is not None:
         try:
             msg = tokenizer.parse_response(ids, prefix=prefix, tools=schemas or None)

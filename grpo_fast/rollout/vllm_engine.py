@@ -21,7 +21,7 @@ import weakref
 
 import torch
 
-from ..model_parts import causal_lm, merged_lora_weight
+from ..models.model_parts import causal_lm, merged_lora_weight
 from .native import check_rollout_dtype as check_native_rollout_dtype
 from .sampling import eos_and_pad
 

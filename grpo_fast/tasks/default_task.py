@@ -6,7 +6,7 @@ held-out problem's two facts (a * b and P - c) are taught by training problems, 
 by composing what it saw, never by recalling it. The training problems are both the pretraining corpus's
 subject and GRPO's prompts, as a real base model has seen text of the kind its RL prompts are made of.
 
-The base model (built by `scripts/build_base_model.py`, shipped in `grpo_fast/assets/shop-base`) learned
+The base model (built by `scripts/build_base_model.py`, shipped in `grpo_fast/tasks/assets/shop-base`) learned
 from a deliberately noisy teacher: the right chain of thought 25% of the time, a systematic slip (answering
 one too many) 55%, and other mistakes 20%. It therefore knows the format and the procedure but its greedy
 answer is usually the slip; sampling finds the right answer about a quarter of the time, which is what GRPO

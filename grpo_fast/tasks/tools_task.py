@@ -1,4 +1,4 @@
-"""The embedded multi-turn task (`make demo-tools`): the shop problems of grpo_fast.default_task with a
+"""The embedded multi-turn task (`make demo-tools`): the shop problems of grpo_fast.tasks.default_task with a
 `calculator` tool.
 
     "A shop has 6 boxes of 8 items and sells 9 . How many items are left ?"  -> 39
@@ -7,8 +7,8 @@
     model:  <think> 39 </think> 39 <eos>
 
 The base model (built by `scripts/build_base_model.py --task shop-tools`, shipped in
-`grpo_fast/assets/shop-tools-base`) learned from a noisy teacher that calls the calculator 40% of the time
-and otherwise answers in its head, where it cannot multiply (its product is off by 1 or 2); after the
+`grpo_fast/tasks/assets/shop-tools-base`) learned from a noisy teacher that calls the calculator 40% of the
+time and otherwise answers in its head, where it cannot multiply (its product is off by 1 or 2); after the
 tool's answer it reads it right 30% of the time, one too high 55%, and writes another number otherwise.
 Sampling is right about an eighth of the time, greedy hardly ever: the tool is the only way to the answer,
 and GRPO can learn to call it every time and to read it. Same problems and held-out split as the default
@@ -20,7 +20,7 @@ import operator
 import random
 from pathlib import Path
 
-from grpo_fast import default_task as shop  # absolute: --tools loads this file by its path
+from grpo_fast.tasks import default_task as shop  # absolute: --tools loads this file by its path
 
 ASSET_DIR = Path(__file__).resolve().parent / "assets" / "shop-tools-base"
 TOOL_NAME = "calculator"
@@ -89,12 +89,6 @@ def noisy_conversation(p, rng: random.Random) -> list[dict]:
         {"role": "tool", "name": TOOL_NAME, "content": str(res)},
         {"role": "assistant", "content": final},
     ]
-
-
-def tool_schemas() -> list[dict]:
-    from grpo_fast.tools import tool_schema
-
-    return [tool_schema(calculator)]
 
 
 def dataset_rows(split: str) -> list[dict]:

@@ -4,6 +4,10 @@ A reward function is `f(prompts, completions, **columns) -> list[float | None]`:
 `None` meaning "no opinion on this sample". Dataset columns other than `prompt` arrive as keyword arguments
 (one value per completion), plus `completion_ids` (token ids). With several functions the reward is the
 weighted sum over the functions that had an opinion; a completion nobody scored gets advantage 0.
+
+The package: the built-in rewards and their loading (here), and the code reward's two halves, isolation
+(`sandbox`: bubblewrap, uids, seccomp, cgroups) and the verdict (`judge`, with `judge_runtime` running inside
+the sandboxes). Imports: grpo_fast.tasks (the embedded task's reward) and nothing else of grpo_fast.
 """
 
 import importlib.util
@@ -170,9 +174,9 @@ def code_reward(
     metrics: dict | None = None, entry_point=None, **_,
 ):  # fmt: skip
     """Fraction of the sample's `tests` passed by the completion's code (its last fenced Python block),
-    judged in two OS sandboxes (grpo_fast/judge.py; completions in parallel); tests that cannot fail pay
-    nothing. An `entry_point` column (HumanEval's: the function's name, or a list of names) limits the names
-    of the completion's the tests may use to those. `metrics`, when given, receives this call's count of
+    judged in two OS sandboxes (grpo_fast/rewards/judge.py; completions in parallel); tests that cannot fail
+    pay nothing. An `entry_point` column (HumanEval's: the function's name, or a list of names) limits the
+    names of the completion's the tests may use to those. `metrics`, when given, receives this call's count of
     completions whose judging stopped early, per cause (timeout, crashed, malformed): they scored what they
     had passed, never a reward error."""
     names = entry_point if entry_point is not None else [None] * len(completions)
@@ -188,7 +192,7 @@ def code_reward(
 
 def shop_answer_reward(prompts, completions, answer, **kw):
     """The embedded default task's reward (exact final number after </think>)."""
-    from .default_task import shop_answer_reward as f
+    from ..tasks.default_task import shop_answer_reward as f
 
     return f(prompts, [_to_text(c) for c in completions], answer, **kw)
 

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import torch
 
-from . import default_task, tools_task
-from .model_parts import decoder_of, position_ids_from_mask
-from .shared_prefix import shared_prefix_forward
+from ..models.model_parts import decoder_of, position_ids_from_mask
+from ..models.shared_prefix import shared_prefix_forward
+from ..tasks import default_task, tools_task
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -131,11 +131,11 @@ def completion_hidden_states(
     """(n * G, C, H) last hidden states; [s, j] is the state that predicts completion token j of sample s.
 
     Prompts are (n, P), completions (n * G, C) with sample s answering prompt s // G. With share_prefix each
-    prompt runs once per group (grpo_fast.shared_prefix); otherwise it is repeated for each sample. One prompt
-    with one completion (a group split into single completions, --group-split 1) runs as one causal sequence
-    of its real tokens: no mask is built (a mask is quadratic in the length: 270 MB at 16k tokens).
-    counts: completions per prompt when they differ (micro-batches packed to a memory budget); None: G
-    each."""
+    prompt runs once per group (grpo_fast.models.shared_prefix); otherwise it is repeated for each sample.
+    One prompt with one completion (a group split into single completions, --group-split 1) runs as one
+    causal sequence of its real tokens: no mask is built (a mask is quadratic in the length: 270 MB at 16k
+    tokens). counts: completions per prompt when they differ (micro-batches packed to a memory budget); None:
+    G each."""
     if prompt_ids.shape[0] == 1 and completion_ids.shape[0] == 1 and bool(prompt_mask.any()):
         return _single_sequence(model, prompt_ids, prompt_mask, completion_ids, completion_mask)
     if share_prefix:

@@ -1,7 +1,7 @@
 """Isolation for untrusted code: a program in a bubblewrap sandbox, bounded, handed descriptors, ended whole.
 
-What runs inside and how a verdict is reached is grpo_fast/judge.py's; this module only isolates. For every
-sandbox (bubblewrap: Debian package `bubblewrap`, which `make setup` installs where it can):
+What runs inside and how a verdict is reached is grpo_fast/rewards/judge.py's; this module only isolates. For
+every sandbox (bubblewrap: Debian package `bubblewrap`, which `make setup` installs where it can):
 - the trainer drops to an unprivileged uid/gid of its own (one per parallel slot and role, no supplementary
   groups, no capabilities: util-linux `setpriv`) before entering, so the sandbox's user is unprivileged
   outside too: root-only files stay unreadable when the trainer runs as root;

@@ -7,8 +7,8 @@ and the benchmarks. TRL's names and meaning:
 - `--bf16` / `--fp16`: autocast the training forward to that dtype on the stored weights (TRL's mixed
   precision; TRL defaults `bf16` to on). Ours defaults to on only where bf16 measured faster: a GPU with bf16
   tensor cores, a CPU whose instruction set's row in CPU_BF16_TRAIN_SPEEDUP says so; fp16 scales the loss;
-- `--optim` (HF's names, grpo_fast.optimizers): bf16 weights never lose an update, each optimizer keeps fp32
-  master weights or compensates the rounding (Kahan) or rounds stochastically.
+- `--optim` (HF's names, grpo_fast.trainer.optimizers): bf16 weights never lose an update, each optimizer
+  keeps fp32 master weights or compensates the rounding (Kahan) or rounds stochastically.
 """
 
 from contextlib import nullcontext
@@ -46,7 +46,7 @@ class Precision:
 
     storage: str  # "fp32" | "bf16": the parameters as stored and saved
     compute: str  # "fp32" | "bf16" | "fp16": the training forward's GEMMs
-    optim: str  # HF's optimizer name (grpo_fast.optimizers.OPTIMIZERS)
+    optim: str  # HF's optimizer name (grpo_fast.trainer.optimizers.OPTIMIZERS)
     reason: str = ""  # why compute is what it is (auto)
 
     @property
@@ -72,7 +72,7 @@ class Precision:
 
     def bytes_per_param(self, trainable: bool = True) -> dict:
         """Persistent bytes per parameter by part: weights, master copy (or compensation), optimizer state,
-        gradient (grpo_fast.optimizers.OPTIMIZERS has the optimizer's)."""
+        gradient (grpo_fast.trainer.optimizers.OPTIMIZERS has the optimizer's)."""
         from .optimizers import OPTIMIZERS
 
         w = STORAGE_DTYPES[self.storage].itemsize
@@ -98,7 +98,7 @@ def auto_bf16(device: torch.device) -> tuple[bool, str]:
         return False, f"the GPU has no bf16 tensor cores (compute capability {cap[0]}.{cap[1]} < 8.0)"
     if device.type != "cpu":
         return False, f"{device.type}: bf16 speed not measured"
-    from .rollout import native
+    from ..rollout import native
 
     isa = cpu_isa(native.cpu_flags())
     speedup = CPU_BF16_TRAIN_SPEEDUP.get(isa)

@@ -31,8 +31,8 @@ class GRPOConfig:
         None,
         "bf16 mixed precision: the training forward autocast to bf16 on the stored weights (TRL's name; "
         "unset: on where bf16 is measured faster, a GPU with bf16 tensor cores or a CPU per "
-        "grpo_fast/precision.py's table, said once with the reason); rollouts and held-out evaluation then "
-        "sample in bf16",
+        "grpo_fast/trainer/precision.py's table, said once with the reason); rollouts and held-out "
+        "evaluation then sample in bf16",
     )
     fp16: bool = _f(False, "fp16 mixed precision: autocast to fp16, the loss scaled (TRL's name)")
     optim: str = _f(
@@ -243,10 +243,11 @@ DEFAULT_TASK_PRESET = dict(
     time_budget_s=280.0,
 )
 
-# make demo-tools: the same problems, the calculator tool (grpo_fast/tools_task.py), longer completions
+# make demo-tools: the same problems, the calculator tool (grpo_fast/tasks/tools_task.py), longer
+# completions
 TOOLS_TASK_PRESET = dict(
     DEFAULT_TASK_PRESET,
-    tools=[f"{Path(__file__).resolve().parent / 'tools_task.py'}:calculator"],
+    tools=[f"{Path(__file__).resolve().parents[1] / 'tasks' / 'tools_task.py'}:calculator"],
     max_completion_length=32,
     max_prompt_length=40,
     max_tool_calling_iterations=2,
@@ -386,7 +387,7 @@ def validate(cfg: GRPOConfig, require_reward: bool = True) -> GRPOConfig:
 def check_correction(cfg: GRPOConfig) -> None:
     """Options that conflict with the rollout-mismatch correction, when it will be on: the rollout is not the
     training forward (vLLM, a --rollout-dtype copy, 16-bit weights or compute). Run again once --bf16 unset
-    is decided (grpo_fast.precision)."""
+    is decided (grpo_fast.trainer.precision)."""
     inexact = (
         cfg.rollout == "vllm"
         or cfg.rollout_dtype not in ("model", "fp32", "auto")

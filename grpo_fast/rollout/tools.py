@@ -6,7 +6,7 @@ Everything the model writes is hostile: a malformed call, an unknown tool, wrong
 raises, runs past its time or returns something that is not text each become an error message in the tool's
 turn (the model can learn from it), never a crash. Tool calls of all trajectories run at once, each in its own
 daemon thread bounded by `timeout_s` (a tool still running after it is abandoned; tools that run model-written
-code belong in the code sandbox, `grpo_fast.sandbox`, which kills its process).
+code belong in the code sandbox, `grpo_fast.rewards.sandbox`, which kills its process).
 
 Tool-call formats parsed (`parse_tool_calls`): Hermes / Qwen / SmolLM2 `<tool_call>{json}</tool_call>` (one
 object or a list per tag) and Llama 3 JSON (`{"name": ..., "parameters": ...}` as the whole message, after an
@@ -30,7 +30,7 @@ RESERVED_METHODS = ("reset", "get_reward")  # an environment's methods that are 
 # A ChatML template with tools (Hermes / Qwen 2.5 style: tool schemas in the system turn, calls in
 # <tool_call> tags, results as <tool_response> in a user turn), for tokenizers whose own template ignores
 # tools (SmolLM2's). Written for this project.
-CHATML_TOOLS_TEMPLATE = (Path(__file__).resolve().parent / "assets" / "chatml_tools.jinja").read_text()
+CHATML_TOOLS_TEMPLATE = (Path(__file__).resolve().parent / "chatml_tools.jinja").read_text()
 
 
 @dataclass
@@ -264,15 +264,15 @@ TOOL_SLOT0 = 64  # the code tool's sandbox slots (uids, cgroups) start here: nev
 
 
 def python_tool(limits=None, *, allow_unsandboxed: bool = False, slots: int | None = None):
-    """A `python(code)` tool: the program runs in the code reward's sandbox (grpo_fast.sandbox: bubblewrap,
-    no network, its own uid, bounded CPU / memory / processes / time, killed whole at the end) and its
-    stdout comes back as the tool's answer (an error and its stderr-free reason when it fails or is
+    """A `python(code)` tool: the program runs in the code reward's sandbox (grpo_fast.rewards.sandbox:
+    bubblewrap, no network, its own uid, bounded CPU / memory / processes / time, killed whole at the end)
+    and its stdout comes back as the tool's answer (an error and its stderr-free reason when it fails or is
     stopped). Concurrent calls take distinct slots (one per core by default). Refuses to start where the
     sandbox cannot run, unless `allow_unsandboxed` (limits only)."""
     import os
 
-    from .judge import run_io
-    from .sandbox import SandboxLimits, check_available
+    from ..rewards.judge import run_io
+    from ..rewards.sandbox import SandboxLimits, check_available
 
     limits = limits or SandboxLimits()
     sandboxed = check_available(allow_unsandboxed) == "bwrap"

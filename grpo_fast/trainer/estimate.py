@@ -4,9 +4,10 @@
 
 Parts, from the model's config alone (no weights are loaded):
 - parameters, gradients, optimizer state, the reference model: counted on a model built on the meta device
-  (LoRA adapters as the trainer adds them) in the precision recipe's bytes (grpo_fast.precision: weights in
-  the storage dtype, 16-bit weights' fp32 masters or compensations, the optimizer's state per parameter), and
-  the optimizer step's own temporaries (16-bit weights: the largest tensor's fp32 gradient and weight);
+  (LoRA adapters as the trainer adds them) in the precision recipe's bytes (grpo_fast.trainer.precision:
+  weights in the storage dtype, 16-bit weights' fp32 masters or compensations, the optimizer's state per
+  parameter), and the optimizer step's own temporaries (16-bit weights: the largest tensor's fp32 gradient
+  and weight);
 - the rollout (native engine): the prompt KV (once per group with prefix sharing, else once per sample) and
   each sample's completion KV at its fixed capacity, the prefill's working set, and on a CPU the copy of the
   linear weights the engine makes for the call (fp32 oneDNN-packed, or the --rollout-dtype's: bf16 half of
@@ -25,8 +26,8 @@ come on top. Checked against measured peaks in tests/test_estimate.py and bench/
 
 The planner (`plan`): gradient checkpointing on or off and the bytes a micro-batch may take, the cheapest
 that fits a budget at the longest lengths; the trainer packs each step's micro-batches to that size from the
-real lengths (grpo_fast.batching: whole groups, or sub-batches of a group that each carry its prompt, with
-gradients identical to the whole step's).
+real lengths (grpo_fast.trainer.batching: whole groups, or sub-batches of a group that each carry its prompt,
+with gradients identical to the whole step's).
 """
 
 import sys
@@ -37,9 +38,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from ..models.model_parts import lm_head_of
 from .batching import Packer, partition, tokens_run
 from .config import GRPOConfig
-from .model_parts import lm_head_of
 from .modeling import DTYPES
 from .optimizers import OPTIMIZERS
 from .precision import Precision, resolve, rollout_dtype_of
@@ -134,7 +135,7 @@ def engine_copy_bytes(p: dict, cfg: GRPOConfig, device: str) -> float:
     dtype's)."""
     dtype = rollout_dtype_of(cfg)
     if dtype == "auto":
-        from .rollout.native import auto_rollout_dtype
+        from ..rollout.native import auto_rollout_dtype
 
         dtype = auto_rollout_dtype(
             torch.device(device), torch.float32 if cfg.dtype == "fp32" else torch.bfloat16
@@ -241,8 +242,17 @@ class Plan:
 def _runtime_bytes(device: str) -> float:
     if device == "cuda":
         return 0.0
-    from . import train  # noqa: F401 - the process as the trainer has it: torch, transformers, tokenizers
+    import importlib
+
     from .memory import current_mib
+
+    # the process as the trainer has it (its libraries imported), without importing the trainer's loop
+    for name in ("transformers", "tokenizers", "peft", "safetensors", "datasets"):
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass
+    importlib.import_module(__package__ + ".step")
 
     return current_mib("cpu") * MIB
 
@@ -343,7 +353,8 @@ class Estimator:
                     "and KV cache: that share is its memory; estimate the trainer's with --rollout native"
                 )
             rollout = {"rollout KV cache": cfg.vllm_kv_cache_gb * 2**30, "rollout working set": p["weights"]}
-        # training: the largest micro-batch (grpo_fast.batching, at the longest lengths), the loss, gradients
+        # training: the largest micro-batch (grpo_fast.trainer.batching, at the longest lengths), the loss,
+        # gradients
         prompt_lens, completion_lens = [P] * n, [C] * (n * G)
         chunks = partition(prompt_lens, completion_lens, G, cfg.gradient_accumulation_steps, P, C,
                            cfg.group_split, self.packer(plan))  # fmt: skip
@@ -357,7 +368,7 @@ class Estimator:
         act, loss_rows, nograd, saved = max(sizes, key=lambda x: x[0] + x[1])
         head_grad = V * H * 4 if p["head_trainable"] else 0.0  # fp32 d weight (a frozen head: none)
         if self.device == "cpu":
-            from .kernels.logprobs import twin_chunk_rows
+            from ..kernels.logprobs import twin_chunk_rows
 
             # the twin's logits tile and one temporary (a chunk: at most the micro-batch's tokens); in mixed
             # precision its 16-bit copy of the (fp32) head weight
@@ -424,8 +435,8 @@ PLAN_MARGIN = 0.9  # plans fill at most this share of the budget: the estimate's
 
 def plan(cfg: GRPOConfig, budget_gb: float, device: str = "cpu", estimator: Estimator | None = None):
     """The cheapest plan whose estimated peak fits PLAN_MARGIN of `budget_gb` GiB: gradient checkpointing on
-    or off, and micro-batches packed up to what the budget leaves them (grpo_fast.batching). Returns (Plan,
-    estimate at the longest lengths), or raises a ValueError naming what would fit. Cost at the longest
+    or off, and micro-batches packed up to what the budget leaves them (grpo_fast.trainer.batching). Returns
+    (Plan, estimate at the longest lengths), or raises a ValueError naming what would fit. Cost at the longest
     lengths: tokens run forward and backward (checkpointing: a second forward, 4/3; a sub-batch re-runs its
     prompt), then micro-batches."""
     est = estimator or Estimator(cfg, device)

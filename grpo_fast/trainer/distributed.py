@@ -116,7 +116,7 @@ def wrap(model: nn.Module, info: DistInfo, trainable: bool = True) -> nn.Module:
     if info.kind == "fsdp":
         from torch.distributed.fsdp import fully_shard
 
-        from .model_parts import decoder_of
+        from ..models.model_parts import decoder_of
 
         for layer in decoder_of(model).layers:
             fully_shard(layer)

@@ -1,8 +1,9 @@
 """One GRPO step in its phases: rollout -> rewards and group advantages -> optimization -> its log record.
 
-Each phase is a function of the run (grpo_fast.train.Run) and the previous phase's result; `grpo_fast.train`
-calls them in order. Distributed (torchrun), each rank runs them on its share of the global batch: rewards are
-all-gathered so that advantages are the global batch's, and the dapo token count is all-reduced.
+Each phase is a function of the run (grpo_fast.trainer.train.Run) and the previous phase's result;
+`grpo_fast.trainer.train` calls them in order. Distributed (torchrun), each rank runs them on its share of
+the global batch: rewards are all-gathered so that advantages are the global batch's, and the dapo token
+count is all-reduced.
 """
 
 import math
@@ -11,18 +12,18 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernels import fused_linear_grpo_loss, fused_linear_logprobs, group_advantages
+from ..models.model_parts import lm_head_of
+from ..rewards import score
+from ..rollout import generate_groups, is_exact, native, resolve_engine, vllm_engine
+from ..rollout.trajectories import generate_trajectories
 from .batching import partition, split_to
 from .config import GRPOConfig
 from .data import render_prompt
 from .distributed import DistInfo, all_done, all_gather_rows, all_sum, full_tensor, gradient_sync
-from .kernels import fused_linear_grpo_loss, fused_linear_logprobs, group_advantages
-from .model_parts import lm_head_of
 from .modeling import completion_hidden_states
 from .precision import of_config as precision_of
 from .precision import rollout_dtype_of
-from .rewards import score
-from .rollout import generate_groups, is_exact, native, resolve_engine, vllm_engine
-from .rollout.trajectories import generate_trajectories
 
 
 @dataclass
@@ -312,9 +313,9 @@ def policy_loss(
 
 def micro_batches(ro: Rollout, loss_mask, cfg: GRPOConfig, packer=None, dist: DistInfo | None = None):
     """(prompt indices, completion rows, completions per prompt, loss weight) of each
-    micro-batch (grpo_fast.batching: the configured layout, or packed to `packer`'s budget from the real
-    lengths; distributed ranks agree on the count). The weights make the summed gradients those of the whole
-    chunks: dapo is normalized over the step already (1); grpo and dr_grpo average a chunk's rows, bnpo
+    micro-batch (grpo_fast.trainer.batching: the configured layout, or packed to `packer`'s budget from the
+    real lengths; distributed ranks agree on the count). The weights make the summed gradients those of the
+    whole chunks: dapo is normalized over the step already (1); grpo and dr_grpo average a chunk's rows, bnpo
     divides by its active tokens, so a micro-batch counts as its share of its chunk's rows (tokens), and each
     chunk as 1 / chunks."""
     n, P = ro.prompt_ids.shape
@@ -464,7 +465,7 @@ def step_record(run, ro: Rollout, sc: Scored, metrics: dict, grad_norm: float, t
         "completion_len_max": int(all_gather_rows(ro.model_mask.sum(1), dist).max()),
         **(ro.tool_metrics or {}),
         "tokens_per_s": n_tokens / (t3 - t0),
-        "peak_mem_mb": max(peaks),  # this step's, this rank's (grpo_fast.memory)
+        "peak_mem_mb": max(peaks),  # this step's, this rank's (grpo_fast.trainer.memory)
         "peak_mem_rollout_mb": peaks[0],
         "peak_mem_train_mb": peaks[1],
         "micro_batches": micro,

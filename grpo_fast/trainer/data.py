@@ -10,7 +10,7 @@ import json
 import random
 from pathlib import Path
 
-from . import default_task
+from ..tasks import default_task
 
 _FILE_TYPES = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
 

@@ -6,7 +6,8 @@ cut across micro-batches carries its prompt into each: the gradients stay those 
 a budget the layout is the configured one (whole chunks, or `group_split` completions per sub-batch). With
 `--max-memory-gb` a Packer fills each micro-batch up to a byte budget from the step's real prompt and
 completion lengths, so a step's peak is the plan's whatever the completions' lengths: short completions take
-fewer micro-batches, long ones more. `grpo_fast.estimate` runs the same code on the longest lengths to plan.
+fewer micro-batches, long ones more. `grpo_fast.trainer.estimate` runs the same code on the longest lengths
+to plan.
 """
 
 from dataclasses import dataclass
@@ -19,8 +20,8 @@ Part = list
 @dataclass
 class Packer:
     """cost(groups, P, C): bytes of a micro-batch of `groups` [(prompt length, [completion lengths])] whose
-    prompts are P and completions C tokens wide (grpo_fast.estimate.Estimator.micro_batch_bytes); budget: the
-    bytes a micro-batch may take."""
+    prompts are P and completions C tokens wide (grpo_fast.trainer.estimate.Estimator.micro_batch_bytes);
+    budget: the bytes a micro-batch may take."""
 
     cost: Callable
     budget: float

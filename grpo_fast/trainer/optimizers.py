@@ -76,10 +76,23 @@ def build_optimizer(params, optim: str, lr: float, betas=(0.9, 0.999), weight_de
     if spec.bnb_class is not None:
         import bitsandbytes
 
-        return getattr(bitsandbytes.optim, spec.bnb_class)(params, **kw)
-    if all(p.dtype == torch.float32 for p in params):
-        return torch.optim.AdamW(params, fused=True if spec.fused else None, **kw)
-    return AdamW16(params, mode=spec.mode, fused=spec.fused, **kw)
+        optimizer = getattr(bitsandbytes.optim, spec.bnb_class)(params, **kw)
+    elif all(p.dtype == torch.float32 for p in params):
+        optimizer = torch.optim.AdamW(params, fused=True if spec.fused else None, **kw)
+    else:
+        optimizer = AdamW16(params, mode=spec.mode, fused=spec.fused, **kw)
+    optimizer.register_step_post_hook(_bump_versions)
+    return optimizer
+
+
+def _bump_versions(optimizer, args, kwargs) -> None:
+    """Mark every stepped parameter as changed in place. torch's fused AdamW writes the parameters without
+    bumping their version counters (torch 2.13), and whatever keys on them would miss the step: the vLLM
+    engine pushes only the weights whose version changed, and would sample from the old policy forever."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.grad is not None:
+                torch.autograd.graph.increment_version(p)
 
 
 class AdamW16(torch.optim.Optimizer):

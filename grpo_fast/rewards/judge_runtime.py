@@ -1,5 +1,6 @@
-"""What runs inside the sandboxes of grpo_fast/judge.py (its source is passed to `python -I -S -c`; stdlib
-only; the trainer imports it only for its constants and source). One of three roles, the first argument:
+"""What runs inside the sandboxes of grpo_fast/rewards/judge.py (its source is passed to `python -I -S -c`;
+stdlib only; the trainer imports it only for its constants and source). One of three roles, the first
+argument:
 
   serve FD_IN FD_OUT   the completion's sandbox: exec the completion (from stdin), then answer the judge's
                        requests (a name, an attribute, a call, ...) with plain data or opaque handles

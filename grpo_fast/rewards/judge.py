@@ -21,7 +21,8 @@ that completion: it scores 0 and is never a reward error, so crashing can never 
 stdin/stdout cases ({"input", "output"}) run the program as a process of its own per case inside the
 completion's sandbox; the trainer reads length-prefixed frames (status, at most MAX_OUTPUT bytes), bounded
 and validated, and compares the outputs line by line. Decoding on the trusted side is linear in its input and
-hashes nothing it read. Isolation (namespaces, uids, seccomp, tmpfs, cgroups, ending) is grpo_fast/sandbox.py.
+hashes nothing it read. Isolation (namespaces, uids, seccomp, tmpfs, cgroups, ending) is
+grpo_fast/rewards/sandbox.py.
 """
 
 import ast
