@@ -115,7 +115,7 @@ bench-full: setup setup-vllm smollm2
 # Wheels the GPU suite installs on the bare GPU machine (Python 3.12, no network) for its TRL and Liger rows:
 # TRL with what that machine lacks of its dependencies, Liger. Pure-Python wheels, ~3.5 MB of the device's
 # 64 MiB carry limit.
-GPU_WHEELS := trl==1.16.0 liger-kernel==0.8.5 datasets==4.7.0 dill==0.4.0 multiprocess==0.70.18
+GPU_WHEELS := trl==1.16.0 liger-kernel==0.8.5 cut-cross-entropy==25.1.1 datasets==4.7.0 dill==0.4.0 multiprocess==0.70.18
 gpu-wheels: setup
 	mkdir -p bench/wheels
 	$(VPY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \

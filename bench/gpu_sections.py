@@ -288,8 +288,9 @@ def section_correctness(sec: Section) -> None:
         raise SystemExit("a correctness check failed (see the rows marked NO)")
 
 
-def _loss_providers(sec, h, w, targets, mask, adv):
-    """Forward+backward of the on-policy GRPO loss (beta 0, dapo) from hidden states, per provider."""
+def _loss_providers(sec, h, w, targets, mask, adv, compiled=False):
+    """Forward+backward of the on-policy GRPO loss (beta 0, dapo) from hidden states, per provider (with
+    `compiled`, naive torch under torch.compile too)."""
     from grpo_fast.kernels import fused_linear_grpo_loss
 
     def naive_loss():
@@ -308,6 +309,8 @@ def _loss_providers(sec, h, w, targets, mask, adv):
         return run
 
     providers = {"naive torch": step(naive_loss)}
+    if compiled:
+        providers["naive torch, compiled"] = step(torch.compile(naive_loss))
     for impl, label in (("triton", "grpo_fast triton"), ("torch", "grpo_fast twin")):
         if impl == "triton" and not sec.triton_ok:
             providers[label] = "skipped: compile check failed"
@@ -408,6 +411,115 @@ def section_speed(sec: Section) -> None:
     sec.save()
 
 
+BACKWARD_SHAPES = {  # name: (N, H, V)
+    "Qwen vocabulary, H 4096": (16384, 4096, 151936),
+    "7B (Qwen2.5-7B head)": (16384, 3584, 152064),
+    "SmolLM2-135M head": (16384, 576, 49152),
+}
+BACKWARD_COLUMNS = [
+    ["shape", "shape (N, H, V)"],
+    ["provider", "provider"],
+    ["ms", "fwd+bwd median ms"],
+    ["calls", "timed calls"],
+    ["peak_mib", "peak MiB above inputs"],
+    ["vs_naive", "time / naive"],
+    ["mem_vs_naive", "memory / naive"],
+    ["d_hidden_rel_err", "d hidden vs naive (rel)"],
+    ["note", "note"],
+]
+
+
+def section_backward(sec: Section) -> None:
+    """The on-policy GRPO loss from hidden states, forward+backward, bf16, at three LM-head shapes: naive
+    torch (and compiled), our Triton path's two backwards (chunked: GEMMs + row kernels, one writer per
+    output, the default; atomic: tile kernels with atomics), the twin, Liger's fused linear GRPO loss and Cut
+    Cross-Entropy's linear cross-entropy (its log-probs into the same loss) where their wheels are carried.
+    Goal (issue 34): chunked <= 0.8x naive's time at <= 15% of its memory."""
+    import grpo_fast.kernels.logprobs as lp
+
+    sec.result["columns"] = BACKWARD_COLUMNS
+    dtype = torch.float32 if sec.dry else torch.bfloat16
+    shapes = {"tiny": tuple(TINY.values())} if sec.dry else BACKWARD_SHAPES
+    default = lp.TRITON_BACKWARD
+    for name, (N, H, V) in shapes.items():
+        hidden, weight, _, targets, mask, adv = _problem(N, H, V, dtype, sec.device)
+        h, w = hidden.requires_grad_(True), weight.requires_grad_(True)
+        first = name == next(iter(shapes))  # torch.compile at the first shape only: it compiles for ~1 min
+        providers = _loss_providers(sec, h, w, targets, mask, adv, compiled=first and not sec.dry)
+        triton = providers.pop("grpo_fast triton")
+        for path in ("chunked", "atomic"):
+            if isinstance(triton, str):
+                providers[f"grpo_fast triton {path}"] = triton
+                continue
+
+            def run(path=path):
+                lp.TRITON_BACKWARD = path
+                try:
+                    triton()
+                finally:
+                    lp.TRITON_BACKWARD = default
+
+            providers[f"grpo_fast triton {path}"] = run
+        providers["cut cross-entropy"] = _cce_provider(sec, h, w, targets, mask, adv)
+        if sec.dry:
+            providers["naive torch, compiled"] = "skipped: dry run (compiles for tens of seconds on a CPU)"
+        order = ["naive torch", "grpo_fast triton chunked", "grpo_fast triton atomic", "grpo_fast twin",
+                 "liger", "cut cross-entropy", "naive torch, compiled"]  # fmt: skip
+        base, ref_gh = None, None
+        for label in order:
+            if label not in providers:
+                continue
+            fn = providers[label]
+            if not isinstance(fn, str) and sec.left() < 20:
+                fn = "skipped: section out of time"
+            row = _measure_row(sec, label, fn, 6 * N * H * V, dict(shape=f"{name} ({N}, {H}, {V})"))
+            if row is None or "ms" not in row:
+                continue
+            h.grad = w.grad = None
+            _grad_of(fn, h)
+            gh = h.grad.float()
+            h.grad = w.grad = None
+            if base is None:
+                base, ref_gh = row, gh
+            row["vs_naive"] = row["ms"] / base["ms"]
+            if base["peak_mib"] > 0:
+                row["mem_vs_naive"] = row["peak_mib"] / base["peak_mib"]
+            row["d_hidden_rel_err"] = ((gh - ref_gh).abs().max() / ref_gh.abs().max()).item()
+            sec.save()
+        del hidden, weight, h, w, providers
+        sec.free()
+
+
+def _grad_of(step, h) -> None:
+    """Run one provider step keeping its hidden gradient (the steps clear gradients after backward)."""
+    saved = []
+    hook = h.register_hook(lambda g: saved.append(g.detach().clone()))
+    try:
+        step()
+    finally:
+        hook.remove()
+    h.grad = saved[-1]
+
+
+def _cce_provider(sec, h, w, targets, mask, adv):
+    """Cut Cross-Entropy's log-probs (-its per-token cross-entropy, gradient filtering on, its default) in
+    the naive loss; a note where its wheel is not carried."""
+    try:
+        from cut_cross_entropy import linear_cross_entropy
+    except Exception as exc:  # noqa: BLE001 - absent on a bare GPU machine unless its wheel is carried
+        return f"skipped: cut-cross-entropy not importable ({type(exc).__name__})"
+    if sec.device.type != "cuda":
+        return "skipped: its kernels need CUDA"
+
+    def run():
+        lp = -linear_cross_entropy(h, w, targets, reduction="none")
+        ratio = torch.exp(lp - lp.detach())
+        ((-(ratio * adv[:, None])) * mask).sum().div(mask.sum()).backward()
+        h.grad = w.grad = None
+
+    return run
+
+
 ATOMIC_COLUMNS = [
     ["provider", "backward variant"],
     ["ms", "fwd+bwd median ms"],
@@ -420,9 +532,10 @@ ATOMIC_COLUMNS = [
 
 
 def section_atomics(sec: Section) -> None:
-    """fused_linear_logprobs forward+backward with each backward variant: Triton with acq_rel (Triton's
-    default) or relaxed atomics, programs token-block-fastest or grouped; the PyTorch twin (cuBLAS matmuls, no
-    atomics) with its CPU tile and a 4x larger one. At N=4096 (a quarter of the speed section's atomics, so
+    """fused_linear_logprobs forward+backward with each backward variant: Triton's chunked backward (GEMMs and
+    row kernels, no atomics), its atomic one with acq_rel (Triton's default) or relaxed atomics, programs
+    token-block-fastest or grouped; the PyTorch twin (cuBLAS matmuls, no atomics) with its CPU tile and a 4x
+    larger one. At N=4096 (a quarter of the speed section's atomics, so
     that a slow variant cannot eat the suite); the speed section has the defaults at N=16384."""
     import grpo_fast.kernels.logprobs as lp
     from grpo_fast.kernels import fused_linear_logprobs
@@ -434,13 +547,14 @@ def section_atomics(sec: Section) -> None:
     h, w = hidden.requires_grad_(True), weight.requires_grad_(True)
     up = torch.randn(targets.shape, device=sec.device)
     sec.note(f"N, H, V = {N}, {H}, {V}, {str(dtype)[6:]}; one random upstream gradient")
-    defaults = (lp.BWD_ATOMIC_SEM, lp.BWD_GROUP_N, lp.TWIN_TILE_ELEMS)
+    defaults = (lp.BWD_ATOMIC_SEM, lp.BWD_GROUP_N, lp.TWIN_TILE_ELEMS, lp.TRITON_BACKWARD)
     variants = [  # the most telling first: a variant the deadline cuts off is the least missed
         ("twin, tile 2^24 (default)", "torch", None, None, 1 << 24),
-        ("triton relaxed, grouped 16 (default)", "triton", "relaxed", 16, None),
-        ("triton acq_rel, token-fastest (before)", "triton", "acq_rel", 0, None),
-        ("triton relaxed, token-fastest", "triton", "relaxed", 0, None),
-        ("triton acq_rel, grouped 16", "triton", "acq_rel", 16, None),
+        ("triton chunked, no atomics (default)", "triton", None, None, None),
+        ("triton atomic relaxed, grouped 16", "triton", "relaxed", 16, None),
+        ("triton atomic acq_rel, token-fastest (first)", "triton", "acq_rel", 0, None),
+        ("triton atomic relaxed, token-fastest", "triton", "relaxed", 0, None),
+        ("triton atomic acq_rel, grouped 16", "triton", "acq_rel", 16, None),
         ("twin, tile 2^26", "torch", None, None, 1 << 26),
     ]
     ref_gw = None
@@ -451,6 +565,7 @@ def section_atomics(sec: Section) -> None:
         lp.BWD_ATOMIC_SEM = sem or defaults[0]
         lp.BWD_GROUP_N = defaults[1] if group is None else group
         lp.TWIN_TILE_ELEMS = tile or defaults[2]
+        lp.TRITON_BACKWARD = "atomic" if "atomic" in label else "chunked"
 
         def step(impl=impl):
             h.grad = w.grad = None  # the last call's gradient stays for the check below
@@ -465,7 +580,7 @@ def section_atomics(sec: Section) -> None:
             sec.save()
         h.grad = w.grad = None
         sec.free()
-    lp.BWD_ATOMIC_SEM, lp.BWD_GROUP_N, lp.TWIN_TILE_ELEMS = defaults
+    lp.BWD_ATOMIC_SEM, lp.BWD_GROUP_N, lp.TWIN_TILE_ELEMS, lp.TRITON_BACKWARD = defaults
     done = [r for r in sec.result["rows"] if "ms" in r]
     best = {k: min((r for r in done if r["provider"].startswith(k)), key=lambda r: r["ms"], default=None)
             for k in ("twin", "triton")}  # fmt: skip
@@ -639,8 +754,10 @@ def section_precision(sec: Section) -> None:
     from bench import bench_e2e, bench_memory
 
     memory_s = 40 if sec.dry else 110  # what the recipes' memory rows need at the end
+    # the dry run: TRL at its default only (each provider is a process that imports TRL, ~20 s on a CPU)
+    providers = "trl_bf16,grpo_fast,grpo_fast_mp" if sec.dry else "trl,trl_bf16,grpo_fast,grpo_fast_mp"
     argv = ["--out-dir", str(sec.out / "precision"), "--deadline", str(sec.deadline - memory_s),
-            "--providers", "trl,trl_bf16,grpo_fast,grpo_fast_mp"]  # fmt: skip
+            "--providers", providers]  # fmt: skip
     argv += ["--quick", "--steps", "1"] if sec.dry else []
     bench_e2e.main(argv)
     name = "bench_e2e_quick.json" if sec.dry else "bench_e2e.json"
@@ -648,12 +765,12 @@ def section_precision(sec: Section) -> None:
             "skipped", "error")  # fmt: skip
     for r in json.loads((sec.out / "precision" / name).read_text())["rows"]:
         sec.add({"what": "e2e", **{k: r[k] for k in keys if k in r}})
-    layers, steps = (2, 2) if sec.dry else (30, 2)
-    names = ["full", "full_bf16_master"] if sec.dry else bench_memory.RECIPES
+    layers, steps = (2, 1) if sec.dry else (30, 2)
+    names = ["full_bf16_master"] if sec.dry else bench_memory.RECIPES  # dry: "full" is the memory section's
     bench_memory.run(
         names, layers, steps, deadline=sec.deadline - 5, extra_flags=["--rollout-compile", "off"],
         on_row=lambda r: sec.add({"what": "memory", **{k: v for k, v in r.items() if k != "flags"}}),
-        overrides=dict(C=16, G=2) if sec.dry else None,  # bf16 GEMMs crawl on CPUs without bf16 units
+        overrides=dict(C=8, G=2) if sec.dry else None,  # bf16 GEMMs crawl on CPUs without bf16 units
     )  # fmt: skip
     columns = [["what", "what"]] + [[k, k] for k in keys] + [list(c) for c in bench_memory.COLUMNS]
     sec.result["columns"] = columns
@@ -751,6 +868,7 @@ SECTIONS = {
     "compile": section_compile,
     "correctness": section_correctness,
     "speed": section_speed,
+    "backward": section_backward,
     "precision": section_precision,
     "atomics": section_atomics,
     "tiles": section_tiles,

@@ -41,6 +41,7 @@ SECTIONS = {
     "compile": (20, 90),
     "correctness": (30, 100),
     "speed": (40, 120),
+    "backward": (40, 150),
     "precision": (60, 170),
     "atomics": (40, 110),
     "tiles": (30, 100),

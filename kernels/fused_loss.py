@@ -1,11 +1,13 @@
 """The GRPO loss straight from the last hidden state: LM head, log-softmax, gather, clipped loss in one call.
 
     hidden (B, T, H), weight (V, H), targets (B, T) int64, mask (B, T), advantages (B,) -> fp32 loss, metrics
-Only active (mask != 0) tokens are scored. Triton: the fused log-prob kernels (logits never whole) feed the
-loss kernel, whose gradient flows back through the log-prob backward. PyTorch twin: at token level one pass
-over chunks of tokens computes logits, log-probs, the loss and, since the loss is then known, every gradient
-(three matmuls, as plain PyTorch); options that need a whole row (sequence level, sequence-mode corrections,
-the off-policy mask, VESPO) take the same single pass over chunks of whole rows; only every token's entropy
+Only active (mask != 0) tokens are scored. One pass over chunks of tokens computes logits, log-probs, the
+loss and, since the loss is then known, every gradient (three matmuls): the twin with torch's ops, Triton
+(logprobs.TRITON_BACKWARD "chunked") with cuBLAS GEMMs and the row kernels of rows.py, one writer per output.
+Where a scoring pass is needed, or with the "atomic" backward, Triton's fused log-prob kernels (logits never
+whole) feed the loss kernel, whose gradient flows back through the log-prob backward. Chunks: options that
+need a whole row (sequence level, sequence-mode corrections, the off-policy mask, VESPO) take the same single
+pass over chunks of whole rows; only every token's entropy
 (top_entropy_quantile, entropy_coef) or a row longer than a chunk needs a scoring pass before the gradients.
 Mixed precision as in logprobs.py: the GEMMs run in `compute_dtype(hidden, weight)` (autocast's dtype, else
 the shared one, else the 16-bit one), with autocast off inside and the twin's weight cast once per call;
@@ -14,17 +16,9 @@ gradients come back in hidden's, weight's and bias's own dtypes (an fp32 master 
 
 import torch
 
+from . import logprobs as _logprobs
 from ._common import autocast_off, check_tensor, compute_dtype, resolve_impl
-from .logprobs import (
-    _twin_bwd,
-    _twin_fwd,
-    check_logprob_inputs,
-    linear_logprobs,
-    twin_accumulate,
-    twin_chunk_rows,
-    twin_grad_from_probs,
-    twin_logits,
-)
+from .logprobs import TwinRows, _chunked_bwd, _twin_fwd, check_logprob_inputs, linear_logprobs
 from .loss import (
     LOSS_DEFAULTS,
     attach_grads,
@@ -36,6 +30,7 @@ from .loss import (
     per_token_terms,
 )
 from .loss_variants import loss_gates, token_weights
+from .rows import TritonRows
 
 
 def _row_chunks(mask, step):
@@ -55,10 +50,13 @@ def _row_chunks(mask, step):
     return chunks
 
 
-def _one_pass(h, weight, bias, tgt, inv_t, w, adv, old, sampling, ref, m, params, need_grad, need_w, rows):
+def _one_pass(
+    h, weight, bias, tgt, inv_t, w, adv, old, sampling, ref, m, params, need_grad, need_w, rows, ops
+):  # fmt: skip
     """One sweep over chunks of active tokens: loss, metric sums, the detached log-probs and, when asked,
-    every gradient (d weight only with need_w), each chunk's gradient taken while its softmax is at hand.
-    `weight` comes in the compute dtype, `h` in hidden's (cast per chunk).
+    every gradient (d weight only with need_w), each chunk's gradient taken while its logits are at hand.
+    `weight` comes as `ops.operand` made it, `h` in hidden's dtype (cast per chunk); `ops`: logprobs.TwinRows
+    or rows.TritonRows (the chunk's matmuls and row operations).
 
     rows None: token-local options (`params.token_local`), flat chunks, every tensor flat over active tokens.
     Otherwise `rows` = (chunks from `_row_chunks`, positions of the active tokens in (B * T), T): each chunk
@@ -74,7 +72,7 @@ def _one_pass(h, weight, bias, tgt, inv_t, w, adv, old, sampling, ref, m, params
     )
     sums = torch.zeros(6, dtype=torch.float32, device=h.device)  # loss, kl, low, high, region, count
     logps = torch.empty(N, dtype=torch.float32, device=h.device)
-    step = twin_chunk_rows(weight.shape[0])
+    step = ops.chunk_rows(weight.shape[0])
     if rows is None:
         chunks = [(i, min(i + step, N), slice(i, i + step)) for i in range(0, N, step)]
     else:
@@ -85,14 +83,9 @@ def _one_pass(h, weight, bias, tgt, inv_t, w, adv, old, sampling, ref, m, params
     for t0, t1, sl in chunks:
         tok = slice(t0, t1)
         # 1. logits tile, log-probs (hidden cast to the compute dtype per chunk; weight already is)
-        h_c = h[tok].to(weight.dtype)
-        z = twin_logits(h_c, weight, bias, inv_t, out=buf)
-        zt = z.gather(1, tgt[tok, None]).squeeze(1)
-        m_max = z.amax(dim=1)
-        p = z.sub_(m_max[:, None]).exp_()  # the tile becomes the softmax in place: no second tile
-        s = p.sum(1)
-        p.div_(s[:, None])
-        logp = zt - (m_max + torch.log(s))
+        h_c = ops.operand(h[tok])
+        z = ops.logits(h_c, weight, bias, inv_t, out=buf)
+        logp, lse = ops.score(z, tgt[tok])  # the twin turns the tile into the softmax in place
         logps[tok] = logp
         # 2. the chunk's gates, loss and d loss / d logp (the loss is known here)
         with torch.enable_grad():
@@ -112,8 +105,8 @@ def _one_pass(h, weight, bias, tgt, inv_t, w, adv, old, sampling, ref, m, params
         sums += torch.stack([loss_c.detach(), kl_s, *clip_s])
         # 3. gradients of this chunk: d logits in place of z, then d hidden, d weight, d bias
         if need_grad and bool(g.any()):
-            dz = twin_grad_from_probs(p, tgt[tok], g, inv_t)
-            grad_h[tok], grad_w = twin_accumulate(dz, h_c, weight, grad_w, grad_b, need_w)
+            dz = ops.grad(z, lse, tgt[tok], g, inv_t)
+            grad_h[tok], grad_w = ops.accumulate(dz, h_c, weight, grad_w, grad_b, need_w)
     if need_grad and need_w and grad_w is None:
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=h.device)
     return sums, logps, grad_h, grad_w, grad_b
@@ -135,15 +128,17 @@ def _two_pass(h, weight, bias, tgt, inv_t, B, T, idx, mask, adv, old, sampling, 
     if need_w is None:  # no gradient wanted
         return loss, metrics, None, None, None
     g_ent_act = None if g_ent is None else g_ent.reshape(-1)[idx]
-    grad_h, grad_w, grad_b = _twin_bwd(
-        h, weight, bias, tgt, inv_t, lse, g.reshape(-1)[idx], g_ent_act, ez, need_w, cdtype
+    grad_h, grad_w, grad_b = _chunked_bwd(
+        h, weight, bias, tgt, inv_t, lse, g.reshape(-1)[idx], g_ent_act, ez, need_w, TwinRows(cdtype)
     )
     return loss, metrics, grad_h, grad_w, grad_b
 
 
-def _fused_twin(
-    hidden, weight, targets, mask, advantages, bias, inv_t, old, sampling, ref, params, n_items, cdtype
+def _fused_chunked(
+    hidden, weight, targets, mask, advantages, bias, inv_t, old, sampling, ref, params, n_items, ops
 ):
+    """The loss over chunks of tokens with `ops` (logprobs.TwinRows: the twin, any case; rows.TritonRows:
+    only where one pass does it all, else None for the caller's Triton path)."""
     B, T, H = hidden.shape
     need_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (hidden, weight, bias)
@@ -153,14 +148,17 @@ def _fused_twin(
     idx = mask.reshape(-1).nonzero().squeeze(1)
     h = hidden.detach().reshape(-1, H).index_select(0, idx)
     tgt = targets.reshape(-1).long().index_select(0, idx)
-    # the weight in the compute dtype once per call (a no-op when it is already); hidden per chunk
-    wt, bs = weight.detach().to(cdtype), None if bias is None else bias.detach()
-    adv = advantages.reshape(-1).float()
-    old, sampling, ref = (None if t is None else t.float() for t in (old, sampling, ref))
     row_chunks = None
     if need_grad and not params.token_local and not params.needs_entropy:
-        row_chunks = _row_chunks(mask, twin_chunk_rows(weight.shape[0]))
-    if need_grad and (params.token_local or row_chunks is not None):
+        row_chunks = _row_chunks(mask, ops.chunk_rows(weight.shape[0]))
+    one_pass = need_grad and (params.token_local or row_chunks is not None)
+    if not one_pass and not isinstance(ops, TwinRows):
+        return None
+    # the weight in the compute dtype once per call (a no-op when it is already); hidden per chunk
+    wt, bs = ops.operand(weight.detach()), None if bias is None else bias.detach()
+    adv = advantages.reshape(-1).float()
+    old, sampling, ref = (None if t is None else t.float() for t in (old, sampling, ref))
+    if one_pass:
         w = token_weights(mask, params, n_items)
         if params.token_local:  # flat over active tokens
             flat = lambda x: None if x is None else x.reshape(-1).index_select(0, idx)  # noqa: E731
@@ -169,7 +167,9 @@ def _fused_twin(
         else:  # (B, T): each chunk whole rows
             args = (w, adv[:, None], old, sampling, ref)
             m, rows = mask.float(), (row_chunks, idx, T)
-        sums, logps, gh, gw, gb = _one_pass(h, wt, bs, tgt, inv_t, *args, m, params, need_grad, need_w, rows)
+        sums, logps, gh, gw, gb = _one_pass(
+            h, wt, bs, tgt, inv_t, *args, m, params, need_grad, need_w, rows, ops
+        )  # fmt: skip
         loss = sums[0]
         metrics = finish_metrics(*sums[2:6], sums[1], mask.float().sum(), ref is not None, params.kind)
         if rows is not None:  # the gates' metrics over the whole batch, on (B, T)
@@ -278,12 +278,16 @@ def fused_linear_grpo_loss(
     )
     cdtype = compute_dtype(hidden, weight)  # decided here, ambient autocast included; then autocast is off
     with autocast_off(hidden.device):
-        if impl == "torch":
-            return _fused_twin(
+        if impl == "torch" or _logprobs.TRITON_BACKWARD == "chunked":
+            ops = TwinRows(cdtype) if impl == "torch" else TritonRows(cdtype)
+            done = _fused_chunked(
                 hidden, weight, targets, mask, advantages, bias, 1.0 / float(temperature), old_logps,
-                sampling_logps, ref_logps, params, num_items_in_batch, cdtype,
+                sampling_logps, ref_logps, params, num_items_in_batch, ops,
             )  # fmt: skip
-        # Triton: score the active tokens with the fused log-prob kernels, then the loss kernel
+            if done is not None:
+                return done
+        # Triton, a scoring pass (no gradient, entropy options, rows longer than a chunk, or the atomic
+        # backward): the fused log-prob kernels score the active tokens, then the loss kernel
         B, T = mask.shape
         active = mask.reshape(-1) != 0
         logp_act, ent_act = linear_logprobs(

@@ -5,8 +5,10 @@
     entropy[n] = logsumexp(z[n]) - sum_v softmax(z[n])_v * z[n, v]   fp32 (N,)
 
 Triton: the forward sweeps vocabulary tiles with an online logsumexp (fp32) and writes only per-token
-statistics; the backward recomputes each logits tile from the saved LSE and adds its share of the hidden,
-weight and bias gradients with fp32 atomics. The PyTorch twin does the same over chunks of tokens.
+statistics; the backward (TRITON_BACKWARD "chunked", rows.py) takes chunks of tokens: logits by a GEMM, d
+logits in place by a row kernel, d hidden and d weight by GEMMs, one writer per output; "atomic" recomputes
+each logits tile from the saved LSE and adds its share of the gradients with fp32 atomics. The PyTorch twin
+does the chunked backward with torch's ops.
 Mixed precision: the GEMMs run in `compute_dtype(hidden, weight)` (autocast's dtype, else the shared one, else
 the 16-bit one: bf16 activations on an fp32 master head), fixed at the forward and reused by the backward;
 Triton casts tiles as they load, the twin the weight once per call. Gradients come back in each input's own
@@ -20,6 +22,7 @@ import triton
 import triton.language as tl
 
 from ._common import INTERPRET, autocast_off, check_positive, check_tensor, compute_dtype, resolve_impl
+from .rows import TritonRows
 
 # The twin's logits tile: at most this many fp32 elements (64 MiB) live at once, plus one temporary of the
 # same size. 2**24 keeps 110 tokens per chunk at V=151,936: large enough for an efficient CPU matmul.
@@ -75,6 +78,13 @@ _TL_DTYPES = {
 # module constants so that bench/gpu_suite.py can time the alternatives.
 BWD_ATOMIC_SEM = "relaxed"
 BWD_GROUP_N = 16
+
+# Triton's backward: "chunked" (rows.py: per chunk of tokens the logits by a GEMM, d logits in place by a row
+# kernel, d hidden and d weight by GEMMs; one writer per output) or "atomic" (the tile kernel below, which
+# recomputes logits tiles and adds their gradient shares with atomics). A module constant so that
+# bench/gpu_sections.py times both; the default is the chunked path (the atomic one measured 2.1x naive
+# torch's time on an H200, 205 of its 247 ms in the atomics).
+TRITON_BACKWARD = "chunked"
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -516,6 +526,38 @@ def twin_accumulate(dz, h_chunk, weight, grad_w, grad_b, with_w=True):
     return grad_h, grad_w
 
 
+class TwinRows:
+    """The twin's operations on one chunk of tokens (the interface `rows.TritonRows` shares): matmuls in the
+    compute dtype `cdtype` as plain PyTorch runs them, the softmax taken in place of the logits."""
+
+    def __init__(self, cdtype: torch.dtype):
+        self.cdtype = cdtype
+
+    chunk_rows = staticmethod(lambda V: twin_chunk_rows(V))
+    logits = staticmethod(twin_logits)
+    accumulate = staticmethod(twin_accumulate)
+
+    def operand(self, x: torch.Tensor) -> torch.Tensor:
+        return x.to(self.cdtype)
+
+    @staticmethod
+    def score(z, targets):
+        """(logp, None): the log-probs at `targets`; `z` becomes the softmax, in place."""
+        zt = z.gather(1, targets[:, None]).squeeze(1)
+        m = z.amax(dim=1)
+        p = z.sub_(m[:, None]).exp_()
+        s = p.sum(1)
+        p.div_(s[:, None])
+        return zt - (m + torch.log(s)), None
+
+    @staticmethod
+    def grad(z, lse, targets, g, inv_t, g_ent=None, ez=None):
+        """d loss / d logits in place of `z`: the softmax (lse None, after `score`), or the logits."""
+        if lse is None:
+            return twin_grad_from_probs(z, targets, g, inv_t)
+        return twin_grad_from_logits(z, lse, targets, g, inv_t, g_ent, ez)
+
+
 def _twin_fwd(hidden, weight, bias, targets, inv_t, with_entropy, cdtype):
     # Blocks of up to TWIN_MAX_ROWS tokens x a vocabulary slice, merged with an online logsumexp: the
     # matmuls keep a large M (a (110 x V) token chunk runs ~1.3x slower per flop on CPU BLAS).
@@ -559,30 +601,25 @@ def _twin_fwd(hidden, weight, bias, targets, inv_t, with_entropy, cdtype):
     return logp, lse, ent, ez
 
 
-def _twin_bwd(hidden, weight, bias, targets, inv_t, lse, g_logp, g_ent, ez, with_w, cdtype):
+def _chunked_bwd(hidden, weight, bias, targets, inv_t, lse, g_logp, g_ent, ez, with_w, ops):
+    """The backward over chunks of tokens, one writer per output: each chunk's logits recomputed, turned
+    into d logits in place, then d hidden and d weight by matmuls (`ops`: TwinRows or rows.TritonRows)."""
     N, H = hidden.shape
-    w_c = weight.to(cdtype)  # once per call; hidden per chunk
+    w_c = ops.operand(weight)  # once per call; hidden per chunk
     grad_h = torch.empty(N, H, dtype=hidden.dtype, device=hidden.device)
     grad_w = None
     grad_b = (
         torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if bias is not None else None
     )
-    step = twin_chunk_rows(weight.shape[0])
+    step = ops.chunk_rows(weight.shape[0])
     buf = torch.empty(min(N, step) * weight.shape[0], dtype=torch.float32, device=hidden.device)
+    part = lambda x, sl: None if x is None else x[sl]  # noqa: E731
     for i in range(0, N, step):
         sl = slice(i, i + step)
-        h_c = hidden[sl].to(cdtype)
-        z = twin_logits(h_c, w_c, bias, inv_t, out=buf)
-        dz = twin_grad_from_logits(
-            z,
-            lse[sl],
-            targets[sl],
-            g_logp[sl],
-            inv_t,
-            None if g_ent is None else g_ent[sl],
-            None if ez is None else ez[sl],
-        )
-        grad_h[sl], grad_w = twin_accumulate(dz, h_c, w_c, grad_w, grad_b, with_w)
+        h_c = ops.operand(hidden[sl])
+        z = ops.logits(h_c, w_c, bias, inv_t, out=buf)
+        dz = ops.grad(z, lse[sl], targets[sl], g_logp[sl], inv_t, part(g_ent, sl), part(ez, sl))
+        grad_h[sl], grad_w = ops.accumulate(dz, h_c, w_c, grad_w, grad_b, with_w)
     if grad_w is None and with_w:
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
     return grad_h, grad_w, grad_b
@@ -620,11 +657,16 @@ class _FusedLinearLogprobs(torch.autograd.Function):
         if g_logp is None:
             g_logp = torch.zeros_like(lse)
         g_ent = g_ent.float() if (p.with_entropy and g_ent is not None) else None
-        bwd = _logprob_bwd if p.impl == "triton" else _twin_bwd
         with_w = ctx.needs_input_grad[1]
         with autocast_off(hidden.device):  # the forward's compute dtype, whatever autocast is on here
             g_logp, cdtype = g_logp.float(), p.compute_dtype
-            gh, gw, gb = bwd(hidden, weight, bias, targets, p.inv_t, lse, g_logp, g_ent, ez, with_w, cdtype)
+            args = (hidden, weight, bias, targets, p.inv_t, lse, g_logp, g_ent, ez, with_w)
+            if p.impl == "torch":
+                gh, gw, gb = _chunked_bwd(*args, TwinRows(cdtype))
+            elif TRITON_BACKWARD == "chunked":
+                gh, gw, gb = _chunked_bwd(*args, TritonRows(cdtype))
+            else:
+                gh, gw, gb = _logprob_bwd(*args, cdtype)
         # each input's own dtype: an fp32 master weight gets its fp32 accumulator, never rounded to bf16
         return (
             gh.to(hidden.dtype) if ctx.needs_input_grad[0] else None,

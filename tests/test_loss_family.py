@@ -23,6 +23,7 @@ import textwrap
 from collections import defaultdict
 from types import SimpleNamespace
 
+import grpo_fast.kernels.logprobs as lp_mod
 import pytest
 import torch
 from grpo_fast.kernels import fused_linear_grpo_loss, grpo_loss
@@ -559,7 +560,7 @@ def test_fused_row_chunks_match_trl(monkeypatch, tile_tokens, options, loss_type
     fused_mod = sys.modules[fused_linear_grpo_loss.__module__]
     scoring_passes = []
     two_pass = fused_mod._two_pass
-    monkeypatch.setattr(fused_mod, "twin_chunk_rows", lambda V: tile_tokens)
+    monkeypatch.setattr(lp_mod, "twin_chunk_rows", lambda V: tile_tokens)
     monkeypatch.setattr(fused_mod, "_two_pass", lambda *a: scoring_passes.append(1) or two_pass(*a))
     _check_fused("torch", ROW_SETS[options], loss_type)
     assert len(scoring_passes) == (0 if tile_tokens >= max(LENGTHS) else 1)

@@ -8,6 +8,7 @@ PyTorch in the compute dtype: F.linear on operands cast to it (what autocast doe
 import contextlib
 import sys
 
+import grpo_fast.kernels.logprobs as lp_mod
 import pytest
 import torch
 import torch.nn.functional as F
@@ -218,7 +219,7 @@ def test_fused_loss_mixed_precision_scoring_pass(monkeypatch, hdtype, wdtype, au
     fused_mod = sys.modules[fused_linear_grpo_loss.__module__]
     scoring_passes = []
     two_pass = fused_mod._two_pass
-    monkeypatch.setattr(fused_mod, "twin_chunk_rows", lambda V: 8)
+    monkeypatch.setattr(lp_mod, "twin_chunk_rows", lambda V: 8)
     monkeypatch.setattr(fused_mod, "_two_pass", lambda *a: scoring_passes.append(1) or two_pass(*a))
     kw = dict(loss_type="grpo", importance_sampling_level="sequence", beta=0.04)
     _check_loss("torch", hdtype, wdtype, autocast, cdtype, kw, True)

@@ -367,16 +367,20 @@ class Estimator:
         ]
         act, loss_rows, nograd, saved = max(sizes, key=lambda x: x[0] + x[1])
         head_grad = V * H * 4 if p["head_trainable"] else 0.0  # fp32 d weight (a frozen head: none)
+        tokens = max(sum(len(rows) for _, rows in part) for part in micro) * C
+        sixteen = self.precision.compute != "fp32"
         if self.device == "cpu":
             from ..kernels.logprobs import twin_chunk_rows
 
-            # the twin's logits tile and one temporary (a chunk: at most the micro-batch's tokens); in mixed
-            # precision its 16-bit copy of the (fp32) head weight
-            tokens = max(sum(len(rows) for _, rows in part) for part in micro) * C
+            # the twin's logits tile and one temporary (a chunk: at most the micro-batch's tokens)
             loss_fixed = 2 * min(tokens, twin_chunk_rows(V)) * V * 4 + head_grad
-            loss_fixed += V * H * 2 if self.precision.autocast else 0.0
         else:
-            loss_fixed = head_grad
+            from ..kernels.rows import TritonRows
+
+            # Triton's chunked backward: the fp32 logits chunk, its 16-bit copy for the gradient GEMMs
+            loss_fixed = min(tokens, TritonRows.chunk_rows(V)) * V * (6 if sixteen else 4) + head_grad
+        # in mixed precision the 16-bit copy of the (fp32) head weight
+        loss_fixed += V * H * 2 if self.precision.autocast else 0.0
         logps = (2 if cfg.beta != 0 else 0) * n * G * C * 4
         old_ref = nograd if (cfg.beta != 0 or cfg.num_iterations > 1) else 0.0
         train = {
