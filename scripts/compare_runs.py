@@ -43,6 +43,9 @@ SMOLLM2_RUN = dict(
 )  # fmt: skip
 
 
+CURVE_KEYS = ("step", "eval_accuracy", "reward_mean", "loss", "loss/sampling_k3", "time_train_s")
+
+
 def sums_dataset(path: Path) -> Path:
     rng = random.Random(0)
     with path.open("w") as f:
@@ -219,7 +222,8 @@ def main() -> None:
     )
     (out / f"{stem}.md").write_text(md)
     payload = {"machine": info, "flags": flags, "rows": rows,
-               "curves": {f"{n}-{s}": c for (n, s), c in curves.items()}}  # fmt: skip
+               "curves": {f"{n}-{s}": [{k: r[k] for k in CURVE_KEYS if k in r} for r in c]
+                          for (n, s), c in curves.items()}}  # fmt: skip
     (out / f"{stem}.json").write_text(json.dumps(payload, indent=1))
     print(md)
 
