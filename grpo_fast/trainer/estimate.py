@@ -246,13 +246,10 @@ def _runtime_bytes(device: str) -> float:
 
     from .memory import current_mib
 
-    # the process as the trainer has it (its libraries imported), without importing the trainer's loop
-    for name in ("transformers", "tokenizers", "peft", "safetensors", "datasets"):
-        try:
-            importlib.import_module(name)
-        except ImportError:
-            pass
-    importlib.import_module(__package__ + ".step")
+    # the process as the trainer has it: its modules imported, no more (datasets, pandas and peft, which
+    # the trainer imports only when a run needs them, are ~150 MiB). A measurement, not a dependency:
+    # train imports this module, so it is imported by name here.
+    importlib.import_module(__package__ + ".train")
 
     return current_mib("cpu") * MIB
 
