@@ -1,9 +1,11 @@
 """Where a training phase's time goes, per operator, and how close it runs to the machine's GEMM rate: the
 trainer's own optimization phase (grpo_fast.trainer.step.optimize: the policy forward through the
 shared-prefix layout, the fused loss, backward, clipping, the optimizer step) on bench_e2e's real workload
-(SmolLM2-135M-Instruct, 2 chat prompts x G=8, C=256), after one unprofiled warm-up phase on the same rollout.
+(SmolLM2-135M-Instruct, 2 chat prompts x G=8, C=256): a warm-up phase, then --repeats timed unprofiled phases,
+each right after a measurement of the GEMM rate (the median pair reported), and one under the profiler (the
+shares), all on one rollout.
 
-    python -m bench.profile_train [--top 15] [--bf16] [--optim adamw_torch_fused]
+    python -m bench.profile_train [--top 15] [--bf16] [--optim adamw_torch_fused] [--attention mask]
 
 The phase's GEMM work is counted exactly: each decoder layer's linear layers (forward, d input, d weight:
 6 FLOPs per weight per token) over the tokens the forward runs (each prompt once per group), and the LM head
@@ -14,6 +16,7 @@ profile_train.{json,md} with the CPU model and flags.
 """
 
 import argparse
+import functools
 import tempfile
 import time
 from pathlib import Path
@@ -56,16 +59,27 @@ def main(argv=None) -> None:
     ap.add_argument("--top", type=int, default=15, help="operators shown")
     ap.add_argument("--bf16", action="store_true", help="train under bf16 autocast (default: fp32)")
     ap.add_argument("--optim", default="adamw_torch_fused")
+    ap.add_argument(
+        "--attention",
+        default="auto",
+        choices=("auto", "segments", "mask"),
+        help="the shared-prefix attention layout (shared_prefix_forward's attention=)",
+    )
+    ap.add_argument("--repeats", type=int, default=3, help="timed phases (the median is the rate's)")
     ap.add_argument("--out-dir", default=None)
     args = ap.parse_args(argv)
     from torch.profiler import ProfilerActivity, profile
 
+    import grpo_fast.trainer.modeling as modeling
     import grpo_fast.trainer.train as train_mod
     from bench.bench_e2e import SHAPES, build_real_work
     from grpo_fast.models.model_parts import decoder_of
     from grpo_fast.trainer.config import GRPOConfig
     from grpo_fast.trainer.step import optimize, rollout, score_rollout
 
+    if args.attention != "auto":
+        layout = functools.partial(modeling.shared_prefix_forward, attention=args.attention)
+        modeling.shared_prefix_forward = layout
     shape = SHAPES["real"]
     with tempfile.TemporaryDirectory() as tmp:
         model_dir, data, _ = build_real_work(Path(tmp), 8)
@@ -80,12 +94,20 @@ def main(argv=None) -> None:
         rows = run.sampler.next()
         ro = rollout(run, rows)
         sc = score_rollout(run, rows, ro)
+        config = run.model.config
         optimize(run, ro, sc)  # warm-up: allocator, packed weights, first-call paths
+        # unprofiled phases (the profiler's cost is not the phase's), each right after a GEMM-rate measurement
+        # at the model's shapes: a shared machine's speed drifts, so each phase is set against its own rate
+        times, rates = [], []
+        for _ in range(args.repeats):
+            rates.append(gemm_rate(int(ro.prompt_mask.sum() + ro.completion_mask.sum()), config))
+            t0 = time.perf_counter()
+            optimize(run, ro, sc)
+            times.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             optimize(run, ro, sc)
-        phase_s = time.perf_counter() - t0
-        config = run.model.config
+        profiled_s = time.perf_counter() - t0
         prompt_lens = ro.prompt_mask.sum(1).tolist()
         completion_lens = ro.completion_mask.sum(1).view(len(prompt_lens), -1).sum(1).tolist()
         tokens_run = int(sum(prompt_lens) + sum(completion_lens))  # prefix sharing: each prompt once
@@ -96,25 +118,32 @@ def main(argv=None) -> None:
         head = config.vocab_size * config.hidden_size
         flops = 6 * tokens_run * linear_params + 6 * trained * head
         train_mod.release(run)
-    # what the profiler adds to the phase is not the phase's: the rate is of the unprofiled time too
     ops = sorted(((e.key, e.self_cpu_time_total, e.count) for e in prof.key_averages()), key=lambda o: -o[1])
     total = sum(o[1] for o in ops) or 1
     top = [dict(op=op, share=us / total, calls=calls, ms_per_call=us / 1e3 / calls, seconds=us / 1e6)
            for op, us, calls in ops[: args.top]]  # fmt: skip
-    rate = gemm_rate(tokens_run, config)
+    fractions = [flops / t / 1e9 / r for t, r in zip(times, rates)]
+    mid = sorted(range(len(times)), key=lambda i: fractions[i])[len(times) // 2]  # the median pair
+    phase_s, rate, fraction = times[mid], rates[mid], fractions[mid]
     achieved = flops / phase_s / 1e9
-    summary = dict(phase_s=phase_s, tokens_run=tokens_run, trained_tokens=trained, gemm_tflop=flops / 1e12,
-                   achieved_gflops=achieved, gemm_rate_gflops=rate, train_phase_gemm_fraction=achieved / rate,
+    summary = dict(phase_s=phase_s, phase_s_all=times, profiled_s=profiled_s, attention=args.attention,
+                   tokens_run=tokens_run, trained_tokens=trained, gemm_tflop=flops / 1e12,
+                   achieved_gflops=achieved, gemm_rate_gflops=rate, train_phase_gemm_fraction=fraction,
+                   fractions=fractions, gemm_rates=rates,
                    precision="bf16 autocast" if args.bf16 else "fp32", optim=args.optim)  # fmt: skip
     info = machine_info()
     md = (
         "# Training phase profile per operator (torch.profiler, self CPU time)\n\n"
         f"Machine: {cpu_line(info)}, torch {info['versions']['torch']}, commit {info['git_commit']}; "
         f"SmolLM2-135M-Instruct, 2 chat prompts x G={shape['G']}, C<={shape['C']}, {summary['precision']}, "
-        f"--optim {args.optim}; one profiled phase after a warm-up phase on the same rollout.\n\n"
-        f"Phase {phase_s:.2f} s (under the profiler) for {tokens_run} tokens run ({trained} trained): "
+        f"--optim {args.optim}, shared-prefix attention {args.attention}; a warm-up phase, "
+        f"{args.repeats} timed phases, each after a GEMM-rate measurement (the median pair), and a profiled "
+        "one on the same rollout.\n\n"
+        f"Phase {phase_s:.2f} s (of {', '.join(f'{t:.2f}' for t in times)}; {profiled_s:.2f} s under "
+        f"the profiler) for {tokens_run} tokens run ({trained} trained): "
         f"{flops / 1e12:.2f} TFLOP of GEMMs at {achieved:.1f} GFLOP/s; this machine's fp32 GEMM rate at the "
-        f"model's shapes {rate:.1f} GFLOP/s: **train_phase_gemm_fraction {achieved / rate:.2f}**.\n\n"
+        f"model's shapes {rate:.1f} GFLOP/s (of {', '.join(f'{r:.0f}' for r in rates)}): "
+        f"**train_phase_gemm_fraction {fraction:.2f}** (of {', '.join(f'{f:.2f}' for f in fractions)}).\n\n"
         + markdown_table(top, COLUMNS)
         + "\n"
     )

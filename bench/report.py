@@ -312,13 +312,28 @@ def creep_section(res, summary) -> str:
     )
 
 
+def profile_train_section(res: dict, summary: dict) -> str:
+    s = res["summary"]
+    summary["train_phase_gemm_fraction"] = s["train_phase_gemm_fraction"]
+    top = ", ".join(f"{o['op']} {100 * o['share']:.0f}%" for o in res["ops"][:5])
+    return (
+        "## Training phase vs the machine's GEMM rate (SmolLM2-135M-Instruct)\n\n"
+        f"`python -m bench.profile_train`: one phase {s['phase_s']:.1f} s ({s['precision']}, --optim "
+        f"{s['optim']}), {s['gemm_tflop']:.2f} TFLOP of GEMMs at {s['achieved_gflops']:.0f} GFLOP/s against "
+        f"{s['gemm_rate_gflops']:.0f} GFLOP/s for fp32 GEMMs at the model's shapes: "
+        f"**`train_phase_gemm_fraction` {s['train_phase_gemm_fraction']:.2f}**. Largest self-time operators: "
+        f"{top} ([profile_train.md](profile_train.md)).\n"
+    )
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--dir", default=None, help="results folder (default bench/results/<this machine>)")
     args = ap.parse_args(argv)
     d = Path(args.dir) if args.dir else RESULTS / machine_name()
     names = ("bench_e2e", "bench_e2e_real", "bench_generate", "bench_loss", "bench_logprobs", "bench_prefix",
-             "bench_frontier", "bench_memory", "bench_memory_mapped", "bench_memory_creep_4gb")  # fmt: skip
+             "bench_frontier", "bench_memory", "bench_memory_mapped", "bench_memory_creep_4gb",
+             "profile_train")  # fmt: skip
     results = {n: _load(d, n) for n in names}
     # the machine, versions and commit the measurements were taken with (not those of this process)
     info = next((r["machine"] for r in results.values() if r), None) or machine_info()
@@ -349,6 +364,8 @@ def main(argv=None) -> None:
         parts.append(memory_section(memory, summary))
     if results["bench_memory_creep_4gb"]:
         parts.append(creep_section(results["bench_memory_creep_4gb"], summary))
+    if results["profile_train"]:
+        parts.append(profile_train_section(results["profile_train"], summary))
     if (d / "full-sweep").is_dir():
         parts.append(
             "Whole grids (N = 512, 1024, 2048; more shared-prefix points), from the full sweeps on an "

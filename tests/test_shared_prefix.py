@@ -67,13 +67,39 @@ def test_ragged_groups_equal_plain_forward():
 
 
 @pytest.mark.parametrize(
-    "kind,attention", [("qwen2", "mask"), ("llama", "mask"), ("qwen2", "varlen"), ("llama", "varlen")]
+    "kind,attention",
+    [(k, a) for a in ("segments", "mask", "varlen") for k in ("qwen2", "llama")] + [("llama", "auto")],
 )
 def test_shared_prefix_forward_equals_plain_forward_and_gradients(kind, attention):
-    model = _model(kind).train()
+    _assert_shared_equals_plain(_model(kind).train(), attention)
+
+
+@pytest.mark.parametrize("attention", ["segments", "varlen", "auto"])
+def test_gradient_checkpointing_recomputes_the_same_attention(attention):
+    """A checkpointed layer is recomputed in the backward, after the forward returned: with the trainer's
+    checkpointing_kwargs it runs the forward's own attention again (gradients equal the plain forward's)."""
+    from grpo_fast.models.model_parts import checkpointing_kwargs
+
+    model = _model("llama").train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing_kwargs(model))
+    _assert_shared_equals_plain(model, attention)
+
+
+def test_foreign_gradient_checkpointing_keeps_the_mask():
+    """Checkpointing enabled without checkpointing_kwargs (as TRL does) recomputes a layer with the model's
+    own attention: "auto" takes the 4D mask, which reaches the recomputation as a forward argument, and a
+    layout that needs its own attention is refused rather than silently recomputed without it."""
+    model = _model("qwen2").train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    _assert_shared_equals_plain(model, "auto")
+    with pytest.raises(ValueError, match="checkpointing_kwargs"):
+        shared_prefix_forward(model, *_batch()[:4], attention="segments")
+
+
+def _assert_shared_equals_plain(model, attention):
     batch = _batch()
     valid = batch[3].bool()
-    weights = torch.randn(*batch[2].shape, 32)
+    weights = torch.randn(*batch[2].shape, 32, generator=torch.Generator().manual_seed(2))
 
     shared = shared_prefix_forward(model, *batch[:4], attention=attention)
     (shared * weights * valid[..., None]).sum().backward()

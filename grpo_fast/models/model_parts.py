@@ -1,7 +1,7 @@
 """Where things are inside a Hugging Face causal LM (plain, under PEFT, DDP or FSDP wrappers), and the model
 inputs every path builds the same way."""
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -47,6 +47,32 @@ def attention_implementation(model, name):
     finally:
         for c, impl in saved:
             c._attn_implementation = impl
+
+
+def checkpointing_kwargs(model) -> dict:
+    """`gradient_checkpointing_kwargs` under which a checkpointed layer's recomputation (in the backward,
+    after the forward has returned) runs the attention implementation its forward ran: shared_prefix_forward
+    routes its forward through attention functions of its own, and without this the recomputation would run
+    the model's default attention over the packed layout."""
+
+    def context_fn():
+        name = model.config._attn_implementation  # at forward time: what the layer runs now
+        return nullcontext(), attention_implementation(model, name)
+
+    context_fn.restores_attention = True
+    return {"use_reentrant": False, "context_fn": context_fn}
+
+
+def recomputes_attention_safely(model) -> bool:
+    """False where a layer of `model` will be recomputed in the backward by a checkpoint that does not
+    restore the forward's attention implementation (see checkpointing_kwargs)."""
+    if not (model.training and torch.is_grad_enabled()):
+        return True
+    for m in model.modules():
+        if getattr(m, "gradient_checkpointing", False) and hasattr(m, "_gradient_checkpointing_func"):
+            fn = m._gradient_checkpointing_func
+            return getattr(getattr(fn, "keywords", {}).get("context_fn"), "restores_attention", False)
+    return True
 
 
 def merged_lora_weight(layer) -> torch.Tensor:

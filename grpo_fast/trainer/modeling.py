@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from ..models.model_parts import decoder_of, position_ids_from_mask
+from ..models.model_parts import checkpointing_kwargs, decoder_of, position_ids_from_mask
 from ..models.shared_prefix import shared_prefix_forward
 from ..tasks import default_task, tools_task
 
@@ -77,7 +77,8 @@ def load_model_and_tokenizer(cfg, device):
 def prepare_for_training(model, cfg):
     """Gradient checkpointing and LoRA adapters as `cfg` asks (the memory estimator's probe does the same)."""
     if cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # the recomputation runs the forward's attention (shared_prefix_forward's segment attention)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing_kwargs(model))
         model.config.use_cache = False
     if cfg.lora_r > 0:
         from peft import LoraConfig, get_peft_model
