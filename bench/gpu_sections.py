@@ -594,8 +594,8 @@ def section_atomics(sec: Section) -> None:
 
 
 def section_prefix(sec: Section) -> None:
-    """Training step (hidden states forward+backward) with each prompt once per group vs repeated G times,
-    on a random-init Qwen2.5-0.5B-shaped model in bf16."""
+    """Training step (hidden states forward+backward) with each prompt once per group (attention per segment,
+    and through a 4D mask) vs repeated G times, on a random-init Qwen2.5-0.5B-shaped model in bf16."""
     from bench.bench_prefix import make_model
     from grpo_fast.trainer.modeling import completion_hidden_states
 
@@ -613,23 +613,27 @@ def section_prefix(sec: Section) -> None:
         torch.randint(2, V, (n * G, C), device=sec.device, generator=g),
         torch.ones(n * G, C, dtype=torch.long, device=sec.device),
     )
-    for shared in (False, True):
+    from grpo_fast.models.shared_prefix import shared_prefix_forward
 
-        def step(shared=shared):
-            completion_hidden_states(model, *batch, share_prefix=shared).float().square().mean().backward()
+    # shared: the default layout (attention per segment); "shared, 4D mask": the same row through SDPA
+    for name, shared, attention in (("unshared", False, None), ("shared", True, None),
+                                    ("shared, 4D mask", True, "mask")):  # fmt: skip
+
+        def step(shared=shared, attention=attention):
+            if attention:
+                h = shared_prefix_forward(model, *batch, attention=attention)
+            else:
+                h = completion_hidden_states(model, *batch, share_prefix=shared)
+            h.float().square().mean().backward()
             model.zero_grad(set_to_none=True)
 
-        _measure_row(
-            sec,
-            "shared" if shared else "unshared",
-            step,
-            0,
-            dict(shared_prefix=shared, P=P, C=C, G=G, prompts=n),
-        )
+        note = {"note": "attention 'mask'"} if attention else {}
+        _measure_row(sec, name, step, 0, dict(shared_prefix=shared, P=P, C=C, G=G, prompts=n, **note))
     rows = sec.result["rows"]
-    if all("ms" in r for r in rows):
-        rows[1]["speedup"] = rows[0]["ms"] / rows[1]["ms"]
-        sec.save()
+    for row in rows[1:]:
+        if "ms" in row and "ms" in rows[0]:
+            row["speedup"] = rows[0]["ms"] / row["ms"]
+    sec.save()
 
 
 def section_generation(sec: Section) -> None:
