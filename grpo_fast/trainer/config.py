@@ -42,7 +42,11 @@ class GRPOConfig:
         "adamw_stochastic (stochastic rounding, 2+8); adamw_8bit / paged_adamw_8bit (bitsandbytes, fp32 "
         "weights, 4+2)",
         choices=(
-            "adamw_torch_fused", "adamw_torch", "adamw_kahan", "adamw_stochastic", "adamw_8bit",
+            "adamw_torch_fused",
+            "adamw_torch",
+            "adamw_kahan",
+            "adamw_stochastic",
+            "adamw_8bit",
             "paged_adamw_8bit",
         ),
     )
@@ -129,6 +133,32 @@ class GRPOConfig:
         0.3, "--rollout vllm on CUDA: the share of GPU memory vLLM takes for its weights and KV cache"
     )
     vllm_kv_cache_gb: float = _f(2.0, "--rollout vllm on CPU: vLLM's KV cache space in GiB (whole GiB)")
+    vllm_mode: str = _f(
+        "colocate",
+        "--rollout vllm: colocate (vLLM in this process) or server (rollouts on vLLM servers, e.g. started "
+        "with `grpo-fast serve MODEL`; the weights pushed after every optimizer step and verified)",
+        choices=("colocate", "server"),
+    )
+    vllm_server_base_url: str = _f(
+        None, "server mode: the server's URL, or several comma-separated (prompts routed across them); if "
+        "given, vllm_server_host and vllm_server_port are ignored", type=str,
+    )  # fmt: skip
+    vllm_server_host: str = _f("0.0.0.0", "server mode: the server's host, without vllm_server_base_url")
+    vllm_server_port: int = _f(8000, "server mode: the server's port, without vllm_server_base_url")
+    vllm_server_timeout: float = _f(240.0, "server mode: seconds to wait for the server(s) to be up")
+    vllm_request_timeout_s: float = _f(
+        600.0, "server mode: seconds any request (a prompt's G samples, a weight push) may take before the "
+        "run stops with an error naming the server (with several servers: retried on another)",
+    )  # fmt: skip
+    vllm_weight_dir: str = _f(
+        None, "server mode: the directory weight pushes go through (safetensors, read by the server's worker "
+        "extension); default /dev/shm (shared memory) when every server is on this host", type=str,
+    )  # fmt: skip
+    max_staleness: int = _f(
+        0, "asynchronous GRPO (server mode): the next steps' rollouts are generated while this one trains, "
+        "from weights at most this many optimizer steps older than the policy they train; staler ones are "
+        "dropped and counted (TRL's AsyncGRPO name); 0 = synchronous",
+    )  # fmt: skip
     # --- GRPO ---
     beta: float = _f(0.0, "KL coefficient (k3 estimator against the reference model)")
     epsilon: float = _f(0.2, "lower clip epsilon")
@@ -356,6 +386,7 @@ def validate(cfg: GRPOConfig, require_reward: bool = True) -> GRPOConfig:
         )
     if cfg.vllm_kv_cache_gb < 1:
         raise ValueError(f"vllm_kv_cache_gb must be >= 1 (whole GiB), got {cfg.vllm_kv_cache_gb}")
+    check_server_mode(cfg)
     if cfg.dist_timeout_s <= 0:
         raise ValueError(f"dist_timeout_s must be > 0, got {cfg.dist_timeout_s}")
     if cfg.delta is not None and not cfg.delta > 0:
@@ -382,6 +413,45 @@ def validate(cfg: GRPOConfig, require_reward: bool = True) -> GRPOConfig:
     if require_reward and not cfg.reward and not cfg.environment:
         raise ValueError("no reward function: pass --reward NAME or --reward path/file.py:func")
     return cfg
+
+
+def server_urls(cfg: GRPOConfig) -> list[str]:
+    """The vLLM servers of --vllm-mode server: vllm_server_base_url split at commas, else host:port."""
+    if cfg.vllm_server_base_url:
+        return [u.strip() for u in cfg.vllm_server_base_url.split(",") if u.strip()]
+    host = "127.0.0.1" if cfg.vllm_server_host in ("0.0.0.0", "") else cfg.vllm_server_host
+    return [f"http://{host}:{cfg.vllm_server_port}"]
+
+
+def check_server_mode(cfg: GRPOConfig) -> None:
+    server = cfg.rollout == "vllm" and cfg.vllm_mode == "server"
+    if cfg.max_staleness < 0:
+        raise ValueError(
+            f"max_staleness must be >= 0 optimizer steps (0 = synchronous), got {cfg.max_staleness}"
+        )
+    if cfg.max_staleness and not server:
+        raise ValueError(
+            f"max_staleness={cfg.max_staleness} (asynchronous GRPO) needs rollouts on a vLLM server: "
+            "--rollout vllm --vllm-mode server (colocated generation shares this process's weights)"
+        )
+    if cfg.vllm_mode == "server" and cfg.rollout != "vllm":
+        raise ValueError(f"vllm_mode='server' needs --rollout vllm, got --rollout {cfg.rollout}")
+    if not server:
+        return
+    for name in ("vllm_server_timeout", "vllm_request_timeout_s"):
+        if not getattr(cfg, name) > 0:
+            raise ValueError(f"{name} must be > 0 seconds, got {getattr(cfg, name)}")
+    for url in server_urls(cfg):
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"vllm_server_base_url: expected http(s)://host:port, got {url!r}")
+    if cfg.tools or cfg.environment:
+        raise ValueError("--vllm-mode server does not run multi-turn rollouts (--tools / --environment) yet")
+    if cfg.rollout_dtype not in ("model", "auto"):
+        raise ValueError(
+            f"--vllm-mode server: the server's dtype is its own (grpo-fast serve --dtype), got "
+            "--rollout-dtype "
+            f"{cfg.rollout_dtype}"
+        )
 
 
 def check_correction(cfg: GRPOConfig) -> None:

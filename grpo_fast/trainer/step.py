@@ -15,10 +15,10 @@ import torch
 from ..kernels import fused_linear_grpo_loss, fused_linear_logprobs, group_advantages
 from ..models.model_parts import lm_head_of
 from ..rewards import score
-from ..rollout import generate_groups, is_exact, native, resolve_engine, vllm_engine
+from ..rollout import generate_groups, is_exact, native, resolve_engine, vllm_engine, vllm_server
 from ..rollout.trajectories import generate_trajectories
 from .batching import partition, split_to
-from .config import GRPOConfig
+from .config import GRPOConfig, server_urls
 from .data import render_prompt
 from .distributed import DistInfo, all_done, all_gather_rows, all_sum, full_tensor, gradient_sync
 from .modeling import completion_hidden_states
@@ -78,7 +78,13 @@ def engine_options(cfg: GRPOConfig) -> dict:
     opts = {"engine": cfg.rollout, "compile": {"auto": "auto", "on": True, "off": False}[cfg.rollout_compile]}
     if rollout_dtype_of(cfg) != "model":
         opts["rollout_dtype"] = rollout_dtype_of(cfg)
-    if cfg.rollout == "vllm":
+    if cfg.rollout == "vllm" and cfg.vllm_mode == "server":
+        opts["vllm_options"] = {
+            "mode": "server", "urls": server_urls(cfg), "wait_s": cfg.vllm_server_timeout,
+            "timeout": cfg.vllm_request_timeout_s, "weight_dir": cfg.vllm_weight_dir,
+            "auto_push": cfg.max_staleness == 0,  # asynchronous: the trainer pushes after each step
+        }  # fmt: skip
+    elif cfg.rollout == "vllm":
         opts["vllm_options"] = {
             "max_model_len": cfg.max_prompt_length + cfg.max_completion_length,
             "gpu_memory_utilization": cfg.vllm_gpu_memory_utilization,
@@ -93,6 +99,8 @@ def eval_engine_options(cfg: GRPOConfig) -> dict:
     """`engine_options` for held-out accuracy: the training precision (the policy's own, or its bf16 / fp16
     copy under autocast), never a lower one asked for rollouts; except on vLLM, whose dtype is fixed when it
     starts (its evaluation runs in the rollout dtype)."""
+    if cfg.rollout == "vllm" and cfg.vllm_mode == "server":  # the trainer's own weights, not the server's
+        return {"engine": "auto", "compile": engine_options(cfg)["compile"]}
     opts = engine_options(cfg)
     if cfg.rollout != "vllm":
         opts.pop("rollout_dtype", None)
@@ -101,13 +109,15 @@ def eval_engine_options(cfg: GRPOConfig) -> dict:
     return opts
 
 
-def rollout(run, rows) -> Rollout:
-    """G completions for each of `rows`' prompts, sampled by the policy (eval mode, no grad)."""
+def rollout(run, rows, generator=None) -> Rollout:
+    """G completions for each of `rows`' prompts, sampled by the policy (eval mode, no grad); `generator`:
+    another sampling stream than the run's (asynchronous generation, on its own thread)."""
     if run.multi_turn:
         return multi_turn_rollout(run, rows)
     cfg = run.cfg
     texts, p_ids, p_mask = encode_prompts(rows, run.tokenizer, cfg.max_prompt_length, run.device)
-    run.policy.eval()
+    if not server_mode(cfg):  # a server's rollout never touches the model (it may train meanwhile)
+        run.policy.eval()
     with torch.no_grad():
         c_ids, c_mask, c_logp = run.policy(
             generate_groups,
@@ -117,23 +127,32 @@ def rollout(run, rows) -> Rollout:
             cfg.max_completion_length,
             all_done=(lambda done: all_done(done, run.dist)) if run.dist.on else None,
             return_logprobs=True,
-            **sampling_options(run),
+            **sampling_options(run, generator),
             **engine_options(cfg),
         )
     return Rollout(texts, p_ids, p_mask, c_ids, c_mask, c_logp, *engine_that_ran(run))
 
 
-def sampling_options(run) -> dict:
+def server_mode(cfg: GRPOConfig) -> bool:
+    return cfg.rollout == "vllm" and cfg.vllm_mode == "server"
+
+
+def sampling_options(run, generator=None) -> dict:
     """How rollouts sample, as `generate_groups` / `generate_trajectories` take it."""
     cfg = run.cfg
     return dict(
         temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-        eos_token_id=run.tokenizer.eos_token_id, share_prefix=cfg.share_prefix, generator=run.generator,
+        eos_token_id=run.tokenizer.eos_token_id, share_prefix=cfg.share_prefix,
+        generator=run.generator if generator is None else generator,
     )  # fmt: skip
 
 
 def engine_that_ran(run) -> tuple[str, str]:
     """(engine, rollout dtype) of the rollout just made: what decides the mismatch correction."""
+    if server_mode(run.cfg):
+        dtype = vllm_server.engine_for(run.model).dtype
+        short = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(dtype, dtype)
+        return "vllm", "model" if dtype == str(run.model.dtype).removeprefix("torch.") else short
     engine, _ = resolve_engine(run.model, run.cfg.rollout)
     if engine == "native":
         return engine, native.engine_for(run.model).rollout_dtype

@@ -41,7 +41,9 @@ from tqdm import tqdm
 
 from ..rewards import load_from_file, load_reward, reward_name
 from ..rollout.tools import Toolbox
+from ..rollout.vllm_server import ServerError
 from . import checkpoint as ckpt_mod
+from . import rollouts
 from .batching import Packer
 from .config import GRPOConfig, check_correction, parse_config, to_dict
 from .data import PromptSampler, check_rows, train_and_eval_rows
@@ -102,6 +104,7 @@ class Run:
     packer: Packer | None = None  # micro-batches packed to --max-memory-gb (grpo_fast.trainer.batching)
     tools: list = field(default_factory=list)  # --tools: multi-turn rollouts
     environment_factory: object = None  # --environment: one instance per rollout
+    rollouts: object = None  # where each step's rollout comes from (grpo_fast.trainer.rollouts)
 
     @property
     def multi_turn(self) -> bool:
@@ -119,8 +122,7 @@ def train(cfg: GRPOConfig) -> dict:
             print(f"step 0: held-out accuracy {run.last_eval['eval_accuracy']:.3f}", flush=True)
     bar = tqdm(total=cfg.max_steps, initial=run.step, desc="grpo", dynamic_ncols=True,
                disable=None if run.dist.main else True)  # fmt: skip
-    local_prompts = cfg.prompts_per_step // run.dist.world
-    with stop_on_signals() as signals:
+    with stop_on_signals() as signals, serving(run):
         stopped = False
         while run.step < cfg.max_steps:
             stopped = should_stop(run, signals)
@@ -128,8 +130,7 @@ def train(cfg: GRPOConfig) -> dict:
                 break
             t0 = clock(run.device)
             reset_peak(run.device)
-            rows = run.sampler.next()[run.dist.rank * local_prompts : (run.dist.rank + 1) * local_prompts]
-            ro = rollout(run, rows)  # 1. G completions per prompt (this rank's share of the global batch)
+            rows, ro, extra = run.rollouts.next()  # 1. G completions per prompt (this rank's share)
             rollout_peak = peak_mib(run.device)
             release_free_memory(run.device)  # CPU: what the rollout freed (packed weights, buffers) goes back
             t1 = clock(run.device)
@@ -140,13 +141,40 @@ def train(cfg: GRPOConfig) -> dict:
             peaks = (rollout_peak, peak_mib(run.device))
             release_free_memory(run.device)  # CPU: the heap's free pages back, so no step inherits them
             t3 = clock(run.device)
-            run.elapsed_train += t3 - t0
-            record = step_record(run, ro, sc, metrics, grad_norm, (t0, t1, t2, t3), peaks, micro)  # 4. log
-            after_step(run, record, bar)
+            try:
+                extra.update(run.rollouts.after_update(run.step))  # servers: the new weights pushed, verified
+            finally:  # a push that failed still leaves this step trained: logged (and saved) before it stops
+                t4 = clock(run.device)
+                run.elapsed_train += t4 - t0
+                record = step_record(run, ro, sc, metrics, grad_norm, (t0, t1, t2, t3), peaks, micro)
+                record.update(extra, time_sync_s=t4 - t3)  # 4. log
+                record["tokens_per_s"] *= (t3 - t0) / (t4 - t0)  # over the whole step, the push included
+                after_step(run, record, bar)
         if not stopped:  # a signal during the last step
             (stopped,) = agreed([signals["stop"]], run.dist)
     bar.close()
     return finish(run, bool(stopped))
+
+
+@contextmanager
+def serving(run: Run):
+    """The run's rollout source (grpo_fast.trainer.rollouts) for the loop's duration. A vLLM server that fails
+    stops the run with its error after the last completed step is saved; `--resume` continues from there."""
+    run.rollouts = rollouts.for_run(run, rollout)
+    try:
+        yield
+    except ServerError as exc:
+        run.rollouts.close()
+        path = save(run, run.step)
+        if run.dist.main:
+            run.log.close()
+        raise SystemExit(
+            f"grpo-fast: stopped at step {run.step}: {exc}\nthe last completed step is saved in "
+            f"{path}; once the "
+            "server is back, run again with --resume to continue from it"
+        ) from exc
+    finally:
+        run.rollouts.close()
 
 
 def should_stop(run: Run, signals) -> bool | None:
@@ -474,12 +502,19 @@ def save(run: Run, at_step: int) -> Path:
     if dist.main:
         path = ckpt_mod.save_checkpoint(
             run.out, at_step, run.model, run.tokenizer, optimizer_state, run.scheduler,
-            run.sampler.state_dict(), run.generator, extra, cfg.save_total_limit, model_state=model_state,
+            sampler_state(run), run.generator, extra, cfg.save_total_limit, model_state=model_state,
             scaler=run.scaler,
         )  # fmt: skip
     barrier(dist)
     run.saved[at_step] = path or run.out / f"checkpoint-{at_step}"
     return run.saved[at_step]
+
+
+def sampler_state(run: Run) -> dict:
+    """The prompt sampler's position after the last trained batch (a generation thread may have "
+    "drawn more)."""
+    state = run.rollouts.sampler_state() if run.rollouts is not None else None
+    return state if state is not None else run.sampler.state_dict()
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -1,0 +1,433 @@
+"""The vLLM server engine: rollouts on one or several stock vLLM OpenAI-compatible servers (`vllm serve`, or
+`grpo-fast serve`, which starts one the way the installed build allows), the policy's weights pushed to them
+after every optimizer step and verified before any sample is drawn from them.
+
+Generation: `/v1/completions` with the prompt's token ids, `n = G` (vLLM's prefix cache shares the prompt),
+the sampled tokens' ids and log-probs back (`return_token_ids`, `logprobs: 0`: softmax(logits / T) on a server
+started with `--logprobs-mode processed_logprobs`, the trainer's distribution); one request per prompt, the
+prompts routed across the servers, a time-out on every request.
+
+Weights: the push sends the checkpoint-format tensors changed since the last push (parameter version counters,
+widened to vLLM's fused q/k/v and gate/up layers; LoRA merged), in the server's dtype, through a transport:
+"files", a safetensors file in a directory both sides see (on one host by default /dev/shm: shared memory,
+nothing touches a disk), loaded by the worker extension (grpo_fast.rollout.vllm_worker) through the server's
+`/collective_rpc`. A push is pause (in-flight requests finish) -> load -> prefix cache reset (its KV was the
+old weights') -> resume -> verify, every call under a time-out. **Verify**: the server's log-probs of a fixed
+probe sequence must equal the trainer's within the dtype's tolerance, and must have moved with the trainer's
+when those moved beyond the noise floor measured at the first push: a transport that does nothing is an error,
+never stale training. The server must be started with the worker extension and vLLM's development endpoints
+(`VLLM_SERVER_DEV_MODE=1`): bind it to a private address; those endpoints run code the caller names.
+
+Every failure raises `ServerError` naming the server and what failed; with several servers a failed request is
+retried on another, and a server that failed is not used again in this run.
+"""
+
+import json
+import os
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from ..models.model_parts import causal_lm
+from .sampling import eos_and_pad
+from .vllm_engine import _siblings, check_logprobs_mode, checkpoint_weights
+
+EXTENSION = "grpo_fast.rollout.vllm_worker.WeightReceiver"
+MIN_VLLM = (0, 32)  # the oldest build whose endpoints this client was tested against
+PROBE_LEN = 48
+CHECK_TIMEOUT_S = 30.0  # the questions asked of a server when connecting (not generation's time-out)
+# the largest |server - trainer| log-prob on the probe a push may leave, by the server's dtype (vLLM's kernels
+# are not the trainer's: fp32 differs by rounding, 16-bit by its precision)
+PROBE_TOLERANCE = {"float32": 2e-3, "bfloat16": 0.25, "float16": 0.05}
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ServerError(RuntimeError):
+    """A vLLM server failed, timed out, or is not the server this trainer can use."""
+
+
+def _version_tuple(text: str) -> tuple:
+    parts = []
+    for p in text.split(".")[:2]:
+        digits = "".join(c for c in p if c.isdigit())
+        parts.append(int(digits or 0))
+    return tuple(parts)
+
+
+class Server:
+    """One vLLM server: its base URL, what it runs, whether it still answers."""
+
+    def __init__(self, url: str, timeout: float):
+        self.url = url.rstrip("/")
+        if not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"vllm_server_base_url: expected http(s)://host:port, got {url!r}")
+        self.timeout = timeout
+        self.alive = True
+        self.info: dict = {}
+        self.model_name = ""
+
+    @property
+    def local(self) -> bool:
+        return urllib.parse.urlparse(self.url).hostname in ("localhost", "127.0.0.1", "::1")
+
+    def call(self, path: str, payload=None, *, timeout=None, what: str = "") -> dict:
+        """POST `payload` as JSON (GET without one); the decoded answer, or ServerError naming this server."""
+        data = None if payload is None else json.dumps(payload).encode()
+        req = urllib.request.Request(
+            self.url + path,
+            data=data,
+            method="GET" if data is None else "POST",
+            headers={"Content-Type": "application/json"},
+        )
+        limit = self.timeout if timeout is None else timeout
+        try:
+            with urllib.request.urlopen(req, timeout=limit) as resp:
+                body = resp.read()
+        except urllib.error.HTTPError as exc:
+            detail = exc.read().decode(errors="replace")[:500]
+            raise ServerError(
+                f"vLLM server {self.url}: {what or path} failed: HTTP {exc.code}: {detail}"
+            ) from exc
+        except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as exc:
+            reason = getattr(exc, "reason", exc)
+            kind = "timed out" if "timed out" in str(reason) else "failed"
+            raise ServerError(
+                f"vLLM server {self.url}: {what or path} {kind} (time-out {limit:.0f}s): {reason}"
+            ) from exc
+        return json.loads(body) if body else {}
+
+    def rpc(self, method: str, *args: str, what: str = "", timeout=None) -> list:
+        """A method of the worker extension on every worker of this server (string arguments only)."""
+        limit = self.timeout if timeout is None else timeout
+        out = self.call(
+            "/collective_rpc",
+            {"method": method, "args": list(args), "timeout": limit},
+            timeout=limit,
+            what=what or method,
+        )
+        return out.get("results", [])
+
+    def wait_up(self, wait_s: float) -> float:
+        """Seconds until `/health` answered; ServerError after `wait_s`."""
+        t0 = time.monotonic()
+        while True:
+            try:
+                self.call("/health", timeout=5, what="health check")
+                return time.monotonic() - t0
+            except ServerError as exc:
+                if time.monotonic() - t0 > wait_s:
+                    raise ServerError(
+                        f"vLLM server {self.url} did not answer /health within "
+                        f"vllm_server_timeout={wait_s:.0f}s "
+                        f"(never started, or unreachable): {exc}"
+                    ) from exc
+                time.sleep(1.0)
+
+
+def expected_info(model) -> dict:
+    """What a server must run for this policy (compared with the worker extension's `grpo_fast_info`)."""
+    cfg = causal_lm(model).config
+    return {
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "num_hidden_layers": cfg.num_hidden_layers,
+        "architectures": [type(causal_lm(model)).__name__],
+    }
+
+
+def check_server(server: Server, model) -> None:
+    """ServerError unless `server` runs a vLLM this client knows, the worker extension and this model."""
+    version = server.call("/version", what="version", timeout=CHECK_TIMEOUT_S).get("version", "?")
+    if _version_tuple(version) < MIN_VLLM:
+        raise ServerError(
+            f"vLLM server {server.url} runs vLLM {version}; this client needs >= {MIN_VLLM[0]}.{MIN_VLLM[1]}"
+        )
+    try:
+        infos = server.rpc("grpo_fast_info", what="the worker extension's info", timeout=CHECK_TIMEOUT_S)
+    except ServerError as exc:
+        if "HTTP" not in str(exc):  # no answer at all: said as it is
+            raise
+        raise ServerError(
+            f"{exc}\nvLLM server {server.url} (vLLM {version}) does not serve grpo-fast's weight endpoints: "
+            f"start it with VLLM_SERVER_DEV_MODE=1 and --worker-extension-cls {EXTENSION} (grpo-fast serve "
+            "does both)"
+        ) from None
+    server.info = infos[0]
+    want = expected_info(model)
+    wrong = {k: (server.info.get(k), v) for k, v in want.items() if server.info.get(k) != v}
+    if wrong:
+        said = ", ".join(f"{k} {got!r} (expected {exp!r})" for k, (got, exp) in wrong.items())
+        raise ServerError(f"vLLM server {server.url} runs another model than this policy: {said}")
+    if server.info.get("tie_word_embeddings"):
+        raise ServerError(
+            f"vLLM server {server.url} ties the LM head to the embedding: a weight push would update one and "
+            "not the other; start it with --hf-overrides '{\"tie_word_embeddings\": false}' "
+            "(grpo-fast serve does)"
+        )
+    models = server.call("/v1/models", what="model list", timeout=CHECK_TIMEOUT_S).get("data", [])
+    server.model_name = models[0]["id"] if models else ""
+
+
+class ServerEngine:
+    """The policy's rollouts on `urls` (vLLM servers), its weights pushed through `weight_dir` ("files"
+    transport; default: /dev/shm when every server is on this host)."""
+
+    def __init__(self, model, urls, *, wait_s=240.0, timeout=600.0, weight_dir=None, auto_push=True):
+        self.servers = [Server(u, timeout) for u in urls]
+        if not self.servers:
+            raise ValueError("vllm_server_base_url: no server given")
+        self.auto_push = auto_push  # False: the caller pushes (asynchronous training, from its own thread)
+        self.lock = threading.Lock()  # a push waits for the generation in flight, and the reverse
+        t0 = time.monotonic()
+        for s in self.servers:
+            s.wait_up(wait_s)
+            check_server(s, model)
+        self.connect_s = time.monotonic() - t0
+        if weight_dir is None:
+            if not all(s.local for s in self.servers):
+                raise ValueError(
+                    "vllm_weight_dir: a server is on another host; give a directory both sides see "
+                    "(the files "
+                    "transport), e.g. on a shared file system"
+                )
+            weight_dir = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+        self.weight_dir = weight_dir
+        dtypes = {s.info["dtype"] for s in self.servers}
+        if len(dtypes) > 1:
+            raise ServerError(f"the vLLM servers run different dtypes {sorted(dtypes)}: start them alike")
+        self.dtype = dtypes.pop()
+        self.logprobs_mode = self.servers[0].info.get("logprobs_mode", "")
+        self.versions: dict = {}  # checkpoint name -> version key at the last push
+        self.probe = None  # (ids, the trainer's log-probs at the last verified push)
+        self.noise = 0.0  # |server - trainer| on the probe right after the first push
+        self.stats = {
+            "pushes": 0,
+            "pushed_tensors": 0,
+            "calls": 0,
+            "sync_s": 0.0,
+            "sync_bytes": 0,
+            "probe_error": 0.0,
+            "probe_moved": 0.0,
+            "failed_servers": 0,
+        }
+        self._next = 0
+
+    @property
+    def alive(self) -> list:
+        live = [s for s in self.servers if s.alive]
+        if not live:
+            raise ServerError("every vLLM server failed: " + ", ".join(s.url for s in self.servers))
+        return live
+
+    # ---- weights ----------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def push(self, model, step: int | None = None) -> int:
+        """Send the weights changed since the last push, then verify them on every server; returns how many
+        tensors went. ServerError (naming the server and the step) on any failure or a failed check."""
+        with self.lock:
+            return self._push(model, step)
+
+    def _push(self, model, step):
+        entries = checkpoint_weights(model)
+        changed = {n for n, (key, _) in entries.items() if self.versions.get(n) != key}
+        if not changed:
+            return 0
+        t0 = time.monotonic()
+        names = sorted({s for n in changed for s in _siblings(n) if s in entries} | changed)
+        dtype = TORCH_DTYPES.get(self.dtype, torch.float32)
+        tensors, seen = {}, set()
+        for n in names:
+            t = entries[n][1]().to("cpu", dtype).contiguous()
+            if t.data_ptr() in seen:  # a tied tensor twice: safetensors stores each storage once
+                t = t.clone()
+            seen.add(t.data_ptr())
+            tensors[n] = t
+        path = self._write(tensors, step)
+        at = f" at step {step}" if step is not None else ""
+        try:
+            for s in self.alive:
+                self._load(s, path, at)
+        finally:
+            os.unlink(path)
+        self.versions.update({n: entries[n][0] for n in names})
+        self._verify(model, at)
+        self.stats["pushes"] += 1
+        self.stats["pushed_tensors"] += len(names)
+        self.stats["sync_bytes"] = sum(t.numel() * t.element_size() for t in tensors.values())
+        self.stats["sync_s"] = time.monotonic() - t0
+        return len(names)
+
+    def _write(self, tensors: dict, step) -> str:
+        from safetensors.torch import save_file
+
+        name = f"grpo-fast-weights-{os.getpid()}-{id(self)}-{step if step is not None else 'x'}.safetensors"
+        path = os.path.join(self.weight_dir, name)
+        save_file(tensors, path + ".tmp")
+        os.replace(path + ".tmp", path)  # a worker never reads half a file
+        return path
+
+    def _load(self, s: Server, path: str, at: str) -> None:
+        s.call("/pause?mode=wait", {}, what=f"pause before the weight push{at}")
+        try:
+            loaded = s.rpc("grpo_fast_load", path, what=f"weight push{at}")
+            s.call("/reset_prefix_cache", {}, what=f"prefix cache reset{at}")
+        finally:
+            s.call("/resume", {}, what=f"resume after the weight push{at}")
+        if not loaded or not isinstance(loaded[0], dict):
+            raise ServerError(f"vLLM server {s.url}: weight push{at} returned {loaded!r}, not what it loaded")
+
+    def probe_ids(self, vocab: int) -> list:
+        g = torch.Generator().manual_seed(20_251_202)
+        return torch.randint(vocab, (PROBE_LEN,), generator=g).tolist()
+
+    def server_logprobs(self, s: Server, ids: list, what: str) -> torch.Tensor:
+        """The server's log-probs of ids[1:] given their prefix (temperature 1, whole vocabulary)."""
+        out = s.call(
+            "/v1/completions",
+            {"model": s.model_name, "prompt": ids, "max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0},
+            what=what,
+        )
+        rows = out["choices"][0]["prompt_logprobs"][1:]
+        return torch.tensor([row[str(t)]["logprob"] for row, t in zip(rows, ids[1:])], dtype=torch.float64)
+
+    def _verify(self, model, at: str) -> None:
+        lm = causal_lm(model)
+        ids = self.probe_ids(lm.config.vocab_size)
+        x = torch.tensor([ids], device=next(lm.parameters()).device)
+        was_training = lm.training
+        lm.eval()
+        logits = lm(input_ids=x).logits[0, :-1].double()
+        lm.train(was_training)
+        mine = logits.log_softmax(-1).gather(-1, x[0, 1:, None].to(logits.device))[:, 0].cpu()
+        tol = PROBE_TOLERANCE.get(self.dtype, 0.25)
+        moved = float((mine - self.probe).abs().max()) if self.probe is not None else float("inf")
+        for s in self.alive:
+            theirs = self.server_logprobs(s, ids, f"verification probe{at}")
+            err = float((theirs - mine).abs().max())
+            stale = self.probe is not None and moved > 8 * max(self.noise, 1e-6) and err > moved / 2
+            if err > tol or stale:
+                why = (
+                    (
+                        f"they did not move with the trainer's (moved {moved:.3g}, error {err:.3g}): "
+                        "the push "
+                        "changed nothing there"
+                    )
+                    if stale
+                    else f"max |server - trainer| {err:.3g} > {tol:g}"
+                )
+                raise ServerError(
+                    f"vLLM server {s.url}: weight push{at} not verified: its log-probs of the probe "
+                    "do not equal "
+                    f"the trainer's ({self.dtype}): {why}"
+                )
+            if self.probe is None:
+                self.noise = max(self.noise, err)
+            self.stats["probe_error"] = err
+        self.stats["probe_moved"] = 0.0 if self.probe is None else moved
+        self.probe = mine
+
+    # ---- generation -------------------------------------------------------------------------------------
+    def generate(
+        self,
+        model,
+        prompt_ids,
+        prompt_mask,
+        num_generations,
+        max_new_tokens,
+        *,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        eos_token_id=None,
+        generator=None,
+        return_logprobs=False,
+    ):
+        if return_logprobs and temperature != 0:
+            check_logprobs_mode(self.logprobs_mode, temperature, top_p, top_k)
+        if self.auto_push:
+            self.push(model)
+        n, G, C = prompt_ids.shape[0], num_generations, max_new_tokens
+        eos, pad = eos_and_pad(eos_token_id)
+        greedy = temperature == 0
+        seeds = [None] * n
+        if generator is not None and self.servers[0].info.get("device", "cpu") != "cpu":
+            # per-request seeds; not on a CPU server: vLLM 0.32's CPU runner crashes its engine on a seeded
+            # request whose prefill is chunked (`CPU Generator does not use offset`), so there the server's
+            # own seed (--seed 0) drives sampling and a run is not reproducible sample for sample
+            seeds = torch.randint(2**31 - 1, (n,), generator=generator).tolist()
+        base = {
+            "max_tokens": C,
+            "temperature": 0.0 if greedy else float(temperature),
+            "top_p": 1.0 if greedy else float(top_p),
+            "top_k": 0 if greedy else int(top_k or 0),
+            "stop_token_ids": list(eos),
+            "ignore_eos": True,  # only `eos_token_id` ends a sample (not the model's own EOS too)
+            "return_token_ids": True,
+            "logprobs": 0 if return_logprobs else None,
+            "skip_special_tokens": False,
+        }
+        prompts = [ids[m.bool()].tolist() for ids, m in zip(prompt_ids.cpu(), prompt_mask.cpu())]
+        with self.lock:
+            live = self.alive
+            start, self._next = self._next, self._next + n
+            jobs = [(prompts[i], seeds[i], live[(start + i) % len(live)]) for i in range(n)]
+            with ThreadPoolExecutor(max_workers=min(32, max(1, n))) as pool:
+                outs = list(pool.map(lambda job: self._one(job, base, G, greedy), jobs))
+        self.stats["calls"] += 1
+        return _collect(outs, pad, prompt_ids.device, return_logprobs)
+
+    def _one(self, job, base, G, greedy) -> list:
+        """One prompt's G completions [(token ids, log-probs)], retried on another server if its own fails."""
+        prompt, seed, server = job
+        body = {**base, "prompt": [prompt] * G if greedy else prompt, "n": 1 if greedy else G, "seed": seed}
+        while True:
+            try:
+                out = server.call("/v1/completions", {**body, "model": server.model_name}, what="generation")
+                choices = sorted(out["choices"], key=lambda c: c["index"])
+                return [(c["token_ids"], (c.get("logprobs") or {}).get("token_logprobs")) for c in choices]
+            except ServerError:
+                server.alive = False
+                self.stats["failed_servers"] = sum(not s.alive for s in self.servers)
+                others = [s for s in self.servers if s.alive]
+                if not others:
+                    raise
+                server = others[0]
+
+
+def _collect(outs, pad, device, with_logprobs):
+    """(n * G, C') ids, masks (and log-probs) in the native engine's layout: sample s of prompt s // G."""
+    rows = [r for out in outs for r in out]
+    width = max((len(ids) for ids, _ in rows), default=0)
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    logp = torch.zeros(len(rows), width)
+    for i, (tok, lp) in enumerate(rows):
+        k = len(tok)
+        ids[i, :k] = torch.tensor(tok, dtype=torch.long)
+        mask[i, :k] = 1
+        if with_logprobs:
+            logp[i, :k] = torch.tensor(lp, dtype=torch.float32)
+    result = (ids.to(device), mask.to(device))
+    return (*result, logp.to(device)) if with_logprobs else result
+
+
+_ENGINES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def engine_for(model, urls=None, **options) -> ServerEngine:
+    """This model's server engine, connected on first use to `urls` with `options` (ServerEngine's); later
+    calls take it as it is."""
+    lm = causal_lm(model)
+    eng = _ENGINES.get(lm)
+    if eng is None:
+        if not urls:
+            raise ValueError("vllm_mode='server' needs vllm_server_base_url (or host and port)")
+        eng = _ENGINES[lm] = ServerEngine(model, urls, **options)
+    return eng

@@ -1,0 +1,233 @@
+"""Server mode against a real vLLM server on this CPU (`grpo-fast serve`'s launcher, stock vLLM's OpenAI
+server, the embedded default model): weight pushes checked against the trainer's own forward (log-probs of a
+random sequence that is not the probe, computed in the test), a push that moves nothing refused, changed
+layers only, the sampled tokens' log-probs against the trainer's forward, and the faults: unreachable, wrong
+model, a request past its time-out, the server killed during generation and during a push, and `--resume`
+once it is back. Runs where vLLM is installed (`make test` runs it in .venv-vllm)."""
+
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from tiny_models import eos_likely_lm
+
+from grpo_fast.rollout import serve
+from grpo_fast.rollout.vllm_server import ServerEngine, ServerError
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM not installed")
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = ROOT / "grpo_fast" / "tasks" / "assets" / "shop-base"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    log = open(tmp_path_factory.mktemp("server") / "server.log", "w")
+    with serve.launch(str(MODEL), port=free_port(), python=sys.executable, max_model_len=64, log=log) as url:
+        yield url
+
+
+def policy():
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32).eval()
+
+
+def trainer_logprobs(model, ids) -> torch.Tensor:
+    """log p(ids[t] | ids[:t]) for t >= 1 from the HF forward, in fp64."""
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        logits = model(input_ids=x).logits[0, :-1].double()
+    return logits.log_softmax(-1).gather(-1, x[0, 1:, None])[:, 0]
+
+
+def random_ids(model, n=40, seed=7):
+    return torch.randint(
+        model.config.vocab_size, (n,), generator=torch.Generator().manual_seed(seed)
+    ).tolist()
+
+
+def perturb(module, scale=0.05, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale)
+
+
+def test_push_is_seen_by_the_server_and_a_noop_transport_fails(server):
+    model = policy()
+    engine = ServerEngine(model, [server])
+    assert engine.push(model, 0) == len(engine.versions) > 0  # the first push: everything
+    ids = random_ids(model)
+    s = engine.servers[0]
+    assert (engine.server_logprobs(s, ids, "test") - trainer_logprobs(model, ids)).abs().max() < 1e-3
+    perturb(model)
+    engine.push(model, 1)
+    theirs, mine = engine.server_logprobs(s, ids, "test"), trainer_logprobs(model, ids)
+    assert (theirs - mine).abs().max() < 1e-3
+    # a transport that does nothing: the server keeps the old weights, the check says so
+    perturb(model, seed=1)
+    engine._load = lambda server, path, at: None
+    with pytest.raises(ServerError, match="not verified"):
+        engine.push(model, 2)
+
+
+def test_only_changed_layers_travel(server):
+    model = policy()
+    engine = ServerEngine(model, [server])
+    engine.push(model, 0)
+    attn = model.model.layers[0].self_attn
+    with torch.no_grad():
+        attn.q_proj.weight.mul_(1.5)
+    assert engine.push(model, 1) == 3  # q, k, v: vLLM loads them as one layer
+    want = sum(p.numel() * 4 for p in (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight))
+    assert engine.stats["sync_bytes"] == want
+    with torch.no_grad():
+        model.model.layers[1].mlp.down_proj.weight.mul_(0.5)
+    assert engine.push(model, 2) == 1
+    assert engine.push(model, 3) == 0  # nothing changed: nothing sent
+    ids = random_ids(model, seed=3)
+    assert (
+        engine.server_logprobs(engine.servers[0], ids, "t") - trainer_logprobs(model, ids)
+    ).abs().max() < 1e-3
+
+
+def test_samples_and_their_logprobs_match_the_trainer(server):
+    model = policy()
+    perturb(model, scale=0.02, seed=5)  # not the weights the server started from
+    engine = ServerEngine(model, [server])
+    ids = torch.tensor([[0, 0, 5, 9, 14], [3, 4, 5, 6, 7]])
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    eos = 2
+    c_ids, c_mask, c_logp = engine.generate(
+        model,
+        ids,
+        mask,
+        4,
+        12,
+        temperature=1.0,
+        eos_token_id=eos,
+        generator=torch.Generator(),
+        return_logprobs=True,
+    )
+    assert c_ids.shape[0] == 8 and c_ids.shape[1] <= 12
+    for r in range(8):
+        k = int(c_mask[r].sum())
+        row = c_ids[r, :k].tolist()
+        assert eos not in row[:-1] and (k == 12 or row[-1] == eos)  # EOS kept, nothing after it
+        assert bool((c_mask[r, k:] == 0).all())
+        prompt = ids[r // 4][mask[r // 4].bool()].tolist()
+        mine = trainer_logprobs(model, prompt + row)[len(prompt) - 1 :]
+        assert (c_logp[r, :k].double() - mine).abs().max() < 1e-3
+
+
+def test_wrong_model_refused(server):
+    other = eos_likely_lm("llama", 97, 1, 0, head_dim=32)
+    with pytest.raises(ServerError, match="another model"):
+        ServerEngine(other, [server])
+
+
+def test_unreachable_url_fails_within_its_timeout():
+    model = policy()
+    url = f"http://127.0.0.1:{free_port()}"
+    t0 = time.monotonic()
+    with pytest.raises(ServerError, match="did not answer /health within vllm_server_timeout=2s"):
+        ServerEngine(model, [url], wait_s=2)
+    assert time.monotonic() - t0 < 15
+
+
+def test_request_past_its_timeout(server):
+    model = policy()
+    engine = ServerEngine(model, [server], timeout=0.001, auto_push=False)  # generation's time-out
+    ids, mask = torch.tensor([[5, 6, 7]]), torch.ones(1, 3, dtype=torch.long)
+    t0 = time.monotonic()
+    with pytest.raises(ServerError, match="timed out"):
+        engine.generate(model, ids, mask, 4, 12, eos_token_id=2)
+    assert time.monotonic() - t0 < 10
+
+
+def gone(pgid, wait_s=20.0) -> bool:
+    """Whether no process of the group `pgid` is left (killed children are reaped by init a moment later)."""
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def _train(out, url, *more):
+    cmd = [sys.executable, "-m", "grpo_fast.train", "--output-dir", str(out), "--rollout", "vllm",
+           "--vllm-mode", "server", "--vllm-server-base-url", url, "--max-staleness", "1", "--max-steps", "8",
+           "--save-steps", "2", "--eval-steps", "0", "--time-budget-s", "0", "--vllm-request-timeout-s", "20",
+           "--vllm-server-timeout", "20", *more]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _steps(out) -> list:
+    path = out / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.is_file() else []
+    return [json.loads(x)["step"] for x in lines if "reward_mean" in x]
+
+
+def test_server_killed_mid_run_then_resume(tmp_path):
+    """The server dies while the trainer runs: a clear error within the time-out, the last completed step
+    saved, nothing of ours left; with the server back, --resume trains every remaining step once."""
+    port, out = free_port(), tmp_path / "run"
+    log = open(tmp_path / "server.log", "w")
+    with serve.launch(str(MODEL), port=port, python=sys.executable, max_model_len=64, log=log) as url:
+        trainer = _train(out, url, "--overwrite-output-dir")
+        deadline = time.monotonic() + 120
+        while len(_steps(out)) < 3 and time.monotonic() < deadline and trainer.poll() is None:
+            time.sleep(0.05)
+        assert len(_steps(out)) >= 3, trainer.stdout.read()
+        pgid = os.getpgid(
+            int(subprocess.check_output(["pgrep", "-f", "--", f"--port {port}"], text=True).split()[0])
+        )
+        os.killpg(pgid, signal.SIGKILL)  # the server and its engine, mid-run
+        t0 = time.monotonic()
+        text, _ = trainer.communicate(timeout=90)
+        assert time.monotonic() - t0 < 60
+    assert trainer.returncode != 0
+    assert "vLLM server" in text and "run again with --resume" in text, text
+    stopped = int(text.split("stopped at step ")[1].split(":")[0])
+    ckpt = out / f"checkpoint-{stopped}"
+    assert (ckpt / "model.safetensors").is_file() and (ckpt / "trainer_state.json").is_file(), list(
+        ckpt.iterdir()
+    )
+    assert gone(pgid)  # nothing of the server left
+    assert not list(Path("/dev/shm").glob(f"grpo-fast-weights-{trainer.pid}-*"))
+    # the server is back: the run continues from the saved step, each remaining step once
+    with serve.launch(str(MODEL), port=port, python=sys.executable, max_model_len=64, log=log) as url:
+        resumed = _train(out, url, "--resume")
+        text, _ = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, text
+    assert _steps(out) == list(range(1, 9)), _steps(out)
+    # a push to a server that is gone: the error names the server and the step
+    model = policy()
+    with serve.launch(str(MODEL), port=port, python=sys.executable, max_model_len=64, log=log) as url:
+        engine = ServerEngine(model, [url])
+        engine.push(model, 0)
+        pgid = os.getpgid(
+            int(subprocess.check_output(["pgrep", "-f", "--", f"--port {port}"], text=True).split()[0])
+        )
+        os.killpg(pgid, signal.SIGKILL)
+        perturb(model)
+        with pytest.raises(ServerError, match=f"vLLM server {url}: pause before the weight push at step 1"):
+            engine.push(model, 1)
