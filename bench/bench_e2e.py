@@ -22,6 +22,11 @@ Providers:
   grpo_fast_vllm      the same with --rollout vllm (vLLM in the trainer's process, weights pushed every step;
                       run in the vLLM environment, `make setup-vllm`: transformers 5.19 there)
   grpo_fast_vllm_bf16 the same with --rollout-dtype bf16 (vLLM's weights in bf16; the loss corrects)
+  grpo_fast_server    --rollout vllm --vllm-mode server: rollouts on a vLLM server (fp32) started for the run
+                      by grpo-fast serve's launcher on its own core(s), the trainer pinned to the others;
+                      weights pushed and verified after every step (sync s); synchronous
+  grpo_fast_server_async  the same with --max-staleness 1: the next step's rollout generated while this one
+                      trains; the model `async step = max(generate, train) + sync` is checked against it
 
 `our_default` in the results names our provider at our default precision on this machine (grpo_fast_mp
 where --bf16 unset means on: grpo_fast/trainer/precision.py), compared with TRL at its default (trl_bf16).
@@ -58,7 +63,8 @@ from grpo_fast.trainer.plotting import pyplot
 PROVIDERS = ["trl", "trl_liger", "trl_grpo_fast", "grpo_fast_unshared", "grpo_fast", "grpo_fast_vllm"]
 REAL_PROVIDERS = [
     "trl", "trl_bf16", "trl_static_cache", "trl_grpo_fast", "trl_grpo_fast_native", "grpo_fast",
-    "grpo_fast_mp", "grpo_fast_bf16", "grpo_fast_vllm", "grpo_fast_vllm_bf16",
+    "grpo_fast_mp", "grpo_fast_bf16", "grpo_fast_vllm", "grpo_fast_vllm_bf16", "grpo_fast_server",
+    "grpo_fast_server_async",
 ]  # fmt: skip
 LABELS = {
     "trl": "TRL GRPOTrainer",
@@ -74,6 +80,8 @@ LABELS = {
     "grpo_fast_vllm": "grpo-fast, --rollout vllm",
     "grpo_fast_bf16": "grpo-fast, --rollout-dtype bf16 (corrected)",
     "grpo_fast_vllm_bf16": "grpo-fast, --rollout vllm --rollout-dtype bf16 (corrected)",
+    "grpo_fast_server": "grpo-fast, vLLM server (own core), synchronous",
+    "grpo_fast_server_async": "grpo-fast, vLLM server (own core), async --max-staleness 1",
 }
 # the training settings both trainers get, under the names both use
 SAME_FOR_BOTH = dict(temperature=1.0, beta=0.0, loss_type="dapo", learning_rate=1e-6)
@@ -288,6 +296,8 @@ def run_grpo_fast(a: dict) -> dict:
         return Path(a["out"]) / "no-checkpoint"
 
     train_mod.ckpt_mod.save_checkpoint = no_checkpoint
+    if a["provider"].startswith("grpo_fast_server"):
+        return with_server(a, lambda url: run_grpo_fast(dict(a, server_url=url)))
     base_mib = baseline_mib(device)
     above = a.get("budget_above_baseline_gb")  # bench_frontier: --max-memory-gb is the whole process's
     cfg = GRPOConfig(
@@ -303,7 +313,8 @@ def run_grpo_fast(a: dict) -> dict:
         max_steps=a["warmup"] + a["steps"],
         **SAME_FOR_BOTH,
         share_prefix=a["provider"] != "grpo_fast_unshared",
-        rollout="vllm" if a["provider"].startswith("grpo_fast_vllm") else "auto",
+        rollout="vllm" if a["provider"].startswith(("grpo_fast_vllm", "grpo_fast_server")) else "auto",
+        **server_options(a),
         rollout_dtype="bf16" if a["provider"].endswith("_bf16") else "model",
         bf16=a["provider"] == "grpo_fast_mp",  # the others fp32, as TRL's bf16=False row
         output_dir=a["out"],
@@ -313,17 +324,55 @@ def run_grpo_fast(a: dict) -> dict:
     train_mod.train(cfg)
     records = [json.loads(line) for line in (Path(a["out"]) / "metrics.jsonl").read_text().splitlines()]
     records = [r for r in records if "time_train_s" in r][a["warmup"] :]
-    steps = [
-        dict(
-            step_s=r["time_generate_s"] + r["time_reward_s"] + r["time_train_s"],
-            generate_s=r["time_generate_s"],
-            score_s=r["time_reward_s"],
-            train_s=r["time_train_s"],
-            tokens=round(r["tokens_per_s"] * (r["time_generate_s"] + r["time_reward_s"] + r["time_train_s"])),
-        )
-        for r in records
-    ]
+    steps = []
+    for r in records:
+        step_s = r["time_generate_s"] + r["time_reward_s"] + r["time_train_s"] + r.get("time_sync_s", 0.0)
+        steps.append(dict(step_s=step_s, generate_s=r["time_generate_s"], score_s=r["time_reward_s"],
+                          train_s=r["time_train_s"], sync_s=r.get("time_sync_s", 0.0),
+                          push_s=r.get("sync/seconds", 0.0), gen_busy_s=r.get("async/generate_busy_s", 0.0),
+                          gen_idle_s=r.get("async/generate_idle_s", 0.0),
+                          trainer_wait_s=r.get("async/trainer_wait_s", 0.0),
+                          tokens=round(r["tokens_per_s"] * step_s)))  # fmt: skip
     return {"steps": steps, "peak_mem_mb": peak_at_end.get("mb", peak_mib(device)) - base_mib}
+
+
+def server_options(a: dict) -> dict:
+    if "server_url" not in a:
+        return {}
+    staleness = 1 if a["provider"].endswith("_async") else 0
+    return dict(vllm_mode="server", vllm_server_base_url=a["server_url"], max_staleness=staleness)
+
+
+def with_server(a: dict, fn):
+    """fn(url) with a vLLM server for a["model_dir"] on its own core(s) (this process pinned to the others),
+    stopped after: the server's start is not part of the measured steps."""
+    import os
+    import socket
+
+    from grpo_fast.rollout import serve
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server_cores, trainer_cores = serve.split_cores()
+    gpus = None
+    if torch.cuda.is_available():  # one GPU for the server (the last), the trainer on cuda:0
+        if torch.cuda.device_count() < 2:
+            return {"skipped": "needs two GPUs: one for the server, one for the trainer"}
+        server_cores, trainer_cores, gpus = None, None, str(torch.cuda.device_count() - 1)
+    if trainer_cores:
+        lo, _, hi = trainer_cores.partition("-")
+        mine = set(range(int(lo), int(hi or lo) + 1))
+        os.sched_setaffinity(0, mine)
+        torch.set_num_threads(len(mine))
+    python = vllm_python()
+    if python is None:
+        return {"skipped": NO_VLLM}
+    with open(Path(a["out"]) / "server.log", "w") as log, serve.launch(
+        a["model_dir"], port=port, python=python, cores=server_cores, gpus=gpus,
+        max_model_len=a["P"] + a["C"] + 8, log=log,
+    ) as url:  # fmt: skip
+        return fn(url)
 
 
 def _import_libraries() -> None:
@@ -354,7 +403,8 @@ def measure_one(a: dict) -> dict:
     if "steps" in res:
         steps = res["steps"]
         total = {
-            k: sum(s[k] for s in steps) for k in ("step_s", "generate_s", "score_s", "train_s", "tokens")
+            k: sum(s.get(k, 0.0) for s in steps)
+            for k in ("step_s", "generate_s", "score_s", "train_s", "tokens", *SERVER_KEYS)
         }
         n = len(steps)
         res.update(
@@ -364,8 +414,12 @@ def measure_one(a: dict) -> dict:
             train_s=total["train_s"] / n,
             tokens_per_step=total["tokens"] / n,
             tokens_per_s=total["tokens"] / total["step_s"],
+            **{k: total[k] / n for k in SERVER_KEYS},
         )
     return res
+
+
+SERVER_KEYS = ("sync_s", "push_s", "gen_busy_s", "gen_idle_s", "trainer_wait_s")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -465,7 +519,7 @@ def main(argv=None) -> None:
             timeout = args.worker_timeout
             if args.deadline is not None:
                 timeout = min(timeout, args.deadline - t0)
-            python = vllm_python() if p.startswith("grpo_fast_vllm") else None
+            python = vllm_python() if p.startswith("grpo_fast_vllm") else None  # a server runs in its own
             if timeout < MIN_WORKER_S:
                 res = {"skipped": f"out of time ({max(timeout, 0):.0f} s left before the deadline)"}
             elif p.startswith("grpo_fast_vllm") and python is None:

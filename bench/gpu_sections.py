@@ -733,6 +733,36 @@ def section_e2e(sec: Section) -> None:
         sec.add({k: r[k] for k in keys if k in r})
 
 
+def section_server(sec: Section) -> None:
+    """Rollouts on a vLLM server of their own (bench_e2e's synthetic workload): colocated vs server vs server
+    async (--max-staleness 1), the server on the last GPU and the trainer on cuda:0; sync seconds per step and
+    the idle fractions. Needs vLLM (its interpreter: bench._utils.vllm_python) and two GPUs, else one row
+    saying why."""
+    import torch
+
+    from bench import bench_e2e
+    from bench._utils import NO_VLLM, vllm_python
+
+    why = NO_VLLM if vllm_python() is None else None
+    if sec.dry:  # servers take ~40 s each to start on a CPU: tests/test_vllm_server.py covers them there
+        why = "dry run: server mode runs in tests/test_vllm_server.py on a CPU"
+    elif why is None and torch.cuda.device_count() < 2:
+        why = f"needs two GPUs (one for the server, one for the trainer); {torch.cuda.device_count()} here"
+    keys = ("provider", "step_s", "generate_s", "train_s", "sync_s", "push_s", "trainer_wait_s", "gen_idle_s",
+            "tokens_per_s", "peak_mem_mb", "skipped", "error")  # fmt: skip
+    sec.result["columns"] = [[k, k] for k in keys]
+    if why:
+        sec.add({"provider": "grpo_fast_server", "skipped": why})
+        return
+    argv = ["--out-dir", str(sec.out / "server"), "--deadline", str(sec.deadline - 5),
+            "--providers", "grpo_fast,grpo_fast_server,grpo_fast_server_async", "--steps", "3"]  # fmt: skip
+    argv += ["--quick"] if sec.dry else []
+    bench_e2e.main(argv)
+    name = "bench_e2e_quick.json" if sec.dry else "bench_e2e.json"
+    for r in json.loads((sec.out / "server" / name).read_text())["rows"]:
+        sec.add({k: r[k] for k in keys if k in r})
+
+
 def section_memory(sec: Section) -> None:
     """Peak memory (max_memory_allocated) of real `grpo-fast train` steps on a SmolLM2-135M-shaped model (30
     layers, random weights), one process per configuration (full / LoRA, beta 0 / 0.04, checkpointing off /
@@ -881,6 +911,7 @@ SECTIONS = {
     "generation": section_generation,
     "memory": section_memory,
     "e2e": section_e2e,
+    "server": section_server,
 }
 
 

@@ -21,6 +21,8 @@ one cannot poison the next, each bounded by what is left of the suite's BUDGET_S
   memory       peak memory of real `grpo-fast train` steps, SmolLM2-135M-shaped, six configurations, beside
                `grpo-fast estimate` (bench/bench_memory.py)
   e2e          bench_e2e vs TRL (TRL rows when its wheels are there), with what time is left
+  server       rollouts on a vLLM server on a GPU of its own vs colocated, synchronous and async (needs vLLM
+               and two GPUs; else one row saying why)
 OUTDIR/gpu_suite.json and OUTDIR/report.md are rewritten after every section. Exit status 1 when a section
 errored or timed out. --dry-run: tiny shapes on the CPU, Triton through its interpreter (the test suite runs
 it, in our environment and in a bare one).
@@ -49,6 +51,7 @@ SECTIONS = {
     "generation": (40, 150),
     "memory": (60, 170),
     "e2e": (90, 300),
+    "server": (20, 200),
 }
 
 

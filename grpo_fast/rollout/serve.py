@@ -91,6 +91,7 @@ def launch(
     cpu: bool | None = None,
     kv_cache_gb: float = 2.0,
     cores: str | None = None,
+    gpus: str | None = None,
     wait_s: float = 600.0,
     log=None,
     extra=(),
@@ -111,11 +112,14 @@ def launch(
         extra=extra,
     )
     env = {**os.environ, **environment(cpu, kv_cache_gb, cores)}
+    if gpus is not None:  # the server's own GPU(s); the trainer keeps the others
+        env["CUDA_VISIBLE_DEVICES"] = gpus
     if cpu and cores:  # the server's own cores: vLLM binds its OpenMP threads; the API process follows
         cmd = ["taskset", "-c", cores, *cmd] if _has("taskset") else cmd
     proc = subprocess.Popen(
-        cmd, env=env, stdout=log, stderr=subprocess.STDOUT if log else None, start_new_session=True
-    )
+        cmd, env=env, stdout=log, stderr=subprocess.STDOUT if log else None, start_new_session=True,
+        preexec_fn=_die_with_parent,
+    )  # fmt: skip
     url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{port}"
     try:
         t0 = time.monotonic()
@@ -139,6 +143,18 @@ def launch(
         yield url
     finally:
         stop(proc)
+
+
+def _die_with_parent() -> None:
+    """In the server's process, before exec (Linux): SIGTERM when the process that launched it dies, even by
+    SIGKILL, so that a killed trainer or benchmark leaves no server behind (vLLM's engine processes follow
+    their API server)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 def stop(proc: subprocess.Popen, grace_s: float = 15.0) -> None:
@@ -218,6 +234,7 @@ def main(argv=None) -> None:
     p.add_argument("--kv-cache-gb", type=float, default=2.0, help="CPU: vLLM's KV space in GiB")
     p.add_argument("--cores", default=None, help="CPU: the cores the server may use, e.g. 1 or 2-3")
     p.add_argument("--wait-s", type=float, default=600.0, help="seconds to wait for /health")
+    p.add_argument("--gpus", default=None, help="GPU: the server's CUDA_VISIBLE_DEVICES, e.g. 1")
     args, extra = p.parse_known_args(argv)
     if args.model == "default":
         from ..tasks import default_task
@@ -253,6 +270,7 @@ def main(argv=None) -> None:
             cpu=cpu,
             kv_cache_gb=args.kv_cache_gb,
             cores=args.cores,
+            gpus=args.gpus,
             wait_s=args.wait_s,
             extra=extra,
         ) as url:

@@ -171,8 +171,42 @@ def check_server(server: Server, model) -> None:
             "not the other; start it with --hf-overrides '{\"tie_word_embeddings\": false}' "
             "(grpo-fast serve does)"
         )
+    check_placement(server, model)
     models = server.call("/v1/models", what="model list", timeout=CHECK_TIMEOUT_S).get("data", [])
     server.model_name = models[0]["id"] if models else ""
+
+
+def check_placement(server: Server, model) -> None:
+    """ServerError when the server runs on the trainer's own GPU (both would fight for its memory and time);
+    a warning when, on this host, its CPU cores overlap the trainer's (`grpo-fast serve --cores` splits
+    them)."""
+    import socket
+
+    from .vllm_worker import _gpu_uuid
+
+    device = next(causal_lm(model).parameters()).device
+    mine = _gpu_uuid(device)
+    if mine is not None and mine == server.info.get("gpu_uuid"):
+        raise ServerError(
+            f"vLLM server {server.url} runs on the trainer's own GPU ({device}, {mine}): give it a GPU of "
+            "its own (CUDA_VISIBLE_DEVICES when starting it), or use --vllm-mode colocate"
+        )
+    if (
+        device.type == "cpu"
+        and server.info.get("host") == socket.gethostname()
+        and hasattr(os, "sched_getaffinity")
+    ):
+        shared = set(server.info.get("cpus", [])) & os.sched_getaffinity(0)
+        if shared and server.url not in _warned:
+            _warned.add(server.url)
+            print(
+                f"grpo-fast: vLLM server {server.url} shares CPU cores {sorted(shared)} with this trainer; "
+                "`grpo-fast serve --cores` and taskset give each its own",
+                flush=True,
+            )
+
+
+_warned: set = set()
 
 
 class ServerEngine:

@@ -5,6 +5,18 @@ the server's `/collective_rpc` endpoint, whose arguments are strings only.
 Imported inside vLLM's worker processes; it imports nothing of grpo-fast's beyond this file, and vLLM, torch
 and safetensors only inside the methods."""
 
+import os
+import socket
+
+
+def _gpu_uuid(device) -> str | None:
+    """The physical GPU's UUID (CUDA indices depend on CUDA_VISIBLE_DEVICES; UUIDs do not), else None."""
+    import torch
+
+    if device is None or torch.device(device).type != "cuda":
+        return None
+    return str(torch.cuda.get_device_properties(torch.device(device)).uuid)
+
 
 class WeightReceiver:
     """Mixed into vLLM's worker class: `self` is the worker."""
@@ -26,6 +38,9 @@ class WeightReceiver:
             "num_hidden_layers": int(hf.num_hidden_layers),
             "tie_word_embeddings": bool(getattr(hf, "tie_word_embeddings", False)),
             "device": str(getattr(self, "device", "cpu")),
+            "gpu_uuid": _gpu_uuid(getattr(self, "device", None)),
+            "host": socket.gethostname(),
+            "cpus": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [],
         }
 
     def grpo_fast_load(self, path: str) -> dict:
