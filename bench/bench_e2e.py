@@ -478,6 +478,30 @@ def plot_e2e(rows: list[dict], path: Path, title: str) -> None:
     plt.close(fig)
 
 
+def step_model(rows: list[dict]) -> dict | None:
+    """The server rows against the model `sync step = generate + train + sync`, `async step = max(generate,
+    train) + sync`, each from the parts its own run measured (generate: the generation's busy seconds; train:
+    scoring + training; sync: the push itself)."""
+    got = {r["provider"]: r for r in rows if "step_s" in r and "server" in r["provider"]}
+    if not got:
+        return None
+    out, lines = {}, []
+    for p, r in got.items():
+        gen, train, sync = r["gen_busy_s"], r["score_s"] + r["train_s"], r["push_s"]
+        predicted = (max(gen, train) if p.endswith("_async") else gen + train) + sync
+        out[p] = dict(generate_s=gen, train_s=train, sync_s=sync, predicted_step_s=predicted,
+                      measured_step_s=r["step_s"], measured_over_model=r["step_s"] / predicted)  # fmt: skip
+        form = "max(generate, train) + sync" if p.endswith("_async") else "generate + train + sync"
+        lines.append(
+            f"- {p}: {form} = {predicted:.2f} s (generate {gen:.2f}, train {train:.2f}, sync {sync:.2f}); "
+            f"measured {r['step_s']:.2f} s ({r['step_s'] / predicted:.2f}x the model); the trainer waited "
+            f"{r['trainer_wait_s']:.2f} s/step for rollouts, the generation thread {r['gen_idle_s']:.2f} "
+            "s/step for the version gate"
+        )
+    out["text"] = "Step-time model (server rows):\n\n" + "\n".join(lines)
+    return out
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="tiny model and shapes (a smoke run)")
@@ -564,6 +588,9 @@ def main(argv=None) -> None:
         + markdown_table(rows, COLUMNS)
         + "\n"
     )
+    model = step_model(rows)
+    if model:
+        md += "\n" + model.pop("text") + "\n"
     name = "bench_e2e" + ("_real" if real else "_quick" if args.quick else "")
     out_dir = Path(args.out_dir) if args.out_dir else None
     from grpo_fast.trainer.precision import auto_bf16
@@ -572,6 +599,8 @@ def main(argv=None) -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     payload["our_default"] = "grpo_fast_mp" if auto_bf16(device)[0] else "grpo_fast"
     payload["config"]["model_params"] = model_params
+    if model:
+        payload["step_model"] = model
     out = write_results(name, payload, md, out_dir)
     plot_e2e(rows, out / f"{name}.png", f"GRPO step, P={shape['P']} C={shape['C']} G={shape['G']}")
     print(md)

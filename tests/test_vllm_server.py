@@ -254,3 +254,50 @@ def test_a_killed_launcher_leaves_no_server():
         assert gone(pgid, wait_s=60)
     finally:
         launcher.kill()
+
+
+def test_tokenizer_checked(server):
+    from transformers import AutoTokenizer
+
+    model = policy()
+    ServerEngine(model, [server], tokenizer=AutoTokenizer.from_pretrained(MODEL))  # the same: accepted
+    swapped = _shifted(AutoTokenizer.from_pretrained(MODEL))
+    with pytest.raises(ServerError, match="tokenizes differently"):
+        ServerEngine(model, [server], tokenizer=swapped)
+
+
+def _shifted(tok):
+    """A tokenizer that maps every text to other ids than `tok` does (ids shifted by one)."""
+
+    class Shifted:
+        def __call__(self, text, add_special_tokens=False):
+            ids = tok(text, add_special_tokens=add_special_tokens)["input_ids"]
+            return {"input_ids": [i + 1 for i in ids]}
+
+    return Shifted()
+
+
+def test_several_servers_route_and_survive_one_failure(server):
+    """Two entries (the same server twice): prompts go to both; when one fails its requests are retried on the
+    other, the failed one is left out of later generations and pushes."""
+    model = policy()
+    engine = ServerEngine(model, [server, server + "/"])
+    engine.push(model, 0)
+    first, second = engine.servers
+    seen = []
+    real_call = second.call
+
+    def failing(path, payload=None, **kw):
+        if path == "/v1/completions":
+            seen.append(path)
+            raise ServerError(f"vLLM server {second.url}: generation failed: connection reset")
+        return real_call(path, payload, **kw)
+
+    second.call = failing
+    ids, mask = torch.tensor([[5, 6, 7], [8, 9, 10], [11, 12, 13]]), torch.ones(3, 3, dtype=torch.long)
+    c_ids, c_mask = engine.generate(model, ids, mask, 2, 6, eos_token_id=2)
+    assert c_ids.shape[0] == 6 and bool((c_mask.sum(1) > 0).all())
+    assert seen and not second.alive and engine.stats["failed_servers"] == 1
+    perturb(model)
+    engine.push(model, 1)  # only the live server: the failed one is not asked
+    assert engine.alive == [first]

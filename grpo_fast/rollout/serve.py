@@ -128,7 +128,7 @@ def launch(
             if proc.poll() is not None:
                 raise ServerError(
                     f"vLLM server for {model} exited with code {proc.returncode} while starting: "
-                    f"{shlex.join(cmd)}"
+                    f"{shlex.join(cmd)}{_tail(log)}"
                 )
             try:
                 server.call("/health", timeout=5, what="health check")
@@ -143,6 +143,16 @@ def launch(
         yield url
     finally:
         stop(proc)
+
+
+def _tail(log, lines: int = 15) -> str:
+    """The last lines of the server's log file (when it has one), to say why it failed."""
+    name = getattr(log, "name", None)
+    if not isinstance(name, str) or not os.path.isfile(name):
+        return ""
+    log.flush()
+    with open(name, errors="replace") as f:
+        return "\nits log ends:\n" + "".join(f.readlines()[-lines:])
 
 
 def _die_with_parent() -> None:

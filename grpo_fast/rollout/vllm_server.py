@@ -142,7 +142,7 @@ def expected_info(model) -> dict:
     }
 
 
-def check_server(server: Server, model) -> None:
+def check_server(server: Server, model, tokenizer=None) -> None:
     """ServerError unless `server` runs a vLLM this client knows, the worker extension and this model."""
     version = server.call("/version", what="version", timeout=CHECK_TIMEOUT_S).get("version", "?")
     if _version_tuple(version) < MIN_VLLM:
@@ -174,6 +174,24 @@ def check_server(server: Server, model) -> None:
     check_placement(server, model)
     models = server.call("/v1/models", what="model list", timeout=CHECK_TIMEOUT_S).get("data", [])
     server.model_name = models[0]["id"] if models else ""
+    if tokenizer is not None:
+        check_tokenizer(server, tokenizer)
+
+
+TOKENIZER_PROBE = "GRPO: 12 boxes of 7 items cost $3.50 each; résumé naïve 東京 -> 84?\n<|im_end|>"
+
+
+def check_tokenizer(server: Server, tokenizer) -> None:
+    """ServerError unless the server's tokenizer splits a probe text as the trainer's does (token ids the
+    trainer encodes are what the server decodes and stops on)."""
+    body = {"model": server.model_name, "prompt": TOKENIZER_PROBE, "add_special_tokens": False}
+    out = server.call("/tokenize", body, what="tokenizer check", timeout=CHECK_TIMEOUT_S)
+    mine = tokenizer(TOKENIZER_PROBE, add_special_tokens=False)["input_ids"]
+    if out.get("tokens") != mine:
+        raise ServerError(
+            f"vLLM server {server.url} tokenizes differently from the trainer's tokenizer (a probe text: "
+            f"{out.get('tokens')} there, {mine} here): start it with the trainer's model directory"
+        )
 
 
 def check_placement(server: Server, model) -> None:
@@ -211,9 +229,12 @@ _warned: set = set()
 
 class ServerEngine:
     """The policy's rollouts on `urls` (vLLM servers), its weights pushed through `weight_dir` ("files"
-    transport; default: /dev/shm when every server is on this host)."""
+    transport; default: /dev/shm when every server is on this host). `tokenizer`: the trainer's, checked
+    against the server's; `auto_push`: push before each generation (False: the caller pushes)."""
 
-    def __init__(self, model, urls, *, wait_s=240.0, timeout=600.0, weight_dir=None, auto_push=True):
+    def __init__(
+        self, model, urls, *, wait_s=240.0, timeout=600.0, weight_dir=None, auto_push=True, tokenizer=None
+    ):
         self.servers = [Server(u, timeout) for u in urls]
         if not self.servers:
             raise ValueError("vllm_server_base_url: no server given")
@@ -222,7 +243,7 @@ class ServerEngine:
         t0 = time.monotonic()
         for s in self.servers:
             s.wait_up(wait_s)
-            check_server(s, model)
+            check_server(s, model, tokenizer)
         self.connect_s = time.monotonic() - t0
         if weight_dir is None:
             if not all(s.local for s in self.servers):

@@ -165,7 +165,7 @@ def for_run(run, make):
     from .step import engine_options
 
     opts = {k: v for k, v in engine_options(cfg)["vllm_options"].items() if k != "mode"}
-    engine = vllm_server.engine_for(run.model, **{**opts, "auto_push": False})
+    engine = vllm_server.engine_for(run.model, **{**opts, "auto_push": False, "tokenizer": run.tokenizer})
     engine.push(run.model, run.step)  # everything, verified, before the first sample
     base_state = run.sampler.state_dict()
     # the thread's own view of the run: its own tokenizer (a fast tokenizer's padding state is not shared
