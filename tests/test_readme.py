@@ -30,7 +30,7 @@ INLINE = [
     for m in (" ".join(x.split()) for x in re.findall(COMMAND, page.read_text()))  # wrapped in the prose
 ]
 MAKE_TARGETS = set(re.findall(r"^([A-Za-z][\w-]*):", (ROOT / "Makefile").read_text(), re.MULTILINE))
-CLI_COMMANDS = {"train", "estimate"}  # grpo_fast/cli.py
+CLI_COMMANDS = {"train", "estimate", "serve"}  # grpo_fast/cli.py
 
 
 @pytest.mark.parametrize("name,code", PYTHON, ids=[n for n, _ in PYTHON])
