@@ -31,7 +31,7 @@ class World:
         return [f"row{j}"], f"rollout{j}", {"pos": j + 1}
 
     def push(self, step):
-        self.weights = step
+        self.weights += 1  # the version the source will report: batches trained
         self.pushes.append(step)
         return {"sync/seconds": 0.0}
 
@@ -116,3 +116,18 @@ def test_close_stops_the_thread():
     source.close()
     assert not source.thread.is_alive()
     assert not any(t.name == "grpo-fast-rollouts" and t.is_alive() for t in threading.enumerate())
+
+
+def test_no_batch_past_the_last_and_versions_count_batches():
+    world = World()
+    closed = []
+    source = Ahead(world.produce, world.push, version=0, max_staleness=2, groups_per_batch=1, last=4,
+                   on_close=lambda: closed.append(True))  # fmt: skip
+    for k in range(4):
+        source.next()
+        source.after_update(2 * (k + 1))  # num_iterations 2: two optimizer steps per batch, one version
+    source.thread.join(timeout=5)
+    assert not source.thread.is_alive() and sorted(world.generated) == [0, 1, 2, 3]
+    assert source.version == 4 and world.pushes == [2, 4, 6, 8]
+    source.close()
+    assert closed == [True]

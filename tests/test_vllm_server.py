@@ -301,3 +301,32 @@ def test_several_servers_route_and_survive_one_failure(server):
     perturb(model)
     engine.push(model, 1)  # only the live server: the failed one is not asked
     assert engine.alive == [first]
+
+
+def test_a_push_within_tolerance_that_changes_nothing_is_caught(server):
+    """The probe moves by ~1.2e-3: under the fp32 tolerance (2e-3) yet far above the noise; a transport that
+    does nothing fails on the movement check, a real push of the same change passes."""
+    model = policy()
+    engine = ServerEngine(model, [server])
+    engine.push(model, 0)
+    ids = engine.probe_ids(model.config.vocab_size)
+    w = model.model.layers[0].mlp.down_proj.weight
+    direction = torch.randn(w.shape, generator=torch.Generator().manual_seed(3))
+
+    def nudge():
+        before = trainer_logprobs(model, ids)
+        with torch.no_grad():
+            w.add_(direction * 1e-3)
+        d = float((trainer_logprobs(model, ids) - before).abs().max())
+        with torch.no_grad():
+            w.add_(direction * 1e-3 * (1.2e-3 / d - 1))  # log-probs are linear in so small a change
+        return float((trainer_logprobs(model, ids) - before).abs().max())
+
+    moved = nudge()
+    assert 16 * max(engine.noise, 2e-5) < moved < 2e-3, (moved, engine.noise)
+    engine.push(model, 1)  # a real push of it: verified
+    moved = nudge()
+    assert 16 * max(engine.noise, 2e-5) < moved < 2e-3, (moved, engine.noise)
+    engine._load = lambda *args: None
+    with pytest.raises(ServerError, match="did not move with the trainer's"):
+        engine.push(model, 2)

@@ -155,16 +155,28 @@ def _tail(log, lines: int = 15) -> str:
         return "\nits log ends:\n" + "".join(f.readlines()[-lines:])
 
 
+def _interrupt(*_):
+    raise KeyboardInterrupt
+
+
+def _libc_prctl():
+    try:
+        import ctypes
+
+        return ctypes.CDLL("libc.so.6", use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+_PRCTL = _libc_prctl()  # looked up here: after fork in a threaded process, nothing may load a library
+
+
 def _die_with_parent() -> None:
     """In the server's process, before exec (Linux): SIGTERM when the process that launched it dies, even by
     SIGKILL, so that a killed trainer or benchmark leaves no server behind (vLLM's engine processes follow
     their API server)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+    if _PRCTL is not None:
+        _PRCTL(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def stop(proc: subprocess.Popen, grace_s: float = 15.0) -> None:
@@ -219,7 +231,12 @@ def train_against(url: str, train_argv: list, cores: str | None) -> int:
         env["OMP_NUM_THREADS"] = str(int(hi or lo) - int(lo) + 1)
         cmd = ["taskset", "-c", cores, *cmd]
     print("grpo-fast serve: " + shlex.join(cmd), flush=True)
-    return subprocess.run(cmd, env=env).returncode
+    proc = subprocess.Popen(cmd, env=env)
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the trainer saves its step and stops, then the server
+        proc.send_signal(signal.SIGINT)
+        return proc.wait()
 
 
 def main(argv=None) -> None:
@@ -265,7 +282,7 @@ def main(argv=None) -> None:
         extra=extra,
     )
     env = environment(cpu, args.kv_cache_gb, args.cores)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # killed politely: the server goes with us
+    signal.signal(signal.SIGTERM, _interrupt)  # killed politely: the trainer saves, the server goes with us
     print(
         "grpo-fast serve: " + " ".join(f"{k}={v}" for k, v in env.items()) + " " + shlex.join(cmd), flush=True
     )

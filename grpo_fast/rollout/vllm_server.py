@@ -22,8 +22,11 @@ Every failure raises `ServerError` naming the server and what failed; with sever
 retried on another, and a server that failed is not used again in this run.
 """
 
+import contextlib
+import http.client
 import json
 import os
+import shutil
 import tempfile
 import threading
 import time
@@ -50,7 +53,17 @@ TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16":
 
 
 class ServerError(RuntimeError):
-    """A vLLM server failed, timed out, or is not the server this trainer can use."""
+    """A vLLM server failed, timed out, or is not the server this trainer can use. `status`: the HTTP status
+    when the server answered with an error (a 4xx other than 408 / 429 is the request's fault, not the
+    server's: not retried elsewhere)."""
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
+
+    @property
+    def bad_request(self) -> bool:
+        return self.status is not None and 400 <= self.status < 500 and self.status not in (408, 429)
 
 
 def _version_tuple(text: str) -> tuple:
@@ -93,15 +106,22 @@ class Server:
         except urllib.error.HTTPError as exc:
             detail = exc.read().decode(errors="replace")[:500]
             raise ServerError(
-                f"vLLM server {self.url}: {what or path} failed: HTTP {exc.code}: {detail}"
+                f"vLLM server {self.url}: {what or path} failed: HTTP {exc.code}: {detail}", status=exc.code
             ) from exc
+        except http.client.HTTPException as exc:  # a connection cut mid-answer
+            raise ServerError(f"vLLM server {self.url}: {what or path} failed: {exc!r}") from exc
         except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as exc:
             reason = getattr(exc, "reason", exc)
             kind = "timed out" if "timed out" in str(reason) else "failed"
             raise ServerError(
                 f"vLLM server {self.url}: {what or path} {kind} (time-out {limit:.0f}s): {reason}"
             ) from exc
-        return json.loads(body) if body else {}
+        try:
+            return json.loads(body) if body else {}
+        except ValueError as exc:
+            raise ServerError(
+                f"vLLM server {self.url}: {what or path} answered with no JSON: {body[:200]!r}"
+            ) from exc
 
     def rpc(self, method: str, *args: str, what: str = "", timeout=None) -> list:
         """A method of the worker extension on every worker of this server (string arguments only)."""
@@ -260,8 +280,8 @@ class ServerEngine:
         self.dtype = dtypes.pop()
         self.logprobs_mode = self.servers[0].info.get("logprobs_mode", "")
         self.versions: dict = {}  # checkpoint name -> version key at the last push
-        self.probe = None  # (ids, the trainer's log-probs at the last verified push)
-        self.noise = 0.0  # |server - trainer| on the probe right after the first push
+        self.anchor = None  # (the trainer's probe log-probs, {url: the server's}) at the last telling check
+        self.noise = 0.0  # |server - trainer| on the probe after the first push (the same weights both sides)
         self.stats = {
             "pushes": 0,
             "pushed_tensors": 0,
@@ -273,6 +293,11 @@ class ServerEngine:
             "failed_servers": 0,
         }
         self._next = 0
+        self.closed = False  # set by `close`: requests not yet sent are cancelled
+
+    def close(self) -> None:
+        """Cancel the requests not yet sent (a stopping run does not wait for a whole batch)."""
+        self.closed = True
 
     @property
     def alive(self) -> list:
@@ -324,8 +349,18 @@ class ServerEngine:
 
         name = f"grpo-fast-weights-{os.getpid()}-{id(self)}-{step if step is not None else 'x'}.safetensors"
         path = os.path.join(self.weight_dir, name)
-        save_file(tensors, path + ".tmp")
-        os.replace(path + ".tmp", path)  # a worker never reads half a file
+        try:
+            save_file(tensors, path + ".tmp")
+            os.replace(path + ".tmp", path)  # a worker never reads half a file
+        except (OSError, RuntimeError) as exc:  # safetensors reports a full disk as either
+            with contextlib.suppress(OSError):
+                os.unlink(path + ".tmp")
+            need = sum(t.numel() * t.element_size() for t in tensors.values())
+            free = shutil.disk_usage(self.weight_dir).free if os.path.isdir(self.weight_dir) else 0
+            raise ServerError(
+                f"weight push: could not write {need / 2**20:.0f} MiB into vllm_weight_dir={self.weight_dir} "
+                f"({free / 2**20:.0f} MiB free there): {exc}"
+            ) from exc
         return path
 
     def _load(self, s: Server, path: str, at: str) -> None:
@@ -349,10 +384,22 @@ class ServerEngine:
             {"model": s.model_name, "prompt": ids, "max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0},
             what=what,
         )
-        rows = out["choices"][0]["prompt_logprobs"][1:]
-        return torch.tensor([row[str(t)]["logprob"] for row, t in zip(rows, ids[1:])], dtype=torch.float64)
+        try:
+            rows = out["choices"][0]["prompt_logprobs"][1:]
+            return torch.tensor([row[str(t)]["logprob"] for row, t in zip(rows, ids[1:], strict=True)],
+                                dtype=torch.float64)  # fmt: skip
+        except (KeyError, TypeError, IndexError, ValueError) as exc:
+            raise ServerError(
+                f"vLLM server {s.url}: {what}: an answer without the probe's log-probs ({exc!r})"
+            ) from exc
 
     def _verify(self, model, at: str) -> None:
+        """The server's probe log-probs equal the trainer's within the dtype's tolerance, and moved with them:
+        since the last push at which the trainer's had moved by more than 16x the noise (the error of the
+        first push, where both hold the same weights; at least 1% of the tolerance), the server's must have
+        moved by at least half as much (a correct push: within the two errors of the trainer's movement).
+        Checked against that anchor rather than the previous push, so that small steps (bf16) add up until
+        they can be told apart from noise: a transport that does nothing fails within a few pushes at most."""
         lm = causal_lm(model)
         ids = self.probe_ids(lm.config.vocab_size)
         x = torch.tensor([ids], device=next(lm.parameters()).device)
@@ -362,31 +409,35 @@ class ServerEngine:
         lm.train(was_training)
         mine = logits.log_softmax(-1).gather(-1, x[0, 1:, None].to(logits.device))[:, 0].cpu()
         tol = PROBE_TOLERANCE.get(self.dtype, 0.25)
-        moved = float((mine - self.probe).abs().max()) if self.probe is not None else float("inf")
+        anchored = self.anchor is not None
+        moved = float((mine - self.anchor[0]).abs().max()) if anchored else 0.0
+        telling = anchored and moved > 16 * max(self.noise, tol / 100)
+        errors, theirs_all = [], []
         for s in self.alive:
             theirs = self.server_logprobs(s, ids, f"verification probe{at}")
             err = float((theirs - mine).abs().max())
-            stale = self.probe is not None and moved > 8 * max(self.noise, 1e-6) and err > moved / 2
-            if err > tol or stale:
+            theirs_moved = float((theirs - self.anchor[1][s.url]).abs().max()) if anchored else 0.0
+            if err > tol:
+                why = f"max |server - trainer| {err:.3g} > {tol:g}"
+            elif telling and theirs_moved < moved / 2:
                 why = (
-                    (
-                        f"they did not move with the trainer's (moved {moved:.3g}, error {err:.3g}): "
-                        "the push "
-                        "changed nothing there"
-                    )
-                    if stale
-                    else f"max |server - trainer| {err:.3g} > {tol:g}"
+                    f"they did not move with the trainer's (the trainer's moved {moved:.3g} since the last "
+                    f"check, the server's {theirs_moved:.3g}): the push changed nothing there"
                 )
-                raise ServerError(
-                    f"vLLM server {s.url}: weight push{at} not verified: its log-probs of the probe "
-                    "do not equal "
-                    f"the trainer's ({self.dtype}): {why}"
-                )
-            if self.probe is None:
-                self.noise = max(self.noise, err)
-            self.stats["probe_error"] = err
-        self.stats["probe_moved"] = 0.0 if self.probe is None else moved
-        self.probe = mine
+            else:
+                errors.append(err)
+                theirs_all.append((s.url, theirs))
+                continue
+            raise ServerError(
+                f"vLLM server {s.url}: weight push{at} not verified: its log-probs of the probe do not equal "
+                f"the trainer's ({self.dtype}): {why}"
+            )
+        if not anchored:
+            self.noise = max(errors, default=0.0)
+        self.stats["probe_error"] = max(errors, default=0.0)
+        self.stats["probe_moved"] = moved
+        if not anchored or telling:
+            self.anchor = (mine, dict(theirs_all))
 
     # ---- generation -------------------------------------------------------------------------------------
     def generate(
@@ -433,8 +484,11 @@ class ServerEngine:
             live = self.alive
             start, self._next = self._next, self._next + n
             jobs = [(prompts[i], seeds[i], live[(start + i) % len(live)]) for i in range(n)]
-            with ThreadPoolExecutor(max_workers=min(32, max(1, n))) as pool:
+            pool = ThreadPoolExecutor(max_workers=min(32, max(1, n)), thread_name_prefix="grpo-fast-vllm")
+            try:
                 outs = list(pool.map(lambda job: self._one(job, base, G, greedy), jobs))
+            finally:  # on an error, the requests not yet sent are dropped, not waited for
+                pool.shutdown(wait=False, cancel_futures=True)
         self.stats["calls"] += 1
         return _collect(outs, pad, prompt_ids.device, return_logprobs)
 
@@ -443,17 +497,34 @@ class ServerEngine:
         prompt, seed, server = job
         body = {**base, "prompt": [prompt] * G if greedy else prompt, "n": 1 if greedy else G, "seed": seed}
         while True:
+            if self.closed:
+                raise ServerError("the run is stopping: generation cancelled")
+            if not server.alive:
+                server = self.alive[0]
             try:
                 out = server.call("/v1/completions", {**body, "model": server.model_name}, what="generation")
-                choices = sorted(out["choices"], key=lambda c: c["index"])
-                return [(c["token_ids"], (c.get("logprobs") or {}).get("token_logprobs")) for c in choices]
-            except ServerError:
+                return _choices(out, server, G, base["logprobs"] is not None)
+            except ServerError as exc:
+                if exc.bad_request:  # the request's fault (too long a prompt, ...): no server does better
+                    raise
                 server.alive = False
                 self.stats["failed_servers"] = sum(not s.alive for s in self.servers)
                 others = [s for s in self.servers if s.alive]
                 if not others:
                     raise
                 server = others[0]
+
+
+def _choices(out: dict, server: Server, G: int, with_logprobs: bool) -> list:
+    """[(token ids, log-probs)] of a completions answer, or ServerError when it lacks them."""
+    try:
+        choices = sorted(out["choices"], key=lambda c: c["index"])
+        rows = [(list(c["token_ids"]), (c.get("logprobs") or {}).get("token_logprobs")) for c in choices]
+        if len(rows) != G or (with_logprobs and any(lp is None or len(lp) != len(t) for t, lp in rows)):
+            raise ValueError(f"{len(rows)} choices, expected {G}, with their log-probs")
+        return rows
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ServerError(f"vLLM server {server.url}: generation: a malformed answer ({exc!r})") from exc
 
 
 def _collect(outs, pad, device, with_logprobs):

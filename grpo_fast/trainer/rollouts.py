@@ -2,10 +2,10 @@
 thread of its own that feeds rollouts made on vLLM servers (`Ahead`: --vllm-mode server), at most
 `max_staleness` optimizer steps ahead of the policy that trains them (asynchronous GRPO; 0 = synchronous).
 
-Versions: the policy's version is the number of optimizer steps it took (the step counter). Batch j (the rows
-of step j) is generated only once the version is >= j - S, under the lock the weight push takes, so the
-version it was sampled under is exact and its staleness at training, version - its version, is at most S; a
-batch staler than S (possible only when the versions move without it, e.g. a caller that pushes twice) is
+Versions: the policy's version is the number of batches it trained (optimizer steps / num_iterations). Batch j
+(the rows of step j) is generated only once the version is >= j - S, under the lock the weight push takes, so
+the version it was sampled under is exact and its staleness at training, version - its version, is at most S;
+a batch staler than S (possible only when the versions move without it, e.g. a caller that pushes twice) is
 dropped and counted. The push happens on the trainer's thread after each step (`after_update`): pause -> load
 -> verify on the servers, waiting for the generation in flight; the generation thread never reads the model's
 parameters (a server's rollout needs only the prompts). Checkpoints take the sampler's position after the last
@@ -59,9 +59,11 @@ class Ahead:
     """Rollouts made by `produce(j) -> (rows, rollout, sampler_state)` on a thread of its own, batch j under
     version >= j - max_staleness; `push(version)` sends the policy's weights after each optimizer step."""
 
-    def __init__(self, produce, push, version: int, max_staleness: int, groups_per_batch: int):
+    def __init__(self, produce, push, version: int, max_staleness: int, groups_per_batch: int, last=None,
+                 on_close=None):  # fmt: skip
         self.produce, self.push, self.S = produce, push, max_staleness
         self.version = self.next_step = version
+        self.last, self.on_close = last, on_close  # no batch from `last` on; on_close(): cancel requests
         self.groups = groups_per_batch
         self.ready: collections.deque = collections.deque()
         self.cond = threading.Condition()
@@ -85,7 +87,7 @@ class Ahead:
                     self.cond.wait_for(
                         lambda: self.closed or (self.version >= j - self.S and not self.push_pending)
                     )
-                    if self.closed:
+                    if self.closed or (self.last is not None and j >= self.last):
                         return
                     self.idle_s += time.monotonic() - t0
                 with self.weights:
@@ -132,15 +134,16 @@ class Ahead:
             )
 
     def after_update(self, step: int) -> dict:
-        """Push the weights of version `step` (waiting for the generation in flight), then let generation
-        go on from them."""
+        """Push the weights after the optimizer step `step` (waiting for the generation in flight), then let
+        generation go on from them: the next version (versions count trained batches, whatever
+        num_iterations)."""
         with self.cond:
             self.push_pending = True
         try:
             with self.weights:
                 metrics = self.push(step) or {}
                 with self.cond:
-                    self.version = step
+                    self.version += 1
         finally:
             with self.cond:
                 self.push_pending = False
@@ -154,6 +157,8 @@ class Ahead:
         with self.cond:
             self.closed = True
             self.cond.notify_all()
+        if self.on_close is not None:
+            self.on_close()
         self.thread.join(timeout=1.0)
 
 
@@ -174,7 +179,7 @@ def for_run(run, make):
 
     def produce(j):
         rows = run.sampler.next()
-        generator = torch.Generator(device=run.device).manual_seed(cfg.seed * 1_000_003 + j)
+        generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + j)  # CPU: it draws request seeds
         return rows, make(mine, rows, generator), run.sampler.state_dict()
 
     def push(step):
@@ -188,6 +193,8 @@ def for_run(run, make):
             "sync/failed_servers": s["failed_servers"],
         }
 
-    source = Ahead(produce, push, run.step, cfg.max_staleness, cfg.prompts_per_step)
+    k = cfg.num_iterations  # optimizer steps per batch
+    last = -(-cfg.max_steps // k)
+    source = Ahead(produce, push, run.step // k, cfg.max_staleness, cfg.prompts_per_step, last, engine.close)
     source.trained_state = base_state
     return source

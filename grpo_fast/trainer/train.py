@@ -160,21 +160,22 @@ def train(cfg: GRPOConfig) -> dict:
 def serving(run: Run):
     """The run's rollout source (grpo_fast.trainer.rollouts) for the loop's duration. A vLLM server that fails
     stops the run with its error after the last completed step is saved; `--resume` continues from there."""
-    run.rollouts = rollouts.for_run(run, rollout)
     try:
+        run.rollouts = rollouts.for_run(run, rollout)
         yield
     except ServerError as exc:
-        run.rollouts.close()
+        if run.rollouts is not None:
+            run.rollouts.close()
         path = save(run, run.step)
         if run.dist.main:
             run.log.close()
         raise SystemExit(
-            f"grpo-fast: stopped at step {run.step}: {exc}\nthe last completed step is saved in "
-            f"{path}; once the "
-            "server is back, run again with --resume to continue from it"
+            f"grpo-fast: stopped at step {run.step}: {exc}\nthe last completed step is saved in {path}; once "
+            "the server is back (or the cause above is fixed), run again with --resume to continue from it"
         ) from exc
     finally:
-        run.rollouts.close()
+        if run.rollouts is not None:
+            run.rollouts.close()
 
 
 def should_stop(run: Run, signals) -> bool | None:
