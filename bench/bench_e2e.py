@@ -296,7 +296,7 @@ def run_grpo_fast(a: dict) -> dict:
         return Path(a["out"]) / "no-checkpoint"
 
     train_mod.ckpt_mod.save_checkpoint = no_checkpoint
-    if a["provider"].startswith("grpo_fast_server"):
+    if a["provider"].startswith("grpo_fast_server") and "server_url" not in a:
         return with_server(a, lambda url: run_grpo_fast(dict(a, server_url=url)))
     base_mib = baseline_mib(device)
     above = a.get("budget_above_baseline_gb")  # bench_frontier: --max-memory-gb is the whole process's

@@ -68,7 +68,7 @@ def test_no_import_circle():
         state[m] = "open"
         for t in sorted(edges[m]):
             if state.get(t) == "open":
-                circles.append(stack[stack.index(t):] + [t] if t in stack else [m, t])
+                circles.append(stack[stack.index(t) :] + [t] if t in stack else [m, t])
             elif t not in state:
                 visit(t, stack + [t])
         state[m] = "done"

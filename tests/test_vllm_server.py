@@ -270,6 +270,17 @@ def _shifted(tok):
     """A tokenizer that maps every text to other ids than `tok` does (ids shifted by one)."""
 
     class Shifted:
+        all_special_ids = tok.all_special_ids
+
+        def __len__(self):
+            return len(tok)
+
+        def decode(self, ids, **kw):
+            return tok.decode(ids, **kw)
+
+        def convert_ids_to_tokens(self, ids):
+            return tok.convert_ids_to_tokens(ids)
+
         def __call__(self, text, add_special_tokens=False):
             ids = tok(text, add_special_tokens=add_special_tokens)["input_ids"]
             return {"input_ids": [i + 1 for i in ids]}

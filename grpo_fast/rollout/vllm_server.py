@@ -85,6 +85,7 @@ class Server:
         self.alive = True
         self.info: dict = {}
         self.model_name = ""
+        self.max_model_len = PROBE_LEN + 1
 
     @property
     def local(self) -> bool:
@@ -194,23 +195,38 @@ def check_server(server: Server, model, tokenizer=None) -> None:
     check_placement(server, model)
     models = server.call("/v1/models", what="model list", timeout=CHECK_TIMEOUT_S).get("data", [])
     server.model_name = models[0]["id"] if models else ""
+    server.max_model_len = int(models[0].get("max_model_len") or PROBE_LEN + 1) if models else PROBE_LEN + 1
     if tokenizer is not None:
         check_tokenizer(server, tokenizer)
 
 
-TOKENIZER_PROBE = "GRPO: 12 boxes of 7 items cost $3.50 each; résumé naïve 東京 -> 84?\n<|im_end|>"
+def tokenizer_probe(tokenizer) -> str:
+    """A text made of the tokenizer's own vocabulary (32 ids spread over it, decoded), so that any tokenizer,
+    word-level ones included, splits it into known tokens; two copies of one tokenizer agree on it."""
+    special = set(getattr(tokenizer, "all_special_ids", []) or [])
+    n = len(tokenizer)
+    ids = [i for i in range(7, n, max(1, n // 32)) if i not in special][:32]
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    if len(tokenizer(text, add_special_tokens=False)["input_ids"]) < len(ids) // 2:  # no decoder (word-level)
+        text = " ".join(tokenizer.convert_ids_to_tokens(ids))
+    return text
 
 
 def check_tokenizer(server: Server, tokenizer) -> None:
     """ServerError unless the server's tokenizer splits a probe text as the trainer's does (token ids the
     trainer encodes are what the server decodes and stops on)."""
-    body = {"model": server.model_name, "prompt": TOKENIZER_PROBE, "add_special_tokens": False}
+    text = tokenizer_probe(tokenizer)
+    body = {"model": server.model_name, "prompt": text, "add_special_tokens": False}
     out = server.call("/tokenize", body, what="tokenizer check", timeout=CHECK_TIMEOUT_S)
-    mine = tokenizer(TOKENIZER_PROBE, add_special_tokens=False)["input_ids"]
-    if out.get("tokens") != mine:
+    mine = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if not out.get("tokens") and mine:  # it cannot read its own tokenizer files; ids go both ways, so no harm
+        print(f"grpo-fast: vLLM server {server.url} tokenizes a probe text to nothing (its tokenizer files "
+              "are not what transformers reads here); prompts and samples travel as token ids, so training "
+              "is unaffected", flush=True)  # fmt: skip
+    elif out.get("tokens") != mine:
         raise ServerError(
-            f"vLLM server {server.url} tokenizes differently from the trainer's tokenizer (a probe text: "
-            f"{out.get('tokens')} there, {mine} here): start it with the trainer's model directory"
+            f"vLLM server {server.url} tokenizes differently from the trainer's tokenizer (a probe text "
+            f"{text!r}: {out.get('tokens')} there, {mine} here): start it with the trainer's model directory"
         )
 
 
@@ -374,8 +390,10 @@ class ServerEngine:
             raise ServerError(f"vLLM server {s.url}: weight push{at} returned {loaded!r}, not what it loaded")
 
     def probe_ids(self, vocab: int) -> list:
+        """PROBE_LEN fixed random tokens (fewer when a server's context is shorter)."""
+        n = min([PROBE_LEN, *(s.max_model_len - 1 for s in self.servers)])
         g = torch.Generator().manual_seed(20_251_202)
-        return torch.randint(vocab, (PROBE_LEN,), generator=g).tolist()
+        return torch.randint(vocab, (n,), generator=g).tolist()
 
     def server_logprobs(self, s: Server, ids: list, what: str) -> torch.Tensor:
         """The server's log-probs of ids[1:] given their prefix (temperature 1, whole vocabulary)."""
