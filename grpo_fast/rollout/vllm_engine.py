@@ -296,16 +296,26 @@ def _collect(outputs, n_rows, pad, device, with_logprobs):
     """(n * G, C') ids and masks (and log-probs) in the native engine's layout from vLLM's request outputs."""
     rows = [o for out in outputs for o in sorted(out.outputs, key=lambda o: o.index)]
     assert len(rows) == n_rows, (len(rows), n_rows)
-    width = max((len(r.token_ids) for r in rows), default=0)
+    pairs = [
+        (r.token_ids, [lp[t].logprob for t, lp in zip(r.token_ids, r.logprobs)] if with_logprobs else None)
+        for r in rows
+    ]
+    return pad_rows(pairs, pad, device, with_logprobs)
+
+
+def pad_rows(rows, pad, device, with_logprobs):
+    """[(token ids, log-probs or None)] -> (n, C') ids padded with `pad`, masks (and log-probs): the native
+    engine's layout, shared by the colocated and the server engines."""
+    width = max((len(ids) for ids, _ in rows), default=0)
     ids = torch.full((len(rows), width), pad, dtype=torch.long)
     mask = torch.zeros(len(rows), width, dtype=torch.long)
     logp = torch.zeros(len(rows), width)
-    for i, r in enumerate(rows):
-        k = len(r.token_ids)
-        ids[i, :k] = torch.tensor(r.token_ids, dtype=torch.long)
+    for i, (tok, lp) in enumerate(rows):
+        k = len(tok)
+        ids[i, :k] = torch.tensor(tok, dtype=torch.long)
         mask[i, :k] = 1
         if with_logprobs:
-            logp[i, :k] = torch.tensor([lp[t].logprob for t, lp in zip(r.token_ids, r.logprobs)])
+            logp[i, :k] = torch.tensor(lp, dtype=torch.float32)
     result = (ids.to(device), mask.to(device))
     return (*result, logp.to(device)) if with_logprobs else result
 

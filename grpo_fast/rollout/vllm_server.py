@@ -40,7 +40,7 @@ import torch
 
 from ..models.model_parts import causal_lm
 from .sampling import eos_and_pad
-from .vllm_engine import _siblings, check_logprobs_mode, checkpoint_weights
+from .vllm_engine import _siblings, check_logprobs_mode, checkpoint_weights, pad_rows
 
 EXTENSION = "grpo_fast.rollout.vllm_worker.WeightReceiver"
 MIN_VLLM = (0, 32)  # the oldest build whose endpoints this client was tested against
@@ -508,7 +508,7 @@ class ServerEngine:
             finally:  # on an error, the requests not yet sent are dropped, not waited for
                 pool.shutdown(wait=False, cancel_futures=True)
         self.stats["calls"] += 1
-        return _collect(outs, pad, prompt_ids.device, return_logprobs)
+        return pad_rows([r for out in outs for r in out], pad, prompt_ids.device, return_logprobs)
 
     def _one(self, job, base, G, greedy) -> list:
         """One prompt's G completions [(token ids, log-probs)], retried on another server if its own fails."""
@@ -543,23 +543,6 @@ def _choices(out: dict, server: Server, G: int, with_logprobs: bool) -> list:
         return rows
     except (KeyError, TypeError, ValueError) as exc:
         raise ServerError(f"vLLM server {server.url}: generation: a malformed answer ({exc!r})") from exc
-
-
-def _collect(outs, pad, device, with_logprobs):
-    """(n * G, C') ids, masks (and log-probs) in the native engine's layout: sample s of prompt s // G."""
-    rows = [r for out in outs for r in out]
-    width = max((len(ids) for ids, _ in rows), default=0)
-    ids = torch.full((len(rows), width), pad, dtype=torch.long)
-    mask = torch.zeros(len(rows), width, dtype=torch.long)
-    logp = torch.zeros(len(rows), width)
-    for i, (tok, lp) in enumerate(rows):
-        k = len(tok)
-        ids[i, :k] = torch.tensor(tok, dtype=torch.long)
-        mask[i, :k] = 1
-        if with_logprobs:
-            logp[i, :k] = torch.tensor(lp, dtype=torch.float32)
-    result = (ids.to(device), mask.to(device))
-    return (*result, logp.to(device)) if with_logprobs else result
 
 
 _ENGINES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
