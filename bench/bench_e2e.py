@@ -27,6 +27,8 @@ Providers:
                       weights pushed and verified after every step (sync s); synchronous
   grpo_fast_server_async  the same with --max-staleness 1: the next step's rollout generated while this one
                       trains; the model `async step = max(generate, train) + sync` is checked against it
+  grpo_fast_async     grpo_fast with --max-staleness 1 colocated: the native engine samples a copy of the
+                      weights on a thread of its own while the trainer trains (both share the cores)
 
 `our_default` in the results names our provider at our default precision on this machine (grpo_fast_mp
 where --bf16 unset means on: grpo_fast/trainer/precision.py), compared with TRL at its default (trl_bf16).
@@ -82,6 +84,7 @@ LABELS = {
     "grpo_fast_vllm_bf16": "grpo-fast, --rollout vllm --rollout-dtype bf16 (corrected)",
     "grpo_fast_server": "grpo-fast, vLLM server (own core), synchronous",
     "grpo_fast_server_async": "grpo-fast, vLLM server (own core), async --max-staleness 1",
+    "grpo_fast_async": "grpo-fast, colocated async --max-staleness 1 (a thread samples a weight copy)",
 }
 # the training settings both trainers get, under the names both use
 SAME_FOR_BOTH = dict(temperature=1.0, beta=0.0, loss_type="dapo", learning_rate=1e-6)
@@ -337,6 +340,8 @@ def run_grpo_fast(a: dict) -> dict:
 
 
 def server_options(a: dict) -> dict:
+    if a["provider"] == "grpo_fast_async":
+        return dict(max_staleness=1)
     if "server_url" not in a:
         return {}
     staleness = 1 if a["provider"].endswith("_async") else 0
@@ -479,10 +484,14 @@ def plot_e2e(rows: list[dict], path: Path, title: str) -> None:
 
 
 def step_model(rows: list[dict]) -> dict | None:
-    """The server rows against the model `sync step = generate + train + sync`, `async step = max(generate,
-    train) + sync`, each from the parts its own run measured (generate: the generation's busy seconds; train:
-    scoring + training; sync: the push itself)."""
-    got = {r["provider"]: r for r in rows if "step_s" in r and "server" in r["provider"]}
+    """The server and async rows against the model `sync step = generate + train + sync`, `async step =
+    max(generate, train) + sync`, each from the parts its own run measured (generate: the generation's busy
+    seconds; train: scoring + training; sync: the push itself)."""
+    got = {
+        r["provider"]: r
+        for r in rows
+        if "step_s" in r and r["provider"].startswith(("grpo_fast_server", "grpo_fast_async"))
+    }
     if not got:
         return None
     out, lines = {}, []
@@ -498,7 +507,7 @@ def step_model(rows: list[dict]) -> dict | None:
             f"{r['trainer_wait_s']:.2f} s/step for rollouts, the generation thread {r['gen_idle_s']:.2f} "
             "s/step for the version gate"
         )
-    out["text"] = "Step-time model (server rows):\n\n" + "\n".join(lines)
+    out["text"] = "Step-time model (server and async rows):\n\n" + "\n".join(lines)
     return out
 
 

@@ -4,6 +4,7 @@ the staleness of every trained batch, the bound, the drop counts, the order of v
 The producer records the version the weights had while it generated (read under the same lock the push takes),
 so the staleness the source reports is checked against what actually happened, not against its own counter."""
 
+import json
 import threading
 import time
 
@@ -131,3 +132,75 @@ def test_no_batch_past_the_last_and_versions_count_batches():
     assert source.version == 4 and world.pushes == [2, 4, 6, 8]
     source.close()
     assert closed == [True]
+
+
+def test_colocated_samples_come_from_the_version_they_report(tmp_path, monkeypatch):
+    """--max-staleness 1 with the native engine in this process: each step trains samples that the
+    generation thread drew from its own copy of the weights. The engine's log-probs of every sampled token
+    equal, to fp32 rounding, those transformers computes here under the weights of the version the step
+    reports (the initial model or that step's checkpoint), and not those of the next version; the
+    rollout-mismatch correction is on (the samples may be off-policy)."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    import grpo_fast.trainer.train as T
+    from grpo_fast.tasks import default_task
+    from grpo_fast.trainer.config import parse_config
+
+    made, real = [], T.rollout
+
+    def recording(run, rows, generator=None):
+        made.append(real(run, rows, generator))
+        return made[-1]
+
+    monkeypatch.setattr(T, "rollout", recording)
+    out = tmp_path / "run"
+    G, steps, T_ = 4, 4, 3.0  # a high temperature: the embedded model's groups are often one answer 4 times
+    reward = tmp_path / "rewards.py"  # a reward that varies within every group: every step moves the weights
+    reward.write_text(
+        "def spread(completions, completion_ids, **kw):\n"
+        "    return [float(sum(t * (k + 1) for k, t in enumerate(ids)) % 7) for ids in completion_ids]\n"
+    )
+    T.train(parse_config([
+        "--output-dir", str(out), "--reward", f"{reward}:spread", "--num-generations", str(G),
+        "--prompts-per-step", "2",
+        "--max-completion-length", "10", "--eval-max-samples", "0", "--save-steps", "1", "--save-total-limit",
+        "10", "--max-steps", str(steps), "--max-staleness", "1", "--learning-rate", "3e-3", "--warmup-ratio",
+        "0", "--lr-scheduler-type", "constant", "--time-budget-s", "0", "--temperature", str(T_),
+    ]))  # fmt: skip
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    records = [r for r in records if "loss" in r]
+    assert [r["step"] for r in records] == list(range(1, steps + 1)) and len(made) == steps
+    assert all("loss/is_ratio_mean" in r for r in records)  # corrected
+    staleness = [r["async/staleness"] for r in records]
+    assert set(staleness) <= {0, 1} and 1 in staleness, staleness
+
+    def weights(version):
+        model = AutoModelForCausalLM.from_pretrained(default_task.ASSET_DIR, dtype=torch.float32).eval()
+        if version:
+            state = load_file(out / f"checkpoint-{version}" / "model.safetensors")
+            missing, unexpected = model.load_state_dict(state, strict=False)
+            assert not unexpected and set(missing) <= {"lm_head.weight"}
+        return model
+
+    def hf_logprobs(model, ro, r):
+        prompt = ro.prompt_ids[r // G][ro.prompt_mask[r // G].bool()]
+        k = int(ro.completion_mask[r].sum())
+        ids = torch.cat([prompt, ro.completion_ids[r, :k]])[None]
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[0, prompt.numel() - 1 : -1].double() / T_
+        return logits.log_softmax(-1).gather(-1, ids[0, prompt.numel() :, None])[:, 0], k
+
+    models = {v: weights(v) for v in range(steps)}
+    for step, (ro, st) in enumerate(zip(made, staleness, strict=True), start=1):
+        version = step - 1 - st  # batches trained before this one was drawn
+        errors, others = [], []
+        for r in range(ro.completion_ids.shape[0]):
+            mine, k = hf_logprobs(models[version], ro, r)
+            errors.append(float((ro.sampling_logps[r, :k].double() - mine).abs().max()))
+            if version + 1 < steps:
+                theirs, _ = hf_logprobs(models[version + 1], ro, r)
+                others.append(float((ro.sampling_logps[r, :k].double() - theirs).abs().max()))
+        assert max(errors) < 1e-4, (step, st, errors)
+        assert not others or max(others) > 1e-2, (step, st, others)  # the check tells versions apart

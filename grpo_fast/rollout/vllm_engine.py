@@ -80,7 +80,7 @@ def checkpoint_weights(model) -> dict:
     lora = _lora_layers(lm)
     entries = {}
     for name, layer in lora.items():
-        key = tuple(p._version for p in layer.parameters())
+        key = tuple(version_of(p) for p in layer.parameters())
         entries[f"{name}.weight"] = (key, lambda layer=layer: merged_lora_weight(layer))
         bias = getattr(layer.get_base_layer(), "bias", None)
         if bias is not None:
@@ -89,12 +89,19 @@ def checkpoint_weights(model) -> dict:
     for name, p in lm.named_parameters():
         if name.startswith(inside):
             continue
-        entries[name] = (p._version, lambda p=p: p.detach())
+        entries[name] = (version_of(p), lambda p=p: p.detach())
     head = lm.get_output_embeddings()
     if head is not None and head.weight is lm.get_input_embeddings().weight:  # tied: vLLM's copy is untied
         name = next(n for n, m in lm.named_modules() if m is head) + ".weight"
-        entries[name] = (head.weight._version, lambda: head.weight.detach())
+        entries[name] = (version_of(head.weight), lambda: head.weight.detach())
     return entries
+
+
+def version_of(p):
+    """A key that changes whenever `p` is updated in place; for an FSDP2 shard (a DTensor), its local
+    tensor's counter too (the optimizer may step either)."""
+    local = getattr(p, "_local_tensor", None)
+    return p._version if local is None else (p._version, local._version)
 
 
 def _siblings(name: str) -> list:

@@ -295,6 +295,7 @@ class ServerEngine:
             raise ServerError(f"the vLLM servers run different dtypes {sorted(dtypes)}: start them alike")
         self.dtype = dtypes.pop()
         self.logprobs_mode = self.servers[0].info.get("logprobs_mode", "")
+        self.vocab = causal_lm(model).config.vocab_size
         self.versions: dict = {}  # checkpoint name -> version key at the last push
         self.anchor = None  # (the trainer's probe log-probs, {url: the server's}) at the last telling check
         self.noise = 0.0  # |server - trainer| on the probe after the first push (the same weights both sides)
@@ -332,33 +333,46 @@ class ServerEngine:
 
     def _push(self, model, step):
         entries = checkpoint_weights(model)
-        changed = {n for n, (key, _) in entries.items() if self.versions.get(n) != key}
-        if not changed:
+        names = self.to_send(entries)
+        if not names:
             return 0
         t0 = time.monotonic()
-        names = sorted({s for n in changed for s in _siblings(n) if s in entries} | changed)
+        tensors = {n: entries[n][1]() for n in names}
+        self.send(tensors, {n: entries[n][0] for n in names}, self.trainer_probe(model), step, t0)
+        return len(names)
+
+    def to_send(self, entries: dict, changed=None) -> list:
+        """The names to push: those changed since the last push (or `changed`), with the rest of their fused
+        layers (vLLM loads q/k/v and gate/up as one)."""
+        if changed is None:
+            changed = {n for n, (key, _) in entries.items() if self.versions.get(n) != key}
+        return sorted({s for n in changed for s in _siblings(n) if s in entries} | set(changed))
+
+    def send(self, tensors: dict, keys: dict, mine: torch.Tensor, step, t0: float) -> None:
+        """Cast `tensors` (whole, by checkpoint name) to the servers' dtype, load them on every live server
+        and verify against `mine`, the trainer's probe log-probs under the same weights (`trainer_probe`);
+        `keys`: their version keys, remembered once they are loaded."""
         dtype = TORCH_DTYPES.get(self.dtype, torch.float32)
-        tensors, seen = {}, set()
-        for n in names:
-            t = entries[n][1]().to("cpu", dtype).contiguous()
+        out, seen = {}, set()
+        for n, t in tensors.items():
+            t = t.to("cpu", dtype).contiguous()
             if t.data_ptr() in seen:  # a tied tensor twice: safetensors stores each storage once
                 t = t.clone()
             seen.add(t.data_ptr())
-            tensors[n] = t
-        path = self._write(tensors, step)
+            out[n] = t
+        path = self._write(out, step)
         at = f" at step {step}" if step is not None else ""
         try:
             for s in self.alive:
                 self._load(s, path, at)
         finally:
             os.unlink(path)
-        self.versions.update({n: entries[n][0] for n in names})
-        self._verify(model, at)
+        self.versions.update(keys)
+        self._verify(mine, at)
         self.stats["pushes"] += 1
-        self.stats["pushed_tensors"] += len(names)
-        self.stats["sync_bytes"] = sum(t.numel() * t.element_size() for t in tensors.values())
+        self.stats["pushed_tensors"] += len(out)
+        self.stats["sync_bytes"] = sum(t.numel() * t.element_size() for t in out.values())
         self.stats["sync_s"] = time.monotonic() - t0
-        return len(names)
 
     def _write(self, tensors: dict, step) -> str:
         from safetensors.torch import save_file
@@ -411,21 +425,24 @@ class ServerEngine:
                 f"vLLM server {s.url}: {what}: an answer without the probe's log-probs ({exc!r})"
             ) from exc
 
-    def _verify(self, model, at: str) -> None:
-        """The server's probe log-probs equal the trainer's within the dtype's tolerance, and moved with them:
-        since the last push at which the trainer's had moved by more than 16x the noise (the error of the
-        first push, where both hold the same weights; at least 1% of the tolerance), the server's must have
-        moved by at least half as much (a correct push: within the two errors of the trainer's movement).
-        Checked against that anchor rather than the previous push, so that small steps (bf16) add up until
-        they can be told apart from noise: a transport that does nothing fails within a few pushes at most."""
+    def trainer_probe(self, model) -> torch.Tensor:
+        """The trainer's log-probs of the probe (fp64, CPU), from `model`'s own forward in eval mode."""
         lm = causal_lm(model)
-        ids = self.probe_ids(lm.config.vocab_size)
-        x = torch.tensor([ids], device=next(lm.parameters()).device)
+        x = torch.tensor([self.probe_ids(self.vocab)], device=next(lm.parameters()).device)
         was_training = lm.training
         lm.eval()
         logits = lm(input_ids=x).logits[0, :-1].double()
         lm.train(was_training)
-        mine = logits.log_softmax(-1).gather(-1, x[0, 1:, None].to(logits.device))[:, 0].cpu()
+        return logits.log_softmax(-1).gather(-1, x[0, 1:, None].to(logits.device))[:, 0].cpu()
+
+    def _verify(self, mine: torch.Tensor, at: str) -> None:
+        """The server's probe log-probs equal the trainer's (`mine`) within the dtype's tolerance, and moved
+        with them: since the last push at which the trainer's had moved by more than 16x the noise (the error
+        of the first push, where both hold the same weights; at least 1% of the tolerance), the server's must
+        have moved by at least half as much (a correct push: within the two errors of the trainer's movement).
+        Checked against that anchor rather than the previous push, so that small steps (bf16) add up until
+        they can be told apart from noise: a transport that does nothing fails within a few pushes at most."""
+        ids = self.probe_ids(self.vocab)
         tol = PROBE_TOLERANCE.get(self.dtype, 0.25)
         anchored = self.anchor is not None
         moved = float((mine - self.anchor[0]).abs().max()) if anchored else 0.0

@@ -155,9 +155,10 @@ class GRPOConfig:
         "extension); default /dev/shm (shared memory) when every server is on this host", type=str,
     )  # fmt: skip
     max_staleness: int = _f(
-        0, "asynchronous GRPO (server mode): the next steps' rollouts are generated while this one trains, "
-        "from weights at most this many optimizer steps older than the policy they train; staler ones are "
-        "dropped and counted (TRL's AsyncGRPO name); 0 = synchronous",
+        0, "asynchronous GRPO: the next steps' rollouts are generated (on vLLM servers, or colocated on a "
+        "thread of its own over a copy of the weights) while this one trains, from weights at most this many "
+        "optimizer steps older than the policy they train; staler ones are dropped and counted (TRL's "
+        "AsyncGRPO name); 0 = synchronous",
     )  # fmt: skip
     # --- GRPO ---
     beta: float = _f(0.0, "KL coefficient (k3 estimator against the reference model)")
@@ -429,10 +430,16 @@ def check_server_mode(cfg: GRPOConfig) -> None:
         raise ValueError(
             f"max_staleness must be >= 0 optimizer steps (0 = synchronous), got {cfg.max_staleness}"
         )
-    if cfg.max_staleness and not server:
+    if cfg.max_staleness and cfg.rollout == "vllm" and not server:
         raise ValueError(
-            f"max_staleness={cfg.max_staleness} (asynchronous GRPO) needs rollouts on a vLLM server: "
-            "--rollout vllm --vllm-mode server (colocated generation shares this process's weights)"
+            f"max_staleness={cfg.max_staleness} (asynchronous GRPO) with vLLM needs --vllm-mode server (a "
+            "vLLM engine in this process does not generate on a thread of its own); colocated, use "
+            "--rollout native (or auto)"
+        )
+    if cfg.max_staleness and (cfg.tools or cfg.environment):
+        raise ValueError(
+            f"max_staleness={cfg.max_staleness}: multi-turn rollouts (--tools / --environment) are "
+            "synchronous only for now: use --max-staleness 0"
         )
     if cfg.vllm_mode == "server" and cfg.rollout != "vllm":
         raise ValueError(f"vllm_mode='server' needs --rollout vllm, got --rollout {cfg.rollout}")

@@ -1,15 +1,22 @@
-"""Where a step's rollout comes from: made on the spot by the trainer (`Inline`: colocated engines), or by a
-thread of its own that feeds rollouts made on vLLM servers (`Ahead`: --vllm-mode server), at most
-`max_staleness` optimizer steps ahead of the policy that trains them (asynchronous GRPO; 0 = synchronous).
+"""Where a step's rollout comes from: made on the spot by the trainer (`Inline`: colocated engines,
+synchronous), or by a thread of its own (`Ahead`: asynchronous GRPO, `max_staleness` S) that feeds rollouts
+made on vLLM servers (--vllm-mode server; S = 0 too) or by a colocated engine over the thread's own copy of
+the weights (`WeightCopy`), at most S optimizer steps ahead of the policy that trains them.
 
 Versions: the policy's version is the number of batches it trained (optimizer steps / num_iterations). Batch j
 (the rows of step j) is generated only once the version is >= j - S, under the lock the weight push takes, so
 the version it was sampled under is exact and its staleness at training, version - its version, is at most S;
 a batch staler than S (possible only when the versions move without it, e.g. a caller that pushes twice) is
 dropped and counted. The push happens on the trainer's thread after each step (`after_update`): pause -> load
--> verify on the servers, waiting for the generation in flight; the generation thread never reads the model's
-parameters (a server's rollout needs only the prompts). Checkpoints take the sampler's position after the last
-*trained* batch, so `--resume` trains every step once whatever the thread had drawn ahead."""
+-> verify on the servers, or a copy of the changed parameters into the thread's copy, waiting for the
+generation in flight; the generation thread never reads the trained model's parameters. Checkpoints take the
+sampler's position after the last *trained* batch, so `--resume` trains every step once whatever the thread
+had drawn ahead.
+
+Under torchrun (servers only) every rank runs its own generation thread for its share of the prompts against
+the same servers; the push is a collective (`push_weights`: rank 0 sends whole tensors and verifies, every
+rank gets the verdict) and a server failure on any rank stops every rank at the same point (`agree`), so none
+is left waiting in a collective."""
 
 import collections
 import copy
@@ -19,8 +26,12 @@ import time
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from ..rollout import vllm_server
+from ..rollout.vllm_engine import checkpoint_weights, version_of
+from ..rollout.vllm_server import ServerError
+from .distributed import Policy, device_of, full_tensor
 
 
 @dataclass
@@ -57,7 +68,8 @@ class Inline:
 
 class Ahead:
     """Rollouts made by `produce(j) -> (rows, rollout, sampler_state)` on a thread of its own, batch j under
-    version >= j - max_staleness; `push(version)` sends the policy's weights after each optimizer step."""
+    version >= j - max_staleness; `push(step)` hands the policy's weights to the generator after each
+    optimizer step."""
 
     def __init__(self, produce, push, version: int, max_staleness: int, groups_per_batch: int, last=None,
                  on_close=None):  # fmt: skip
@@ -162,28 +174,155 @@ class Ahead:
         self.thread.join(timeout=1.0)
 
 
-def for_run(run, make):
-    """The rollout source of this run: `Ahead` on vLLM servers, else `Inline` (make(run, rows) -> Rollout)."""
-    cfg = run.cfg
-    if not (cfg.rollout == "vllm" and cfg.vllm_mode == "server"):
-        return Inline(run, make)
-    from .step import engine_options
+class Agreed:
+    """A rollout source whose `next` every rank of a torchrun job passes or fails together (`agree`)."""
 
-    opts = {k: v for k, v in engine_options(cfg)["vllm_options"].items() if k != "mode"}
-    engine = vllm_server.engine_for(run.model, **{**opts, "auto_push": False, "tokenizer": run.tokenizer})
-    engine.push(run.model, run.step)  # everything, verified, before the first sample
-    base_state = run.sampler.state_dict()
+    def __init__(self, source, info):
+        self.source, self.info = source, info
+
+    def next(self):
+        return agree(self.source.next, self.info)
+
+    def after_update(self, step: int) -> dict:
+        return self.source.after_update(step)  # `push_weights` hands every rank the verdict itself
+
+    def sampler_state(self):
+        return self.source.sampler_state()
+
+    def close(self) -> None:
+        self.source.close()
+
+
+def agree(call, info):
+    """call() on every rank; a ServerError on any rank raised on all of them (one rank stopping alone would
+    leave the others waiting in the step's next collective)."""
+    try:
+        out, err = call(), None
+    except ServerError as exc:
+        out, err = None, exc
+    if not info.on:
+        if err is not None:
+            raise err
+        return out
+    said = [None] * info.world
+    dist.all_gather_object(said, None if err is None else str(err))
+    failed = [(r, e) for r, e in enumerate(said) if e is not None]
+    if err is not None:
+        raise err
+    if failed:
+        raise ServerError(f"rank {failed[0][0]}: {failed[0][1]}")
+    return out
+
+
+@torch.no_grad()
+def push_weights(engine, run, step) -> int:
+    """The policy's weights changed since the last push, to the servers, verified; returns how many
+    tensors went. Under torchrun a collective: the changed set is agreed (an all-reduce of per-tensor flags:
+    any rank's step counts), each FSDP2 shard is gathered whole once, the probe's forward runs through the
+    policy on every rank; rank 0 alone writes, loads and verifies, and broadcasts the verdict, so that a
+    failed push stops every rank (each saves its part of the last completed step)."""
+    info = run.dist
+    if not info.on:
+        return engine.push(run.model, step)
+    t0 = time.monotonic()
+    entries = checkpoint_weights(run.model)
+    order = sorted(entries)
+    changed = [int(engine.versions.get(n) != entries[n][0]) for n in order]
+    flags = torch.tensor(changed, dtype=torch.int32, device=device_of(info))
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    names = engine.to_send(entries, {n for n, f in zip(order, flags.tolist(), strict=True) if f})
+    if not names:
+        return 0
+    tensors = {}
+    for n in names:  # the same order on every rank: FSDP2's all-gathers match
+        whole = full_tensor(entries[n][1]())
+        if info.main:
+            tensors[n] = whole.cpu()
+    mine = run.policy(engine.trainer_probe)
+    keys = {n: entries[n][0] for n in names}
+    verdict = None
+    if info.main:
+        try:
+            with engine.lock:
+                engine.send(tensors, keys, mine, step, t0)
+        except ServerError as exc:
+            verdict = str(exc)
+    box = [verdict]
+    dist.broadcast_object_list(box, src=0)
+    if box[0] is not None:
+        raise ServerError(box[0] if info.main else f"rank 0: {box[0]}")
+    engine.versions.update(keys)
+    return len(names)
+
+
+class WeightCopy:
+    """The generation thread's own copy of the policy (colocated asynchronous GRPO): the trainer updates the
+    policy in place while the copy samples; `push` copies in the parameters changed since the last push
+    (their version counters). Costs one more copy of the weights in memory."""
+
+    def __init__(self, model):
+        self.source = model
+        self.model = copy.deepcopy(model).eval().requires_grad_(False)
+        self.versions = {n: version_of(p) for n, p in model.named_parameters()}
+
+    @torch.no_grad()
+    def push(self, step) -> dict:
+        t0, moved = time.monotonic(), 0
+        mine = dict(self.model.named_parameters())
+        for n, p in self.source.named_parameters():
+            if self.versions[n] != version_of(p):
+                mine[n].copy_(p)
+                self.versions[n] = version_of(p)
+                moved += p.numel() * p.element_size()
+        return {"sync/seconds": time.monotonic() - t0, "sync/bytes": moved}
+
+
+def for_run(run, make):
+    """The run's rollout source (make(run, rows, generator) -> Rollout): `Inline` for a synchronous colocated
+    run; else `Ahead`, on vLLM servers (under torchrun, `Agreed`) or on a `WeightCopy` of the policy."""
+    cfg, info = run.cfg, run.dist
+    server = cfg.rollout == "vllm" and cfg.vllm_mode == "server"
+    if not server and not cfg.max_staleness:
+        return Inline(run, make)
     # the thread's own view of the run: its own tokenizer (a fast tokenizer's padding state is not shared
-    # between threads); it never touches the model's parameters
+    # between threads); on a server it never touches the model's parameters, colocated it samples a copy
     mine = dataclasses.replace(run, tokenizer=copy.deepcopy(run.tokenizer))
+    if server:
+        push, close = server_push(run), vllm_server.engine_for(run.model).close
+    else:
+        weights = WeightCopy(run.model)
+        mine = dataclasses.replace(mine, model=weights.model, policy=Policy(weights.model))
+        push, close = weights.push, None
+    base_state = run.sampler.state_dict()
+    local = cfg.prompts_per_step // info.world
+    device = "cpu" if server else run.device  # a server's rollout draws request seeds on the CPU
 
     def produce(j):
-        rows = run.sampler.next()
-        generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + j)  # CPU: it draws request seeds
+        rows = run.sampler.next()[info.rank * local : (info.rank + 1) * local]
+        generator = torch.Generator(device).manual_seed((cfg.seed * 1_000_003 + j) * 1009 + info.rank)
         return rows, make(mine, rows, generator), run.sampler.state_dict()
 
+    k = cfg.num_iterations  # optimizer steps per batch
+    last = -(-cfg.max_steps // k)
+    source = Ahead(produce, push, run.step // k, cfg.max_staleness, cfg.prompts_per_step, last, close)
+    source.trained_state = base_state
+    return Agreed(source, info) if info.on else source
+
+
+def server_push(run):
+    """Connect to the run's vLLM servers, push every weight (verified) before the first sample, and return
+    the push of each later step: push(step) -> its metrics."""
+    from .step import engine_options
+
+    opts = {k: v for k, v in engine_options(run.cfg)["vllm_options"].items() if k != "mode"}
+    engine = agree(
+        lambda: vllm_server.engine_for(run.model, **{**opts, "auto_push": False, "tokenizer": run.tokenizer}),
+        run.dist,
+    )
+    push_weights(engine, run, run.step)
+
     def push(step):
-        if not engine.push(run.model, step):
+        if not push_weights(engine, run, step):
             return {"sync/seconds": 0.0, "sync/bytes": 0}
         s = engine.stats
         return {
@@ -193,8 +332,4 @@ def for_run(run, make):
             "sync/failed_servers": s["failed_servers"],
         }
 
-    k = cfg.num_iterations  # optimizer steps per batch
-    last = -(-cfg.max_steps // k)
-    source = Ahead(produce, push, run.step // k, cfg.max_staleness, cfg.prompts_per_step, last, engine.close)
-    source.trained_state = base_state
-    return source
+    return push

@@ -116,16 +116,24 @@ def rollout(run, rows, generator=None) -> Rollout:
         return multi_turn_rollout(run, rows)
     cfg = run.cfg
     texts, p_ids, p_mask = encode_prompts(rows, run.tokenizer, cfg.max_prompt_length, run.device)
-    if not server_mode(cfg):  # a server's rollout never touches the model (it may train meanwhile)
+    if server_mode(cfg):  # a server's rollout never touches the model: it may train meanwhile, and (torchrun)
+        # no collective may run here, on the generation thread
+        def through(fn, *args, **kwargs):
+            return fn(run.model, *args, **kwargs)
+
+        finished = None
+    else:
         run.policy.eval()
+        through = run.policy
+        finished = (lambda done: all_done(done, run.dist)) if run.dist.on else None
     with torch.no_grad():
-        c_ids, c_mask, c_logp = run.policy(
+        c_ids, c_mask, c_logp = through(
             generate_groups,
             p_ids,
             p_mask,
             cfg.num_generations,
             cfg.max_completion_length,
-            all_done=(lambda done: all_done(done, run.dist)) if run.dist.on else None,
+            all_done=finished,
             return_logprobs=True,
             **sampling_options(run, generator),
             **engine_options(cfg),
@@ -276,8 +284,10 @@ def sequence_logps(model, batch, cfg: GRPOConfig):
 def sampling_correction(cfg: GRPOConfig, engine: str, rollout_dtype: str = "model"):
     """The rollout-mismatch correction mode, or None when the engine is the training forward (TRL's
     vllm_importance_sampling_correction, on for every engine or rollout dtype that is not exact; in 16-bit
-    training no engine is: its decode-shaped GEMMs round differently from the training forward's)."""
+    training no engine is: its decode-shaped GEMMs round differently from the training forward's; nor is any
+    under --max-staleness > 0, whose samples may come from older weights)."""
     exact = is_exact(engine, rollout_dtype) and precision_of(cfg).exact_rollout_possible
+    exact = exact and not cfg.max_staleness
     if exact or not cfg.vllm_importance_sampling_correction:
         return None
     return cfg.vllm_importance_sampling_mode

@@ -426,10 +426,16 @@ def check_distributed(cfg: GRPOConfig, dist: DistInfo) -> None:
             "--tools / --environment under torchrun are not supported yet (ranks would run different numbers "
             "of turns): train multi-turn in one process"
         )
-    if dist.on and cfg.rollout == "vllm":
+    if dist.on and cfg.max_staleness and not (cfg.rollout == "vllm" and cfg.vllm_mode == "server"):
         raise ValueError(
-            "--rollout vllm under torchrun is not supported yet (vLLM sets up its own process group in each "
-            "trainer process): use --rollout native (or auto) with torchrun, or --rollout vllm in one process"
+            f"max_staleness={cfg.max_staleness} under torchrun needs rollouts on vLLM servers (--rollout "
+            "vllm --vllm-mode server): colocated asynchronous generation runs in one process only for now"
+        )
+    if dist.on and cfg.rollout == "vllm" and cfg.vllm_mode != "server":
+        raise ValueError(
+            "--rollout vllm --vllm-mode colocate under torchrun is not supported yet (vLLM sets up its own "
+            "process group in each trainer process): use --vllm-mode server (the ranks share vLLM servers), "
+            "--rollout native (or auto) with torchrun, or --rollout vllm in one process"
         )
 
 
