@@ -17,6 +17,8 @@ Comparisons (each variant a set of `grpo-fast train` flags; runs interleaved by 
   bf16-weights   fp32 weights vs --dtype bf16 with each optimizer's way of keeping updates
   rollouts       colocated (this process's engine) vs rollouts on a vLLM server (started per run on its own
                  core, the trainer on the others), synchronous and asynchronous (--max-staleness 1)
+  async          colocated synchronous vs colocated asynchronous (--max-staleness 1: a thread samples a copy
+                 of the weights while the trainer trains)
 Writes bench/results/<machine>/<--out>/<workload>_<compare>.{md,json,png}.
 """
 
@@ -41,6 +43,7 @@ COMPARISONS = {
         "server, synchronous": [*SERVER, "--max-staleness", "0"],
         "server, async S=1": [*SERVER, "--max-staleness", "1"],
     },
+    "async": {"colocated": [], "colocated, async S=1": ["--max-staleness", "1"]},
     "bf16-weights": {
         "fp32": ["--no-bf16"],
         "bf16 weights + fp32 masters": ["--dtype", "bf16"],

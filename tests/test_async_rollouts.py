@@ -204,3 +204,39 @@ def test_colocated_samples_come_from_the_version_they_report(tmp_path, monkeypat
                 others.append(float((ro.sampling_logps[r, :k].double() - theirs).abs().max()))
         assert max(errors) < 1e-4, (step, st, errors)
         assert not others or max(others) > 1e-2, (step, st, others)  # the check tells versions apart
+
+
+def test_every_rank_raises_the_same_kind():
+    """What each rank raises once the ranks have told each other their failures (`raise_agreed`): server
+    faults only -> ServerError on every rank (each saves); any other fault -> RuntimeError on every rank, the
+    failing rank its own exception where it is of that kind."""
+    from grpo_fast.rollout.vllm_server import ServerError
+    from grpo_fast.trainer.rollouts import raise_agreed
+
+    raise_agreed(None, [None, None])  # nobody failed: nothing raised
+    down = ServerError("vLLM server http://b: generation failed")
+    with pytest.raises(ServerError) as own:
+        raise_agreed(down, [None, (True, str(down))])
+    assert own.value is down
+    with pytest.raises(ServerError, match="rank 1: vLLM server http://b"):
+        raise_agreed(None, [None, (True, str(down))])
+    oom = MemoryError("out of memory")
+    for err, said in ((None, [None, (False, "out of memory")]), (down, [(True, str(down)), (False, "oom")])):
+        with pytest.raises(RuntimeError, match="rank 1: o"):
+            raise_agreed(err, said)
+    with pytest.raises(MemoryError):
+        raise_agreed(oom, [None, (False, str(oom))])
+
+
+def test_async_settings_checked():
+    from grpo_fast.trainer.config import collective_timeout_s, parse_config
+
+    with pytest.raises(ValueError, match="max_memory_gb"):
+        parse_config(["--max-staleness", "1", "--max-memory-gb", "8"])
+    with pytest.raises(ValueError, match="vllm-mode server"):
+        parse_config(["--max-staleness", "1", "--rollout", "vllm"])
+    server = ["--rollout", "vllm", "--vllm-mode", "server", "--vllm-server-base-url", "http://a:1,http://b:2"]
+    # a rank may wait for another's requests retried on both servers: the collectives wait longer
+    assert collective_timeout_s(parse_config([*server, "--vllm-request-timeout-s", "100"])) == 600
+    assert collective_timeout_s(parse_config([*server, "--vllm-request-timeout-s", "300"])) == 960
+    assert collective_timeout_s(parse_config(["--dist-timeout-s", "30"])) == 30

@@ -317,6 +317,10 @@ class ServerEngine:
         self.closed = True
 
     @property
+    def torch_dtype(self) -> torch.dtype:
+        return TORCH_DTYPES.get(self.dtype, torch.float32)
+
+    @property
     def alive(self) -> list:
         live = [s for s in self.servers if s.alive]
         if not live:
@@ -337,7 +341,8 @@ class ServerEngine:
         if not names:
             return 0
         t0 = time.monotonic()
-        tensors = {n: entries[n][1]() for n in names}
+        # one tensor at a time on the device (LoRA: each merged weight made, then moved off)
+        tensors = {n: entries[n][1]().to("cpu", self.torch_dtype) for n in names}
         self.send(tensors, {n: entries[n][0] for n in names}, self.trainer_probe(model), step, t0)
         return len(names)
 
@@ -352,10 +357,9 @@ class ServerEngine:
         """Cast `tensors` (whole, by checkpoint name) to the servers' dtype, load them on every live server
         and verify against `mine`, the trainer's probe log-probs under the same weights (`trainer_probe`);
         `keys`: their version keys, remembered once they are loaded."""
-        dtype = TORCH_DTYPES.get(self.dtype, torch.float32)
         out, seen = {}, set()
         for n, t in tensors.items():
-            t = t.to("cpu", dtype).contiguous()
+            t = t.to("cpu", self.torch_dtype).contiguous()
             if t.data_ptr() in seen:  # a tied tensor twice: safetensors stores each storage once
                 t = t.clone()
             seen.add(t.data_ptr())

@@ -424,6 +424,16 @@ def server_urls(cfg: GRPOConfig) -> list[str]:
     return [f"http://{host}:{cfg.vllm_server_port}"]
 
 
+def collective_timeout_s(cfg: GRPOConfig) -> float:
+    """How long a torchrun collective may wait: --dist-timeout-s, but in server mode at least as long as a
+    rank may wait for another's server requests (vllm_request_timeout_s x (servers + 1): a generation retried
+    on every server), so that a failing server ends the run with its own error, saved, not a timed-out
+    collective."""
+    if not (cfg.rollout == "vllm" and cfg.vllm_mode == "server"):
+        return cfg.dist_timeout_s
+    return max(cfg.dist_timeout_s, cfg.vllm_request_timeout_s * (len(server_urls(cfg)) + 1) + 60)
+
+
 def check_server_mode(cfg: GRPOConfig) -> None:
     server = cfg.rollout == "vllm" and cfg.vllm_mode == "server"
     if cfg.max_staleness < 0:
@@ -435,6 +445,13 @@ def check_server_mode(cfg: GRPOConfig) -> None:
             f"max_staleness={cfg.max_staleness} (asynchronous GRPO) with vLLM needs --vllm-mode server (a "
             "vLLM engine in this process does not generate on a thread of its own); colocated, use "
             "--rollout native (or auto)"
+        )
+    if cfg.max_staleness and not server and cfg.max_memory_gb:
+        raise ValueError(
+            f"max_staleness={cfg.max_staleness} colocated with max_memory_gb={cfg.max_memory_gb:g}: the "
+            "memory plan does not count the generation thread's copy of the weights and its rollout "
+            "overlapping the training yet; drop --max-memory-gb, or generate on a vLLM server "
+            "(--vllm-mode server)"
         )
     if cfg.max_staleness and (cfg.tools or cfg.environment):
         raise ValueError(

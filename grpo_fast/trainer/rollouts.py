@@ -194,30 +194,45 @@ class Agreed:
 
 
 def agree(call, info):
-    """call() on every rank; a ServerError on any rank raised on all of them (one rank stopping alone would
-    leave the others waiting in the step's next collective)."""
+    """call() on every rank; a failure on any rank raised on all of them at this point (one rank stopping
+    alone would leave the others waiting in the step's next collective): a ServerError everywhere when every
+    failure was a server's (each rank then saves its part of the last completed step), else a RuntimeError
+    everywhere (no save: a rank may be broken)."""
     try:
         out, err = call(), None
-    except ServerError as exc:
+    except Exception as exc:
         out, err = None, exc
-    if not info.on:
-        if err is not None:
-            raise err
-        return out
-    said = [None] * info.world
-    dist.all_gather_object(said, None if err is None else str(err))
-    failed = [(r, e) for r, e in enumerate(said) if e is not None]
-    if err is not None:
+    if info.on:
+        said = [None] * info.world
+        dist.all_gather_object(said, _said(err))
+        raise_agreed(err, said)
+    elif err is not None:
         raise err
-    if failed:
-        raise ServerError(f"rank {failed[0][0]}: {failed[0][1]}")
     return out
+
+
+def _said(err) -> tuple | None:
+    return None if err is None else (isinstance(err, ServerError), str(err))
+
+
+def raise_agreed(err, said: list) -> None:
+    """Raise on this rank what every rank told (`said[r]`: None, or (a server's fault, message)); `err`:
+    this rank's own exception, raised itself where it decides the kind."""
+    failed = [(r, x) for r, x in enumerate(said) if x is not None]
+    if not failed:
+        return
+    server = all(x[0] for _, x in failed)
+    if err is not None and isinstance(err, ServerError) == server:
+        raise err
+    r, (_, message) = next((r, x) for r, x in failed if x[0] == server)  # one of the deciding kind
+    raise (ServerError if server else RuntimeError)(f"rank {r}: {message}") from err
 
 
 @torch.no_grad()
 def push_weights(engine, run, step) -> int:
     """The policy's weights changed since the last push, to the servers, verified; returns how many
-    tensors went. Under torchrun a collective: the changed set is agreed (an all-reduce of per-tensor flags:
+    tensors went. Under torchrun a collective: the servers any rank saw fail are left out by every rank (so
+    each server a rank samples got every push), the changed set is agreed (an all-reduce of per-tensor flags:
     any rank's step counts), each FSDP2 shard is gathered whole once, the probe's forward runs through the
     policy on every rank; rank 0 alone writes, loads and verifies, and broadcasts the verdict, so that a
     failed push stops every rank (each saves its part of the last completed step)."""
@@ -225,6 +240,11 @@ def push_weights(engine, run, step) -> int:
     if not info.on:
         return engine.push(run.model, step)
     t0 = time.monotonic()
+    dead = [None] * info.world
+    dist.all_gather_object(dead, [s.url for s in engine.servers if not s.alive])
+    for s in engine.servers:
+        s.alive = s.alive and not any(s.url in d for d in dead)
+    agree(lambda: engine.alive, info)  # every server failed on some rank: every rank stops here
     entries = checkpoint_weights(run.model)
     order = sorted(entries)
     changed = [int(engine.versions.get(n) != entries[n][0]) for n in order]
@@ -233,24 +253,24 @@ def push_weights(engine, run, step) -> int:
     names = engine.to_send(entries, {n for n, f in zip(order, flags.tolist(), strict=True) if f})
     if not names:
         return 0
+    dtype = engine.torch_dtype
     tensors = {}
     for n in names:  # the same order on every rank: FSDP2's all-gathers match
         whole = full_tensor(entries[n][1]())
         if info.main:
-            tensors[n] = whole.cpu()
+            tensors[n] = whole.to("cpu", dtype)  # one at a time: no second copy of the model on the device
     mine = run.policy(engine.trainer_probe)
     keys = {n: entries[n][0] for n in names}
-    verdict = None
+    err = None
     if info.main:
         try:
             with engine.lock:
                 engine.send(tensors, keys, mine, step, t0)
-        except ServerError as exc:
-            verdict = str(exc)
-    box = [verdict]
+        except Exception as exc:
+            err = exc
+    box = [_said(err)]
     dist.broadcast_object_list(box, src=0)
-    if box[0] is not None:
-        raise ServerError(box[0] if info.main else f"rank 0: {box[0]}")
+    raise_agreed(err, box)
     engine.versions.update(keys)
     return len(names)
 

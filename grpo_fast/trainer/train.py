@@ -45,7 +45,7 @@ from ..rollout.vllm_server import ServerError
 from . import checkpoint as ckpt_mod
 from . import rollouts
 from .batching import Packer
-from .config import GRPOConfig, check_correction, parse_config, to_dict
+from .config import GRPOConfig, check_correction, collective_timeout_s, parse_config, to_dict
 from .data import PromptSampler, check_rows, train_and_eval_rows
 from .distributed import (
     DistInfo,
@@ -271,9 +271,16 @@ def release(run: Run) -> None:
 def setup(cfg: GRPOConfig) -> Run:
     """Process group, seeds, model (+ reference), data, rewards, output dir and resume, optimizer, log."""
     out = Path(cfg.output_dir)
-    dist = init_distributed(cfg.distributed, cfg.dist_timeout_s)
+    timeout_s = collective_timeout_s(cfg)
+    dist = init_distributed(cfg.distributed, timeout_s)
     if dist.main:
         out.mkdir(parents=True, exist_ok=True)
+        if dist.on and timeout_s != cfg.dist_timeout_s:
+            print(
+                f"dist_timeout_s {cfg.dist_timeout_s:g} raised to {timeout_s:g} s in server mode: a rank may "
+                "wait that long for another rank's server requests (vllm_request_timeout_s x (servers + 1))",
+                flush=True,
+            )
     # initialization agrees on every rank; sampling differs per rank (the generator below)
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
