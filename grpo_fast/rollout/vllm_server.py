@@ -346,20 +346,23 @@ class ServerEngine:
         self.send(tensors, {n: entries[n][0] for n in names}, self.trainer_probe(model), step, t0)
         return len(names)
 
+    def changed(self, entries: dict) -> set:
+        """The names of `entries` (checkpoint_weights) whose version changed since the last push."""
+        return {n for n, (key, _) in entries.items() if self.versions.get(n) != key}
+
     def to_send(self, entries: dict, changed=None) -> list:
         """The names to push: those changed since the last push (or `changed`), with the rest of their fused
         layers (vLLM loads q/k/v and gate/up as one)."""
-        if changed is None:
-            changed = {n for n, (key, _) in entries.items() if self.versions.get(n) != key}
-        return sorted({s for n in changed for s in _siblings(n) if s in entries} | set(changed))
+        changed = self.changed(entries) if changed is None else set(changed)
+        return sorted({s for n in changed for s in _siblings(n) if s in entries} | changed)
 
     def send(self, tensors: dict, keys: dict, mine: torch.Tensor, step, t0: float) -> None:
-        """Cast `tensors` (whole, by checkpoint name) to the servers' dtype, load them on every live server
-        and verify against `mine`, the trainer's probe log-probs under the same weights (`trainer_probe`);
-        `keys`: their version keys, remembered once they are loaded."""
+        """Load `tensors` (whole, by checkpoint name, on the CPU in `torch_dtype`: the callers cast them one
+        at a time) on every live server and verify against `mine`, the trainer's probe log-probs under the
+        same weights (`trainer_probe`); `keys`: their version keys, remembered once they are loaded."""
         out, seen = {}, set()
         for n, t in tensors.items():
-            t = t.to("cpu", self.torch_dtype).contiguous()
+            t = t.contiguous()
             if t.data_ptr() in seen:  # a tied tensor twice: safetensors stores each storage once
                 t = t.clone()
             seen.add(t.data_ptr())

@@ -244,11 +244,10 @@ def push_weights(engine, run, step) -> int:
     dist.all_gather_object(dead, [s.url for s in engine.servers if not s.alive])
     for s in engine.servers:
         s.alive = s.alive and not any(s.url in d for d in dead)
-    agree(lambda: engine.alive, info)  # every server failed on some rank: every rank stops here
+    engine.alive  # no server left: a ServerError here, on every rank alike (they share the set now)
     entries = checkpoint_weights(run.model)
-    order = sorted(entries)
-    changed = [int(engine.versions.get(n) != entries[n][0]) for n in order]
-    flags = torch.tensor(changed, dtype=torch.int32, device=device_of(info))
+    order, changed = sorted(entries), engine.changed(entries)
+    flags = torch.tensor([n in changed for n in order], dtype=torch.int32, device=device_of(info))
     dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     names = engine.to_send(entries, {n for n, f in zip(order, flags.tolist(), strict=True) if f})
     if not names:
@@ -281,18 +280,18 @@ class WeightCopy:
     (their version counters). Costs one more copy of the weights in memory."""
 
     def __init__(self, model):
-        self.source = model
         self.model = copy.deepcopy(model).eval().requires_grad_(False)
-        self.versions = {n: version_of(p) for n, p in model.named_parameters()}
+        self.pairs = list(zip(model.parameters(), self.model.parameters(), strict=True))  # (trained, copy)
+        self.versions = [version_of(p) for p, _ in self.pairs]
 
     @torch.no_grad()
     def push(self, step) -> dict:
         t0, moved = time.monotonic(), 0
-        mine = dict(self.model.named_parameters())
-        for n, p in self.source.named_parameters():
-            if self.versions[n] != version_of(p):
-                mine[n].copy_(p)
-                self.versions[n] = version_of(p)
+        for i, (p, q) in enumerate(self.pairs):
+            version = version_of(p)
+            if self.versions[i] != version:
+                q.copy_(p)
+                self.versions[i] = version
                 moved += p.numel() * p.element_size()
         return {"sync/seconds": time.monotonic() - t0, "sync/bytes": moved}
 
@@ -308,7 +307,7 @@ def for_run(run, make):
     # between threads); on a server it never touches the model's parameters, colocated it samples a copy
     mine = dataclasses.replace(run, tokenizer=copy.deepcopy(run.tokenizer))
     if server:
-        push, close = server_push(run), vllm_server.engine_for(run.model).close
+        push, close = server_push(run)
     else:
         weights = WeightCopy(run.model)
         mine = dataclasses.replace(mine, model=weights.model, policy=Policy(weights.model))
@@ -331,7 +330,7 @@ def for_run(run, make):
 
 def server_push(run):
     """Connect to the run's vLLM servers, push every weight (verified) before the first sample, and return
-    the push of each later step: push(step) -> its metrics."""
+    (the push of each later step: push(step) -> its metrics, the engine's `close`)."""
     from .step import engine_options
 
     opts = {k: v for k, v in engine_options(run.cfg)["vllm_options"].items() if k != "mode"}
@@ -352,4 +351,4 @@ def server_push(run):
             "sync/failed_servers": s["failed_servers"],
         }
 
-    return push
+    return push, engine.close
