@@ -5,8 +5,8 @@ training shapes, and every optimizer's step time, bytes per parameter and exactn
 
 1. `linears`: one SmolLM2-135M decoder layer's linear layers (q, k, v, o, gate, up, down) forward + backward
    over `--tokens` tokens, fp32 vs under bf16 autocast (fp32 weights): the ratio is the row of
-   grpo_fast/trainer/precision.py's CPU_BF16_TRAIN_SPEEDUP for this CPU's instruction set; fp32 GFLOP/s
-   beside it.
+   grpo_fast/trainer/precision.py's CPU_BF16_TRAIN_SPEEDUP for this CPU's vendor and instruction set;
+   fp32 GFLOP/s beside it.
 2. `optimizers`: a step of each `--optim` on SmolLM2-135M's parameters (random, its shapes), weights fp32 or
    bf16 (and torch's plain AdamW stepping bf16 weights in place, the path before
    grpo_fast.trainer.optimizers): median step seconds and the state's bytes per parameter; and on one 1536 x
@@ -202,15 +202,15 @@ def main(argv=None) -> None:
     info = machine_info()
     lin = linears(args.tokens, args.repeats)
     opt = optimizers(args.repeats)
-    from grpo_fast.rollout.native import cpu_flags
-    from grpo_fast.trainer.precision import cpu_isa
+    from grpo_fast.trainer.precision import cpu_class
 
-    isa = cpu_isa(cpu_flags())
+    vendor, isa = cpu_class()
     layer = lin[-1]["speedup"]
     md = (
         f"# Precision recipes on {cpu_line(info)}\n\n"
-        f"torch {torch.__version__}; instruction-set class `{isa}`: bf16 autocast trains a layer's linears "
-        f"at **{layer:.2f}x** fp32 (grpo_fast/trainer/precision.py's CPU_BF16_TRAIN_SPEEDUP row).\n\n"
+        f"torch {torch.__version__}; vendor `{vendor}`, instruction-set class `{isa}`: bf16 autocast trains "
+        f"a layer's linears at **{layer:.2f}x** fp32 (grpo_fast/trainer/precision.py's "
+        f"CPU_BF16_TRAIN_SPEEDUP row for ({vendor!r}, {isa!r})).\n\n"
         f"## Linear layers, forward + backward, {args.tokens} tokens (one SmolLM2-135M layer)\n\n"
         + markdown_table(lin, LINEAR_COLUMNS)
         + "\n\n## Optimizers: a step of SmolLM2-135M's parameters; exactness on one layer "
@@ -218,7 +218,8 @@ def main(argv=None) -> None:
         + markdown_table(opt, OPT_COLUMNS)
         + "\n"
     )
-    payload = {"machine": info, "isa": isa, "tokens": args.tokens, "linears": lin, "optimizers": opt}
+    payload = {"machine": info, "vendor": vendor, "isa": isa, "tokens": args.tokens, "linears": lin,
+               "optimizers": opt}  # fmt: skip
     out = write_results("bench_precision", payload, md, Path(args.out_dir) if args.out_dir else None)
     print(md)
     print(f"results in {out}")

@@ -7,6 +7,10 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# --bf16 unset means fp32 on every CPU under test (the measured table turns it on where bf16 is faster, which
+# differs between the machines CI lands on); subprocesses inherit it; test_precision checks the table itself
+os.environ.setdefault("GRPO_FAST_CPU_BF16", "0")
+
 import pytest  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"

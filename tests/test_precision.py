@@ -176,22 +176,40 @@ def test_8bit_optimizers_refuse_bf16_weights():
 # Choosing the precision
 # --------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
-    "flags,on",
+    "vendor,flags,on",
     [
-        ({"avx2", "fma"}, False),  # measured: 0.04x
-        ({"avx2", "avx512f", "avx512_bf16", "avx512_fp16"}, False),  # measured: 0.78x
-        ({"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}, False),  # not measured: fp32
+        ("AuthenticAMD", {"avx2", "fma"}, False),  # Zen 3, measured: 0.04x
+        ("GenuineIntel", {"avx2", "avx512f", "avx512_bf16", "avx512_fp16"}, False),  # measured: 0.78x
+        ("AuthenticAMD", {"avx2", "avx512f", "avx512_bf16"}, True),  # Zen 4, measured: 1.71x
+        ("GenuineIntel", {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}, False),  # not measured
+        ("", {"avx2", "avx512f", "avx512_bf16"}, False),  # no vendor: no row
     ],
 )
-def test_auto_bf16_reads_the_measured_table(monkeypatch, flags, on):
+def test_auto_bf16_reads_the_measured_table(monkeypatch, vendor, flags, on):
+    monkeypatch.delenv(precision.CPU_BF16_ENV, raising=False)
     monkeypatch.setattr(native, "cpu_flags", lambda: flags)
+    monkeypatch.setattr(native, "cpu_vendor", lambda: vendor)
     got, why = precision.auto_bf16(torch.device("cpu"))
     isa = precision.cpu_isa(flags)
     assert got is on and isa in why
-    measured = precision.CPU_BF16_TRAIN_SPEEDUP.get(isa)
+    measured = precision.CPU_BF16_TRAIN_SPEEDUP.get((vendor, isa))
     assert got == (measured is not None and measured > 1.0)
-    monkeypatch.setattr(precision, "CPU_BF16_TRAIN_SPEEDUP", {isa: 1.4})
+    monkeypatch.setattr(precision, "CPU_BF16_TRAIN_SPEEDUP", {(vendor, isa): 1.4})
     assert precision.auto_bf16(torch.device("cpu"))[0] is True  # a faster measurement turns it on
+    monkeypatch.setattr(precision, "CPU_BF16_TRAIN_SPEEDUP", {(vendor, isa): 0.9})
+    assert precision.auto_bf16(torch.device("cpu"))[0] is False
+
+
+def test_the_environment_pins_the_cpu_default(monkeypatch):
+    monkeypatch.setattr(native, "cpu_flags", lambda: {"avx2", "avx512f", "avx512_bf16"})
+    monkeypatch.setattr(native, "cpu_vendor", lambda: "AuthenticAMD")  # a row that says bf16
+    for value, on in (("0", False), ("1", True)):
+        monkeypatch.setenv(precision.CPU_BF16_ENV, value)
+        got, why = precision.auto_bf16(torch.device("cpu"))
+        assert got is on and precision.CPU_BF16_ENV in why
+    monkeypatch.setenv(precision.CPU_BF16_ENV, "yes")
+    with pytest.raises(ValueError, match="GRPO_FAST_CPU_BF16: expected 0 .* or 1"):
+        precision.auto_bf16(torch.device("cpu"))
 
 
 def test_auto_bf16_on_gpus_by_compute_capability(monkeypatch):

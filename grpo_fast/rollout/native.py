@@ -19,6 +19,7 @@ Draws: inverse CDF of softmax(logits / T) after top-k and top-p, with one unifor
 front from the caller's generator, so the step itself holds no RNG state (CUDA graphs replay it).
 """
 
+import functools
 import time
 import weakref
 from concurrent import futures
@@ -628,13 +629,24 @@ def check_rollout_dtype(rollout_dtype, device, model_dtype) -> str:
 HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def cpu_flags() -> set:
+@functools.cache
+def _cpuinfo() -> dict:
+    """The first processor's fields of /proc/cpuinfo (empty where there is none)."""
     try:
         text = open("/proc/cpuinfo").read()
     except OSError:
-        return set()
-    line = next((x for x in text.splitlines() if x.startswith("flags")), "")
-    return set(line.split(":", 1)[-1].split())
+        return {}
+    first = text.split("\n\n", 1)[0]
+    return {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in first.splitlines())}
+
+
+def cpu_flags() -> set:
+    return set(_cpuinfo().get("flags", "").split())
+
+
+def cpu_vendor() -> str:
+    """GenuineIntel, AuthenticAMD, ... ("" where /proc/cpuinfo does not say)."""
+    return _cpuinfo().get("vendor_id", "")
 
 
 _auto_said: set = set()

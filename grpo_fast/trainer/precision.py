@@ -11,6 +11,7 @@ and the benchmarks. TRL's names and meaning:
   keeps fp32 master weights or compensates the rounding (Kahan) or rounds stochastically.
 """
 
+import os
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
 
@@ -20,15 +21,25 @@ HALF_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 STORAGE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 # A Linear's forward + backward under bf16 autocast, over fp32, at SmolLM2-135M's training shapes (4096
-# tokens, 576 -> 1536 and back), per CPU instruction set (bench/bench_precision.py; torch 2.13). "auto" takes
-# bf16 on a CPU only where its row is > 1; an instruction set with no row stays fp32 until it is measured.
+# tokens, 576 -> 1536 and back), per CPU vendor and instruction set (bench/bench_precision.py; torch 2.13):
+# the same flag runs at different speeds on different cores (avx512_bf16: 0.78x on an Intel Xeon, 1.71x on
+# an AMD Zen 4). "auto" takes bf16 on a CPU only where its row is > 1; a CPU with no row stays fp32 until it
+# is measured.
 CPU_BF16_TRAIN_SPEEDUP = {
     # Intel Xeon, avx512_bf16 + avx512_fp16, no AMX flag (measured for issue 31)
-    "avx512_bf16": 0.78,
+    ("GenuineIntel", "avx512_bf16"): 0.78,
+    # AMD EPYC (Zen 4), avx512_bf16 (bench/results/cpu/zen4/bench_precision.md; SmolLM2-135M's whole
+    # training phase on one rollout: 1.48x, bench/results/cpu/zen4/profile_train_bf16.md)
+    ("AuthenticAMD", "avx512_bf16"): 1.71,
     # AMD EPYC (Zen 3), avx2 + fma, no avx512: bf16 GEMMs run a non-native path
     # (bench/results/cpu/bench_precision.md)
-    "avx2": 0.04,
+    ("AuthenticAMD", "avx2"): 0.04,
 }
+
+
+# pins what --bf16 unset means on a CPU (0: fp32, 1: bf16 autocast) whatever the table says; the test suite
+# sets 0 so that its runs do not depend on which CPU they land on
+CPU_BF16_ENV = "GRPO_FAST_CPU_BF16"
 
 
 def cpu_isa(flags: set) -> str:
@@ -37,6 +48,13 @@ def cpu_isa(flags: set) -> str:
         if isa in flags:
             return isa
     return "other"
+
+
+def cpu_class() -> tuple[str, str]:
+    """(vendor, instruction-set class) of this CPU: the key of CPU_BF16_TRAIN_SPEEDUP."""
+    from ..rollout import native
+
+    return native.cpu_vendor(), cpu_isa(native.cpu_flags())
 
 
 @dataclass(frozen=True)
@@ -98,14 +116,17 @@ def auto_bf16(device: torch.device) -> tuple[bool, str]:
         return False, f"the GPU has no bf16 tensor cores (compute capability {cap[0]}.{cap[1]} < 8.0)"
     if device.type != "cpu":
         return False, f"{device.type}: bf16 speed not measured"
-    from ..rollout import native
-
-    isa = cpu_isa(native.cpu_flags())
-    speedup = CPU_BF16_TRAIN_SPEEDUP.get(isa)
+    pinned = os.environ.get(CPU_BF16_ENV, "")
+    if pinned:
+        if pinned not in ("0", "1"):
+            raise ValueError(f"{CPU_BF16_ENV}: expected 0 (fp32) or 1 (bf16 autocast), got {pinned!r}")
+        return pinned == "1", f"{CPU_BF16_ENV}={pinned} in the environment"
+    vendor, isa = cpu_class()
+    speedup = CPU_BF16_TRAIN_SPEEDUP.get((vendor, isa))
     if speedup is None:
-        return False, f"bf16 training speed is not measured on this CPU's instruction set ({isa})"
+        return False, f"bf16 training speed is not measured on this CPU ({vendor or 'unknown vendor'}, {isa})"
     faster = speedup > 1.0
-    return faster, f"bf16 autocast trains at {speedup:.2f}x fp32 on this CPU's instruction set ({isa})"
+    return faster, f"bf16 autocast trains at {speedup:.2f}x fp32 on this CPU ({vendor}, {isa})"
 
 
 _said: set = set()
