@@ -96,8 +96,8 @@ bench: setup setup-vllm smollm2
 	$(VPY) -m bench.bench_loss --ns 1024 --repeats 1 --providers naive,liger,grpo_fast
 	$(VPY) -m bench.bench_logprobs --ns 1024 --repeats 1 --providers naive,cce_torch_compile,grpo_fast
 	$(VPY) -m bench.bench_generate --workloads bench,real,demo --repeats 2 --providers hf,native,native_compiled,vllm
-	$(VPY) -m bench.bench_e2e --providers trl,grpo_fast,grpo_fast_vllm --steps 1
-	$(VPY) -m bench.bench_e2e --workload real --providers trl,trl_bf16,grpo_fast,grpo_fast_mp,grpo_fast_bf16,grpo_fast_vllm,grpo_fast_vllm_bf16 --steps 1
+	$(VPY) -m bench.bench_e2e --providers trl,grpo_fast,grpo_fast_async_mp,grpo_fast_vllm --steps 1
+	$(VPY) -m bench.bench_e2e --workload real --providers trl,trl_bf16,grpo_fast,grpo_fast_mp,grpo_fast_async_mp,grpo_fast_bf16,grpo_fast_vllm,grpo_fast_vllm_bf16 --steps 1
 	$(VPY) -m bench.profile_train
 	$(VPY) -m bench.report
 

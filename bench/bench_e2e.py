@@ -29,6 +29,8 @@ Providers:
                       trains; the model `async step = max(generate, train) + sync` is checked against it
   grpo_fast_async     grpo_fast with --max-staleness 1 colocated: the native engine samples a copy of the
                       weights on a thread of its own while the trainer trains (both share the cores)
+  grpo_fast_async_bf16  the same with --rollout-dtype bf16 (the thread decodes a bf16 copy; corrected)
+  grpo_fast_async_mp  grpo_fast_async with --bf16 (grpo_fast_mp's precision)
 
 `our_default` in the results names our provider at our default precision on this machine (grpo_fast_mp
 where --bf16 unset means on: grpo_fast/trainer/precision.py), compared with TRL at its default (trl_bf16).
@@ -85,6 +87,8 @@ LABELS = {
     "grpo_fast_server": "grpo-fast, vLLM server (own core), synchronous",
     "grpo_fast_server_async": "grpo-fast, vLLM server (own core), async --max-staleness 1",
     "grpo_fast_async": "grpo-fast, colocated async --max-staleness 1 (a thread samples a weight copy)",
+    "grpo_fast_async_bf16": "grpo-fast, colocated async --max-staleness 1, --rollout-dtype bf16 (corrected)",
+    "grpo_fast_async_mp": "grpo-fast, colocated async --max-staleness 1, --bf16 (autocast, corrected)",
 }
 # the training settings both trainers get, under the names both use
 SAME_FOR_BOTH = dict(temperature=1.0, beta=0.0, loss_type="dapo", learning_rate=1e-6)
@@ -319,7 +323,7 @@ def run_grpo_fast(a: dict) -> dict:
         rollout="vllm" if a["provider"].startswith(("grpo_fast_vllm", "grpo_fast_server")) else "auto",
         **server_options(a),
         rollout_dtype="bf16" if a["provider"].endswith("_bf16") else "model",
-        bf16=a["provider"] == "grpo_fast_mp",  # the others fp32, as TRL's bf16=False row
+        bf16=a["provider"].endswith("_mp"),  # the others fp32, as TRL's bf16=False row
         output_dir=a["out"],
         overwrite_output_dir=True,
         max_memory_gb=(base_mib / 1024 + above) if above else 0.0,
@@ -336,11 +340,12 @@ def run_grpo_fast(a: dict) -> dict:
                           gen_idle_s=r.get("async/generate_idle_s", 0.0),
                           trainer_wait_s=r.get("async/trainer_wait_s", 0.0),
                           tokens=round(r["tokens_per_s"] * step_s)))  # fmt: skip
-    return {"steps": steps, "peak_mem_mb": peak_at_end.get("mb", peak_mib(device)) - base_mib}
+    return {"steps": steps, "peak_mem_mb": peak_at_end.get("mb", peak_mib(device)) - base_mib,
+            "max_staleness": cfg.max_staleness}  # fmt: skip
 
 
 def server_options(a: dict) -> dict:
-    if a["provider"] == "grpo_fast_async":
+    if a["provider"].startswith("grpo_fast_async"):
         return dict(max_staleness=1)
     if "server_url" not in a:
         return {}
@@ -436,6 +441,7 @@ COLUMNS = [
     ("generate_s", "generation s"),
     ("score_s", "scoring s"),
     ("train_s", "training s"),
+    ("sync_s", "sync s (push + wait)"),
     ("tokens_per_s", "tokens/s"),
     ("speedup_vs_trl", "tokens/s vs TRL"),
     ("peak_mem_mb", "peak MiB"),
@@ -497,10 +503,11 @@ def step_model(rows: list[dict]) -> dict | None:
     out, lines = {}, []
     for p, r in got.items():
         gen, train, sync = r["gen_busy_s"], r["score_s"] + r["train_s"], r["push_s"]
-        predicted = (max(gen, train) if p.endswith("_async") else gen + train) + sync
+        asynchronous = r.get("max_staleness", 0) > 0
+        predicted = (max(gen, train) if asynchronous else gen + train) + sync
         out[p] = dict(generate_s=gen, train_s=train, sync_s=sync, predicted_step_s=predicted,
                       measured_step_s=r["step_s"], measured_over_model=r["step_s"] / predicted)  # fmt: skip
-        form = "max(generate, train) + sync" if p.endswith("_async") else "generate + train + sync"
+        form = "max(generate, train) + sync" if asynchronous else "generate + train + sync"
         lines.append(
             f"- {p}: {form} = {predicted:.2f} s (generate {gen:.2f}, train {train:.2f}, sync {sync:.2f}); "
             f"measured {r['step_s']:.2f} s ({r['step_s'] / predicted:.2f}x the model); the trainer waited "
@@ -509,6 +516,31 @@ def step_model(rows: list[dict]) -> dict | None:
         )
     out["text"] = "Step-time model (server and async rows):\n\n" + "\n".join(lines)
     return out
+
+
+def render(payload: dict) -> str:
+    """The markdown of a results payload (main's; also to re-render a saved json), its step model under it."""
+    rows, cfg, info = payload["rows"], payload["config"], payload["machine"]
+    real = payload["workload"] == "real"
+    what = (
+        "SmolLM2-135M-Instruct, chat prompts (arithmetic questions) with answers, an accuracy reward"
+        if real
+        else "Random-init Qwen2-shaped model"
+    )
+    md = (
+        f"# End-to-end GRPO step vs TRL ({'' if real else 'P=' + str(cfg['P']) + ', '}C={cfg['C']}, "
+        f"G={cfg['G']}, {cfg['prompts_per_step']} prompts/step)\n\n"
+        f"{what}, {cfg['model_params'] / 1e6:.1f}M parameters, fp32 (rows saying bf16: mixed precision), "
+        f"beta 0, loss dapo; "
+        f"{cfg['warmup']} warm-up step(s), then the mean of {cfg['steps']}. Machine: {cpu_line(info)}"
+        f"{', ' + info['gpu'] if 'gpu' in info else ''}, "
+        f"torch {info['versions']['torch']}, "
+        f"trl {info['versions']['trl']}, commit {info['git_commit']}.\n\n"
+        + markdown_table(rows, COLUMNS)
+        + "\n"
+    )
+    model = step_model(rows)
+    return md + ("\n" + model["text"] + "\n" if model else "")
 
 
 def main(argv=None) -> None:
@@ -579,37 +611,20 @@ def main(argv=None) -> None:
             r["mem_vs_trl"] = r["peak_mem_mb"] / trl_row["peak_mem_mb"]
         if "error" in r:
             r["skipped"] = "error: " + r["error"]
-    info = machine_info()
-    what = (
-        "SmolLM2-135M-Instruct, chat prompts (arithmetic questions) with answers, an accuracy reward"
-        if real
-        else "Random-init Qwen2-shaped model"
-    )
-    md = (
-        f"# End-to-end GRPO step vs TRL ({'' if real else 'P=' + str(shape['P']) + ', '}C={shape['C']}, "
-        f"G={shape['G']}, {shape['prompts_per_step']} prompts/step)\n\n"
-        f"{what}, {model_params / 1e6:.1f}M parameters, fp32 (rows saying bf16: mixed precision), beta 0, "
-        f"loss dapo; "
-        f"{args.warmup} warm-up step(s), then the mean of {args.steps}. Machine: {cpu_line(info)}"
-        f"{', ' + info['gpu'] if 'gpu' in info else ''}, "
-        f"torch {info['versions']['torch']}, "
-        f"trl {info['versions']['trl']}, commit {info['git_commit']}.\n\n"
-        + markdown_table(rows, COLUMNS)
-        + "\n"
-    )
-    model = step_model(rows)
-    if model:
-        md += "\n" + model.pop("text") + "\n"
     name = "bench_e2e" + ("_real" if real else "_quick" if args.quick else "")
     out_dir = Path(args.out_dir) if args.out_dir else None
     from grpo_fast.trainer.precision import auto_bf16
 
+    info = machine_info()
     payload = {"machine": info, "config": dict(shape, warmup=args.warmup, steps=args.steps), "rows": rows}
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     payload["our_default"] = "grpo_fast_mp" if auto_bf16(device)[0] else "grpo_fast"
     payload["config"]["model_params"] = model_params
+    payload["workload"] = args.workload
+    md = render(payload)
+    model = step_model(rows)
     if model:
-        payload["step_model"] = model
+        payload["step_model"] = {p: v for p, v in model.items() if p != "text"}
     out = write_results(name, payload, md, out_dir)
     plot_e2e(rows, out / f"{name}.png", f"GRPO step, P={shape['P']} C={shape['C']} G={shape['G']}")
     print(md)

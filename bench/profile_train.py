@@ -3,7 +3,7 @@ trainer's own optimization phase (grpo_fast.trainer.step.optimize: the policy fo
 shared-prefix layout, the fused loss, backward, clipping, the optimizer step) on bench_e2e's real workload
 (SmolLM2-135M-Instruct, 2 chat prompts x G=8, C=256): a warm-up phase, then --repeats timed unprofiled phases,
 each right after a measurement of the GEMM rate (the median pair reported), and one under the profiler (the
-shares), all on one rollout.
+shares), all on one rollout, sampled in fp32 with the run's seed: `--bf16` trains on the same tokens.
 
     python -m bench.profile_train [--top 15] [--bf16] [--optim adamw_torch_fused] [--attention mask]
 
@@ -89,6 +89,7 @@ def main(argv=None) -> None:
             num_generations=shape["G"], prompts_per_step=shape["prompts_per_step"],
             max_prompt_length=shape["P"], max_completion_length=shape["C"], learning_rate=1e-6,
             bf16=args.bf16, optim=args.optim, output_dir=str(Path(tmp) / "run"), max_steps=10,
+            rollout_dtype="fp32",  # the same rollout (seed, fp32 sampling) whatever the training precision
         )  # fmt: skip
         run = train_mod.setup(cfg)
         rows = run.sampler.next()

@@ -79,7 +79,32 @@ def e2e_section(res, summary) -> str:
             "TRL's (HF generate), so only the training share of the step moves.\n"
         )
     text += _vllm_e2e_line(rows, trl, ours, summary, "e2e_vllm_speedup_vs_trl")
-    return text + _not_measured(rows)
+    return text + _fastest_line(rows, summary, "e2e") + _not_measured(rows)
+
+
+def _fastest_line(rows, summary, prefix) -> str:
+    """The fastest of our rows (every one exact or corrected: a low-precision or stale rollout is corrected by
+    the rollout-mismatch weights), against TRL in fp32 and, where measured, TRL at its default bf16."""
+    ours = [r for r in rows if r["provider"].startswith("grpo_fast") and "step_s" in r]
+    trl, trl_bf16 = _row(rows, provider="trl"), _row(rows, provider="trl_bf16")
+    if not (ours and trl):
+        return ""
+    best = max(ours, key=lambda r: r["tokens_per_s"])
+    speed, mem = best["tokens_per_s"] / trl["tokens_per_s"], best["peak_mem_mb"] / trl["peak_mem_mb"]
+    summary.update({f"{prefix}_fastest_provider": best["provider"], f"{prefix}_fastest_speedup_vs_trl": speed,
+                    f"{prefix}_fastest_peak_mem_ratio_vs_trl": mem})  # fmt: skip
+    text = (
+        f"Our fastest row, `{best['provider']}` ({best['label']}): **{speed:.2f}x** TRL's fp32 tokens/s at "
+        f"{mem:.2f}x its peak memory (`{prefix}_fastest_speedup_vs_trl`); step {best['step_s']:.1f} s, "
+        f"the trainer waiting {best['generate_s']:.2f} s for rollouts, training {best['train_s']:.1f} s"
+    )
+    if best.get("sync_s"):
+        text += f", syncing {best['sync_s']:.2f} s (the push, and its wait for the generation in flight)"
+    if trl_bf16:
+        vs = best["tokens_per_s"] / trl_bf16["tokens_per_s"]
+        summary[f"{prefix}_fastest_speedup_vs_trl_bf16"] = vs
+        text += f"; {vs:.2f}x TRL at its default `bf16=True`"
+    return text + ".\n"
 
 
 def _not_measured(rows) -> str:
@@ -135,7 +160,8 @@ def e2e_real_section(res, summary) -> str:
                 f"With the rollout in {how}, mismatch corrected: **{speed:.2f}x** TRL's tokens/s (generation "
                 f"{low['generate_s']:.1f} s of a {low['step_s']:.1f} s step).\n"
             )
-    return text + _default_precision_line(res, rows, summary) + _not_measured(rows)
+    text += _default_precision_line(res, rows, summary)
+    return text + _fastest_line(rows, summary, "e2e_real") + _not_measured(rows)
 
 
 def _default_precision_line(res, rows, summary) -> str:

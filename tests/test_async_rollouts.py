@@ -134,12 +134,15 @@ def test_no_batch_past_the_last_and_versions_count_batches():
     assert closed == [True]
 
 
-def test_colocated_samples_come_from_the_version_they_report(tmp_path, monkeypatch):
+@pytest.mark.parametrize("rollout_dtype", ["model", "bf16"])
+def test_colocated_samples_come_from_the_version_they_report(tmp_path, monkeypatch, rollout_dtype):
     """--max-staleness 1 with the native engine in this process: each step trains samples that the
     generation thread drew from its own copy of the weights. The engine's log-probs of every sampled token
     equal, to fp32 rounding, those transformers computes here under the weights of the version the step
     reports (the initial model or that step's checkpoint), and not those of the next version; the
-    rollout-mismatch correction is on (the samples may be off-policy)."""
+    rollout-mismatch correction is on (the samples may be off-policy). With --rollout-dtype bf16 the thread
+    decodes a bf16 copy of its copy: transformers' forward of the version's weights in bf16 is the reference,
+    to bf16 rounding, and still tells the versions apart."""
     import torch
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
@@ -168,6 +171,7 @@ def test_colocated_samples_come_from_the_version_they_report(tmp_path, monkeypat
         "--max-completion-length", "10", "--eval-max-samples", "0", "--save-steps", "1", "--save-total-limit",
         "10", "--max-steps", str(steps), "--max-staleness", "1", "--learning-rate", "3e-3", "--warmup-ratio",
         "0", "--lr-scheduler-type", "constant", "--time-budget-s", "0", "--temperature", str(T_),
+        "--rollout-dtype", rollout_dtype,
     ]))  # fmt: skip
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     records = [r for r in records if "loss" in r]
@@ -182,7 +186,7 @@ def test_colocated_samples_come_from_the_version_they_report(tmp_path, monkeypat
             state = load_file(out / f"checkpoint-{version}" / "model.safetensors")
             missing, unexpected = model.load_state_dict(state, strict=False)
             assert not unexpected and set(missing) <= {"lm_head.weight"}
-        return model
+        return model.to(torch.bfloat16) if rollout_dtype == "bf16" else model
 
     def hf_logprobs(model, ro, r):
         prompt = ro.prompt_ids[r // G][ro.prompt_mask[r // G].bool()]
@@ -192,6 +196,9 @@ def test_colocated_samples_come_from_the_version_they_report(tmp_path, monkeypat
             logits = model(input_ids=ids).logits[0, prompt.numel() - 1 : -1].double() / T_
         return logits.log_softmax(-1).gather(-1, ids[0, prompt.numel() :, None])[:, 0], k
 
+    # (bound on the error against the reported version, floor on the largest against the next one): fp32
+    # rounding, or bf16 rounding (measured: at most 0.04, while the next version is 1.3-3.3 away)
+    same, apart = {"model": (1e-4, 1e-2), "bf16": (0.15, 0.5)}[rollout_dtype]
     models = {v: weights(v) for v in range(steps)}
     for step, (ro, st) in enumerate(zip(made, staleness, strict=True), start=1):
         version = step - 1 - st  # batches trained before this one was drawn
@@ -202,8 +209,8 @@ def test_colocated_samples_come_from_the_version_they_report(tmp_path, monkeypat
             if version + 1 < steps:
                 theirs, _ = hf_logprobs(models[version + 1], ro, r)
                 others.append(float((ro.sampling_logps[r, :k].double() - theirs).abs().max()))
-        assert max(errors) < 1e-4, (step, st, errors)
-        assert not others or max(others) > 1e-2, (step, st, others)  # the check tells versions apart
+        assert max(errors) < same, (step, st, errors)
+        assert not others or max(others) > apart, (step, st, others)  # the check tells versions apart
 
 
 def test_every_rank_raises_the_same_kind():
