@@ -130,7 +130,8 @@ gpu-wheels: setup
 	@du -ch bench/wheels/*.whl | tail -1 | sed 's/total/in bench\/wheels (the device carries 64 MiB in all)/'
 
 lint: setup
-	$(VPY) -m ruff check kernels grpo_fast tests bench
+	$(VPY) -m ruff check kernels grpo_fast tests bench scripts
+	$(VPY) -m ruff format --check kernels grpo_fast tests bench scripts
 
 clean:
 	rm -rf $(VENV) $(BARE) $(VLLM_ENV) build *.egg-info

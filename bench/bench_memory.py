@@ -135,7 +135,13 @@ COLUMNS = [
 
 
 def run(
-    names, layers: int, steps: int, deadline=None, extra_flags=(), on_row=None, map_large: bool = False,
+    names,
+    layers: int,
+    steps: int,
+    deadline=None,
+    extra_flags=(),
+    on_row=None,
+    map_large: bool = False,
     overrides=None,
 ) -> dict:
     """Every configuration of `names` in its own process; rows with the estimate beside the measurement,

@@ -214,9 +214,7 @@ def main(argv=None) -> None:
         f"## Linear layers, forward + backward, {args.tokens} tokens (one SmolLM2-135M layer)\n\n"
         + markdown_table(lin, LINEAR_COLUMNS)
         + "\n\n## Optimizers: a step of SmolLM2-135M's parameters; exactness on one layer "
-        "(12 steps, lr 1e-5)\n\n"
-        + markdown_table(opt, OPT_COLUMNS)
-        + "\n"
+        "(12 steps, lr 1e-5)\n\n" + markdown_table(opt, OPT_COLUMNS) + "\n"
     )
     payload = {"machine": info, "vendor": vendor, "isa": isa, "tokens": args.tokens, "linears": lin,
                "optimizers": opt}  # fmt: skip

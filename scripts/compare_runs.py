@@ -257,8 +257,11 @@ def main() -> None:
     md = (
         f"# {args.workload}: {args.compare}\n\n"
         f"Machine: {cpu_line(info)}, commit {info['git_commit']}; flags `{' '.join(flags)}` plus each "
-        f"variant's: " + "; ".join(f"{n}: `{' '.join(f)}`" for n, f in variants.items())
-        + ". Runs interleaved by seed.\n\n" + "\n".join(lines) + f"\n\n![curves]({stem}.png)\n"
+        f"variant's: "
+        + "; ".join(f"{n}: `{' '.join(f)}`" for n, f in variants.items())
+        + ". Runs interleaved by seed.\n\n"
+        + "\n".join(lines)
+        + f"\n\n![curves]({stem}.png)\n"
     )
     (out / f"{stem}.md").write_text(md)
     payload = {"machine": info, "flags": flags, "rows": rows,
