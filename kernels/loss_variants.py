@@ -283,7 +283,13 @@ def top_entropy_mask(entropies, mask, quantile):
     if active.numel() == 0:
         return torch.zeros_like(entropies, dtype=torch.float32)
     threshold = torch.quantile(active, 1.0 - quantile)
-    return ((entropies * mask >= threshold) & m).float()
+    # Tokens with one context (a group's first completion position: its samples share the prompt) have equal
+    # entropies in exact arithmetic, but fp32 can part them by a few ulp with the token's row in the GEMM and
+    # vector loops (issue 44: an Intel AVX-512 CPU split such a tie at the threshold, dropping one of them).
+    # 2^-16 of the threshold (128-256 ulp) keeps a tie on the side exact arithmetic puts it, far below any gap
+    # between distinct entropies that matters.
+    slack = 2.0**-16 * threshold.abs().clamp(min=1.0)
+    return ((entropies * mask >= threshold - slack) & m).float()
 
 
 @dataclass

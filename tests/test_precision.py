@@ -200,6 +200,85 @@ def test_auto_bf16_reads_the_measured_table(monkeypatch, vendor, flags, on):
     assert precision.auto_bf16(torch.device("cpu"))[0] is False
 
 
+def _stub_timer(train, decode):
+    """A timer that says each recipe's seconds per call by name, and counts its calls."""
+    calls = []
+
+    def timer(name, fn):
+        calls.append(name)
+        kind, recipe = name.split("/")
+        return (train if kind == "train" else decode)[recipe]
+
+    return timer, calls
+
+
+@pytest.mark.parametrize(
+    "train,decode,bf16,rollout",
+    [
+        ({"fp32": 1.0, "bf16_autocast": 0.5, "bf16_weights": 0.4}, {"fp32": 1.0, "bf16": 0.8}, True, "bf16"),
+        (
+            {"fp32": 1.0, "bf16_autocast": 1.3, "bf16_weights": 0.7},
+            {"fp32": 1.0, "bf16": 1.2},
+            False,
+            "model",
+        ),
+        # within MIN_GAIN of fp32: timer noise, not a gain
+        (
+            {"fp32": 1.0, "bf16_autocast": 0.97, "bf16_weights": 0.97},
+            {"fp32": 1.0, "bf16": 0.97},
+            False,
+            "model",
+        ),
+    ],
+)
+def test_auto_bf16_follows_the_measurement(tmp_path, monkeypatch, train, decode, bf16, rollout):
+    """--bf16 unset on a CPU takes what a stubbed timer measured, says the ratio, caches it (a second run
+    measures nothing) under GRPO_FAST_CACHE; GRPO_FAST_CPU_BF16 still pins; measuring off reads the table."""
+    from grpo_fast.trainer import calibrate
+
+    monkeypatch.delenv(precision.CPU_BF16_ENV, raising=False)
+    monkeypatch.setenv("GRPO_FAST_CACHE", str(tmp_path))
+    timer, calls = _stub_timer(train, decode)
+    monkeypatch.setattr(calibrate, "time_call", timer)
+    cfg = parse_config([])
+    got, why = precision.auto_bf16(torch.device("cpu"), cfg)
+    ratio = train["fp32"] / train["bf16_autocast"]
+    assert got is bf16 and f"bf16 autocast {ratio:.2f}x fp32" in why and "calibrated in" in why, why
+    assert sorted(calls) == sorted([f"train/{r}" for r in train] + [f"decode/{r}" for r in decode])
+    cal, fresh = calibrate.calibration(calibrate.shapes_of(cfg))
+    assert not fresh and len(calls) == 5  # from the cache
+    assert cal.rollout_choice()[0] == rollout
+    cached = json.loads(calibrate.cache_path().read_text())
+    assert list(cached) == [cal.key] and calibrate.cache_key(calibrate.shapes_of(cfg)) == cal.key
+    assert "torch " + torch.__version__ in cal.key and f"threads {torch.get_num_threads()}" in cal.key
+    for value in ("0", "1"):  # the environment pins whatever was measured
+        monkeypatch.setenv(precision.CPU_BF16_ENV, value)
+        assert precision.auto_bf16(torch.device("cpu"), cfg)[0] is (value == "1")
+    monkeypatch.delenv(precision.CPU_BF16_ENV)
+    monkeypatch.setenv(calibrate.CALIBRATE_ENV, "0")  # measuring off: the table's fallback
+    monkeypatch.setattr(native, "cpu_flags", lambda: {"avx2"})
+    monkeypatch.setattr(native, "cpu_vendor", lambda: "AuthenticAMD")
+    assert precision.auto_bf16(torch.device("cpu"), cfg) == (
+        False,
+        precision.auto_bf16(torch.device("cpu"))[1],
+    )
+    assert len(calls) == 5
+
+
+def test_the_calibration_measures_this_machine_in_seconds(tmp_path, monkeypatch):
+    """A real measurement at small shapes: every recipe timed, fp32 the unit, the cost said and cached."""
+    from grpo_fast.trainer import calibrate
+
+    monkeypatch.setenv("GRPO_FAST_CACHE", str(tmp_path))
+    shapes = calibrate.Shapes(hidden=128, intermediate=384, heads=4, kv_heads=2, tokens=128)
+    cal, fresh = calibrate.calibration(shapes)
+    assert fresh and cal.seconds < 20
+    assert set(cal.train) == set(calibrate.TRAIN_RECIPES) and set(cal.decode) == set(calibrate.DECODE_RECIPES)
+    assert cal.train["fp32"] == cal.decode["fp32"] == 1.0
+    assert all(0 < r < math.inf for r in [*cal.train.values(), *cal.decode.values()])
+    assert calibrate.calibration(shapes) == (cal, False)
+
+
 def test_the_environment_pins_the_cpu_default(monkeypatch):
     monkeypatch.setattr(native, "cpu_flags", lambda: {"avx2", "avx512f", "avx512_bf16"})
     monkeypatch.setattr(native, "cpu_vendor", lambda: "AuthenticAMD")  # a row that says bf16

@@ -30,9 +30,9 @@ class GRPOConfig:
     bf16: bool = _f(
         None,
         "bf16 mixed precision: the training forward autocast to bf16 on the stored weights (TRL's name; "
-        "unset: on where bf16 is measured faster, a GPU with bf16 tensor cores or a CPU per "
-        "grpo_fast/trainer/precision.py's table, said once with the reason); rollouts and held-out "
-        "evaluation then sample in bf16",
+        "unset: on where bf16 is faster, a GPU with bf16 tensor cores or a CPU where "
+        "grpo_fast/trainer/calibrate.py measured it faster (first run, cached), said once with the ratio); "
+        "rollouts and held-out evaluation then sample in bf16",
     )
     fp16: bool = _f(False, "fp16 mixed precision: autocast to fp16, the loss scaled (TRL's name)")
     optim: str = _f(

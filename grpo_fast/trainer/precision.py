@@ -5,8 +5,9 @@ autocast region, the rollout dtype, whether the rollout is exact), the memory pl
 and the benchmarks. TRL's names and meaning:
 - `--dtype` fp32 | bf16: the parameters' storage dtype (TRL: `model_init_kwargs` dtype, fp32 by default);
 - `--bf16` / `--fp16`: autocast the training forward to that dtype on the stored weights (TRL's mixed
-  precision; TRL defaults `bf16` to on). Ours defaults to on only where bf16 measured faster: a GPU with bf16
-  tensor cores, a CPU whose instruction set's row in CPU_BF16_TRAIN_SPEEDUP says so; fp16 scales the loss;
+  precision; TRL defaults `bf16` to on). Ours defaults to on only where bf16 is faster: a GPU with bf16
+  tensor cores, a CPU where a decoder layer at the run's shapes measured faster under bf16 autocast
+  (grpo_fast.trainer.calibrate: measured on a machine's first run, cached); fp16 scales the loss;
 - `--optim` (HF's names, grpo_fast.trainer.optimizers): bf16 weights never lose an update, each optimizer
   keeps fp32 master weights or compensates the rounding (Kahan) or rounds stochastically.
 """
@@ -20,11 +21,11 @@ import torch
 HALF_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 STORAGE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
-# A Linear's forward + backward under bf16 autocast, over fp32, at SmolLM2-135M's training shapes (4096
-# tokens, 576 -> 1536 and back), per CPU vendor and instruction set (bench/bench_precision.py; torch 2.13):
-# the same flag runs at different speeds on different cores (avx512_bf16: 0.78x on an Intel Xeon, 1.71x on
-# an AMD Zen 4). "auto" takes bf16 on a CPU only where its row is > 1; a CPU with no row stays fp32 until it
-# is measured.
+# The fallback where measuring is off (GRPO_FAST_CALIBRATE=0): a Linear's forward + backward under bf16
+# autocast, over fp32, at SmolLM2-135M's training shapes (4096 tokens, 576 -> 1536 and back), per CPU vendor
+# and instruction set (bench/bench_precision.py; torch 2.13). The same flag runs at different speeds on
+# different cores (avx512_bf16: 0.78x on an Intel Xeon, 1.71x on an AMD Zen 4), which is why "auto" measures
+# (calibrate.py) rather than reads this; a CPU with no row stays fp32.
 CPU_BF16_TRAIN_SPEEDUP = {
     # Intel Xeon, avx512_bf16 + avx512_fp16, no AMX flag (measured for issue 31)
     ("GenuineIntel", "avx512_bf16"): 0.78,
@@ -37,8 +38,8 @@ CPU_BF16_TRAIN_SPEEDUP = {
 }
 
 
-# pins what --bf16 unset means on a CPU (0: fp32, 1: bf16 autocast) whatever the table says; the test suite
-# sets 0 so that its runs do not depend on which CPU they land on
+# pins what --bf16 unset means on a CPU (0: fp32, 1: bf16 autocast) whatever is measured; the test suite
+# sets 0 so that its runs do not depend on which CPU they land on (and measure nothing)
 CPU_BF16_ENV = "GRPO_FAST_CPU_BF16"
 
 
@@ -105,8 +106,10 @@ class Precision:
         }
 
 
-def auto_bf16(device: torch.device) -> tuple[bool, str]:
-    """(bf16 autocast on?, why) for --bf16 left unset: where bf16 is measured (or known) faster than fp32."""
+def auto_bf16(device: torch.device, cfg=None) -> tuple[bool, str]:
+    """(bf16 autocast on?, why) for --bf16 left unset: where bf16 is measured (or known) faster than fp32. On
+    a CPU: GRPO_FAST_CPU_BF16 if set, else the calibration at `cfg`'s shapes (measured once per machine and
+    shape, cached), else (measuring off, or no config) the table."""
     if device.type == "cuda":
         if not torch.cuda.is_available():  # sizing a GPU run from here (grpo-fast estimate --device cuda)
             return True, "CUDA, assumed to have bf16 tensor cores (no GPU visible here to ask)"
@@ -121,6 +124,14 @@ def auto_bf16(device: torch.device) -> tuple[bool, str]:
         if pinned not in ("0", "1"):
             raise ValueError(f"{CPU_BF16_ENV}: expected 0 (fp32) or 1 (bf16 autocast), got {pinned!r}")
         return pinned == "1", f"{CPU_BF16_ENV}={pinned} in the environment"
+    from . import calibrate
+
+    if cfg is not None and calibrate.enabled():
+        cal, fresh = calibrate.calibration(calibrate.shapes_of(cfg))
+        bf16, why = cal.train_choice()
+        if fresh:
+            why += f"; calibrated in {cal.seconds:.1f} s, cached in {calibrate.cache_path()}"
+        return bf16, why
     vendor, isa = cpu_class()
     speedup = CPU_BF16_TRAIN_SPEEDUP.get((vendor, isa))
     if speedup is None:
@@ -148,7 +159,7 @@ def resolve(cfg, device: torch.device):
         elif cfg.dtype == "bf16":
             bf16, reason = True, "the weights are bf16"
         else:
-            bf16, reason = auto_bf16(device)
+            bf16, reason = auto_bf16(device, cfg)
             if reason not in _said:
                 _said.add(reason)
                 print(f"grpo-fast precision: {'bf16 autocast' if bf16 else 'fp32'} ({reason})", flush=True)
