@@ -247,3 +247,149 @@ def test_async_settings_checked():
     assert collective_timeout_s(parse_config([*server, "--vllm-request-timeout-s", "100"])) == 600
     assert collective_timeout_s(parse_config([*server, "--vllm-request-timeout-s", "300"])) == 960
     assert collective_timeout_s(parse_config(["--dist-timeout-s", "30"])) == 30
+
+
+def test_a_rank_only_failure_does_not_skip_prompts_on_resume(monkeypatch):
+    """Under torchrun, rank 0 generates its batch while rank 1 fails: no rank trains it, so the sampler
+    position a checkpoint saves must stay before it ({'pos': 1} after one trained batch, not 2)."""
+    import grpo_fast.trainer.rollouts as R
+    from grpo_fast.rollout.vllm_server import ServerError
+
+    calls = []
+
+    def all_gather(said, mine):  # rank 1's answers: fine at the first batch, failed at the second
+        calls.append(mine)
+        said[:] = [mine, None if len(calls) == 1 else (True, "vLLM server http://b: generation failed")]
+
+    monkeypatch.setattr(R.dist, "all_gather_object", all_gather)
+    info = type("Info", (), {"on": True, "world": 2, "rank": 0})()
+    world = World()
+    source = R.Agreed(Ahead(world.produce, world.push, version=0, max_staleness=1, groups_per_batch=1), info)
+    source.source.trained_state = {"pos": 0}
+    source.next()
+    source.source.after_update(1)
+    assert source.sampler_state() == {"pos": 1}
+    with pytest.raises(ServerError, match="rank 1"):
+        source.next()
+    assert source.sampler_state() == {"pos": 1}
+    source.close()
+
+
+def test_a_dropped_batch_is_replaced():
+    """Batches dropped as too stale are generated again: the trainer gets a batch for each of its steps
+    instead of waiting forever once the last planned batch was drawn."""
+    world = World()
+    source = Ahead(world.produce, world.push, version=0, max_staleness=1, groups_per_batch=1, last=2)
+    deadline = time.monotonic() + 5
+    while len(source.ready) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    source.after_update(1)
+    source.after_update(2)  # both batches two versions old: dropped
+    got = []
+    t = threading.Thread(target=lambda: got.append(source.next()), daemon=True)
+    t.start()
+    t.join(timeout=10)
+    assert got and got[0][0] == ["row2"] and source.dropped_batches == 2, (got, source.dropped_batches)
+    source.close()
+
+
+def _signal_soon(sig, after_s=0.3):
+    import os
+
+    threading.Timer(after_s, lambda: os.kill(os.getpid(), sig)).start()
+
+
+@pytest.mark.parametrize("where", ["next", "push"])
+def test_a_stop_signal_cuts_the_waits_short(where):
+    """SIGTERM while the trainer waits for a batch that takes minutes, or for the generation in flight
+    before a push: `Stopping` within a second, not at the end of the wait."""
+    import signal
+
+    from grpo_fast.trainer.stopping import Signals, Stopping
+
+    world = World()
+    first = 0 if where == "next" else 1  # "push": batch 0 at once, batch 1 (generating) holds the weights
+
+    def produce(j):
+        if j >= first:
+            time.sleep(30)
+        return world.produce(j)
+
+    signals = Signals()
+    with signals.install():
+        source = Ahead(produce, world.push, version=0, max_staleness=1, groups_per_batch=1,
+                       abortable=signals.abortable)  # fmt: skip
+        if where == "push":
+            source.next()
+            time.sleep(0.1)
+        _signal_soon(signal.SIGTERM)
+        t0 = time.monotonic()
+        with pytest.raises(Stopping):
+            source.next() if where == "next" else source.after_update(1)
+        assert time.monotonic() - t0 < 2.0
+        assert signals.stop
+        with pytest.raises(Stopping):  # entered after the signal: at once
+            source.next()
+    source.closed = True
+
+
+def test_an_interrupted_inline_rollout_keeps_the_sampler_before_its_prompts():
+    """A stop during a colocated (synchronous) generation: the checkpoint's sampler position is the one
+    before the prompts that generation drew, so --resume trains them."""
+    import os
+    import signal
+    import types
+
+    from grpo_fast.trainer.data import PromptSampler
+    from grpo_fast.trainer.rollouts import Inline
+    from grpo_fast.trainer.stopping import Signals, Stopping
+
+    sampler = PromptSampler([{"prompt": f"p{i}"} for i in range(8)], batch=2, seed=0)
+    run = types.SimpleNamespace(
+        sampler=sampler, signals=Signals(), cfg=types.SimpleNamespace(prompts_per_step=2),
+        dist=types.SimpleNamespace(world=1, rank=0),
+    )  # fmt: skip
+
+    def make(run, rows):
+        if len(made) == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(30)
+        made.append(rows)
+        return "rollout"
+
+    made = []
+    source = Inline(run, make)
+    with run.signals.install():
+        source.next()
+        after_one = source.sampler_state()
+        t0 = time.monotonic()
+        with pytest.raises(Stopping):
+            source.next()
+        assert time.monotonic() - t0 < 2.0
+    assert source.sampler_state() == after_one != sampler.state_dict()
+
+
+def test_max_staleness_help_counts_batches():
+    """--max-staleness bounds policy versions (a batch each), which with num_iterations k are k optimizer
+    steps: the help says so."""
+    import dataclasses
+
+    from grpo_fast.trainer.config import GRPOConfig
+
+    text = {f.name: f.metadata["help"] for f in dataclasses.fields(GRPOConfig)}["max_staleness"]
+    assert "num_iterations" in text and "optimizer steps older" not in text
+
+
+def test_every_rank_stops_together():
+    """A stop signal on one rank (SIGTERM while it waited) makes every rank stop: a `Stopping` everywhere,
+    unless another rank failed, whose failure wins."""
+    from grpo_fast.rollout.vllm_server import ServerError
+    from grpo_fast.trainer.rollouts import raise_agreed
+    from grpo_fast.trainer.stopping import Stopping
+
+    with pytest.raises(Stopping, match="rank 1"):
+        raise_agreed(None, [None, ("stop", "SIGTERM while waiting")])
+    with pytest.raises(ServerError):
+        raise_agreed(Stopping("x"), [("stop", "x"), (True, "vLLM server http://b: down")])
+    with pytest.raises(RuntimeError, match="rank 1: boom"):
+        raise_agreed(None, [("stop", "x"), (False, "boom")])

@@ -212,7 +212,7 @@ def test_server_killed_mid_run_then_resume(tmp_path):
         ckpt.iterdir()
     )
     assert gone(pgid)  # nothing of the server left
-    assert not list(Path("/dev/shm").glob(f"grpo-fast-weights-{trainer.pid}-*"))
+    assert not list(Path("/dev/shm").glob(f"grpo-fast-weights-{socket.gethostname()}-{trainer.pid}-*"))
     # the server is back: the run continues from the saved step, each remaining step once
     with serve.launch(str(MODEL), port=port, python=sys.executable, max_model_len=64, log=log) as url:
         resumed = _train(out, url, "--resume")
@@ -338,7 +338,7 @@ def test_a_push_within_tolerance_that_changes_nothing_is_caught(server):
     moved = nudge()
     assert 16 * max(engine.noise, 2e-5) < moved < 2e-3, (moved, engine.noise)
     engine._load = lambda *args: None
-    with pytest.raises(ServerError, match="did not move with the trainer's"):
+    with pytest.raises(ServerError, match="the push changed nothing there"):
         engine.push(model, 2)
 
 
@@ -351,6 +351,7 @@ def test_torchrun_ranks_share_the_server(server, tmp_path, kind="fsdp"):
     from safetensors.torch import load_file
 
     out = tmp_path / "run"
+    ServerEngine(policy(), [server]).release()  # this test process's earlier engines give the server up
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
            str(free_port()), "-m", "grpo_fast.train", "--distributed", kind, "--output-dir", str(out),
            "--rollout", "vllm", "--vllm-mode", "server", "--vllm-server-base-url", server,
@@ -375,3 +376,86 @@ def test_torchrun_ranks_share_the_server(server, tmp_path, kind="fsdp"):
     moved = (trainer_logprobs(trained, ids) - trainer_logprobs(base, ids)).abs().max()
     print(f"{kind}: the final weights moved the sequence's log-probs by {moved:.3g}")
     assert moved > 1e-2
+
+
+def _server_group(url) -> int:
+    port = url.rsplit(":", 1)[1]
+    return os.getpgid(
+        int(subprocess.check_output(["pgrep", "-f", "--", f"--port {port}"], text=True).split()[0])
+    )
+
+
+def test_a_second_trainer_is_refused_and_sigterm_on_a_hung_server_stops_within_seconds(server, tmp_path):
+    """Two trainers against one server: the second is refused, naming both runs, and the first goes on. Then
+    the server hangs (SIGSTOP) while the first waits on it: SIGTERM stops it within 10 s with its last step
+    saved and no weight file left; with the server back, --resume trains every remaining step once."""
+    ServerEngine(policy(), [server]).release()
+    first, second = tmp_path / "first", tmp_path / "second"
+    more = ["--max-steps", "30", "--save-steps", "0", "--vllm-request-timeout-s", "120"]  # hangs: no time-out
+    trainer = _train(first, server, "--overwrite-output-dir", *more)
+    deadline = time.monotonic() + 120
+    while len(_steps(first)) < 2 and time.monotonic() < deadline and trainer.poll() is None:
+        time.sleep(0.05)
+    assert len(_steps(first)) >= 2, trainer.communicate()[0][-3000:]
+    other = _train(second, server, "--overwrite-output-dir")
+    text, _ = other.communicate(timeout=120)
+    assert other.returncode != 0 and "serves another run" in text and str(first) in text, text[-3000:]
+    assert "before training a step" in text and not list(second.glob("checkpoint-*"))
+    assert trainer.poll() is None  # the first run goes on
+    pgid = _server_group(server)
+    os.killpg(pgid, signal.SIGSTOP)  # the server hangs: every request waits
+    try:
+        time.sleep(1.0)
+        t0 = time.monotonic()
+        trainer.send_signal(signal.SIGTERM)
+        text, _ = trainer.communicate(timeout=120)
+        took = time.monotonic() - t0
+    finally:
+        os.killpg(pgid, signal.SIGCONT)
+    print(f"SIGTERM on a hung server: exit in {took:.1f}s")
+    assert trainer.returncode == 130 and took < 10, (took, text[-3000:])
+    done = _steps(first)
+    assert (
+        json.loads((first / f"checkpoint-{done[-1]}" / "trainer_state.json").read_text())["step"] == done[-1]
+    )
+    assert not list(Path("/dev/shm").glob(f"grpo-fast-weights-{socket.gethostname()}-{trainer.pid}-*"))
+    resumed = _train(first, server, "--resume", *more)
+    text, _ = resumed.communicate(timeout=600)
+    assert resumed.returncode == 0, text[-3000:]
+    assert _steps(first) == list(range(1, 31)), _steps(first)
+
+
+def nudge(model, scale, seed):
+    """Every weight moved by `scale` of its own size (a relative step, as an optimizer's)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale * p.abs().mean())
+
+
+def test_bf16_server_noop_transport_caught_within_3_pushes(tmp_path):
+    """A bf16 server: small steps (the probe moves ~1e-3 a push, under the first push's noise) and large ones
+    are verified when pushed for real; a transport that loads nothing fails by the third push."""
+    log = open(tmp_path / "server.log", "w")
+    with serve.launch(str(MODEL), port=free_port(), python=sys.executable, max_model_len=64, log=log,
+                      dtype="bfloat16") as url:  # fmt: skip
+        for scale in (1e-4, 1e-2):
+            model = policy()
+            engine = ServerEngine(model, [url])
+            engine.push(model, 0)
+            for k in range(1, 4):
+                nudge(model, scale, seed=k)
+                engine.push(model, k)
+            moved = engine.stats["probe_moved"]
+            print(f"bf16, step {scale:g}: noise {engine.noise:.3g}, last probe move {moved:.3g}")
+            engine._load = lambda *args: None
+            caught = None
+            for k in range(4, 7):
+                nudge(model, scale, seed=k)
+                try:
+                    engine.push(model, k)
+                except ServerError as exc:
+                    caught = (k - 3, str(exc))
+                    break
+            assert caught is not None and "not verified" in caught[1], (scale, caught)
+            print(f"bf16, step {scale:g}: a no-op transport caught at push {caught[0]}")

@@ -23,10 +23,14 @@ retried on another, and a server that failed is not used again in this run.
 """
 
 import contextlib
+import glob
 import http.client
 import json
+import math
 import os
+import queue
 import shutil
+import socket
 import tempfile
 import threading
 import time
@@ -34,7 +38,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 import weakref
-from concurrent.futures import ThreadPoolExecutor
+import zlib
 
 import torch
 
@@ -50,6 +54,10 @@ CHECK_TIMEOUT_S = 30.0  # the questions asked of a server when connecting (not g
 # are not the trainer's: fp32 differs by rounding, 16-bit by its precision)
 PROBE_TOLERANCE = {"float32": 2e-3, "bfloat16": 0.25, "float16": 0.05}
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+TOKEN_ENV = "GRPO_FAST_SERVER_TOKEN"  # set by `grpo-fast serve --train`: the servers must carry this token
+WEIGHT_FILE = "grpo-fast-weights-{host}-"  # then the writer's pid: swept once that process is gone
+# requests to this host never go through a proxy (urllib would send them to $http_proxy without no_proxy)
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
 class ServerError(RuntimeError):
@@ -101,8 +109,9 @@ class Server:
             headers={"Content-Type": "application/json"},
         )
         limit = self.timeout if timeout is None else timeout
+        opener = _DIRECT if self.local else urllib.request.build_opener()
         try:
-            with urllib.request.urlopen(req, timeout=limit) as resp:
+            with opener.open(req, timeout=limit) as resp:
                 body = resp.read()
         except urllib.error.HTTPError as exc:
             detail = exc.read().decode(errors="replace")[:500]
@@ -163,8 +172,10 @@ def expected_info(model) -> dict:
     }
 
 
-def check_server(server: Server, model, tokenizer=None) -> None:
-    """ServerError unless `server` runs a vLLM this client knows, the worker extension and this model."""
+def check_server(server: Server, model, tokenizer=None, context: int | None = None) -> None:
+    """ServerError unless `server` runs a vLLM this client knows, the worker extension and this model, in a
+    dtype a push can fill, with a context of at least `context` tokens (the longest prompt + completion), and
+    (when $GRPO_FAST_SERVER_TOKEN is set: `grpo-fast serve --train`) is the server that launch started."""
     version = server.call("/version", what="version", timeout=CHECK_TIMEOUT_S).get("version", "?")
     if _version_tuple(version) < MIN_VLLM:
         raise ServerError(
@@ -181,6 +192,17 @@ def check_server(server: Server, model, tokenizer=None) -> None:
             "does both)"
         ) from None
     server.info = infos[0]
+    token = os.environ.get(TOKEN_ENV)
+    if token and server.info.get("launch_token") != token:
+        raise ServerError(
+            f"vLLM server {server.url} is not the server `grpo-fast serve` started for this run (its launch "
+            f"token differs from ${TOKEN_ENV}): another server answers on that port"
+        )
+    if server.info.get("dtype") not in TORCH_DTYPES:
+        raise ServerError(
+            f"vLLM server {server.url} runs dtype {server.info.get('dtype')!r}; weight pushes fill "
+            f"{', '.join(TORCH_DTYPES)}: start it with --dtype float32 or bfloat16"
+        )
     want = expected_info(model)
     wrong = {k: (server.info.get(k), v) for k, v in want.items() if server.info.get(k) != v}
     if wrong:
@@ -196,6 +218,12 @@ def check_server(server: Server, model, tokenizer=None) -> None:
     models = server.call("/v1/models", what="model list", timeout=CHECK_TIMEOUT_S).get("data", [])
     server.model_name = models[0]["id"] if models else ""
     server.max_model_len = int(models[0].get("max_model_len") or PROBE_LEN + 1) if models else PROBE_LEN + 1
+    if context and server.max_model_len < context:
+        raise ServerError(
+            f"vLLM server {server.url} serves at most {server.max_model_len} tokens (its max_model_len), "
+            f"this run needs {context} (max_prompt_length + max_completion_length): restart it with "
+            f"--max-model-len {context}, or lower those"
+        )
     if tokenizer is not None:
         check_tokenizer(server, tokenizer)
 
@@ -263,23 +291,73 @@ def check_placement(server: Server, model) -> None:
 _warned: set = set()
 
 
+def this_run() -> str:
+    """The run name of a process that names none: this process."""
+    return f"pid {os.getpid()} on {socket.gethostname()}"
+
+
+def claim(server: Server, run: str, lease_s: float) -> int:
+    """Make `run` the owner of `server` (ServerError when another live run owns it) and resume it (a run
+    killed mid-push leaves it paused); returns its weight-load count."""
+    owner = json.dumps({"run": run, "host": socket.gethostname(), "pid": os.getpid()})
+    said = server.rpc("grpo_fast_claim", owner, str(lease_s), what="claim", timeout=CHECK_TIMEOUT_S)
+    got = said[0] if said and isinstance(said[0], dict) else {}
+    if not got.get("ok"):
+        theirs = got.get("owner") or {}
+        raise ServerError(
+            f"vLLM server {server.url} serves another run: {theirs.get('run')!r} (pid {theirs.get('pid')} on "
+            f"{theirs.get('host')}, last call {theirs.get('idle_s', 0):.0f}s ago); this run is {run!r}. Two "
+            "runs on one server would sample each other's weights: stop that run, or start a server of this "
+            "run's own (grpo-fast serve --port)"
+        )
+    server.call("/resume", {}, what="resume at connect", timeout=CHECK_TIMEOUT_S)
+    return int(got.get("loads", 0))
+
+
+def sweep_weight_files(directory: str) -> None:
+    """Remove the push files that writers on this host left when they died mid-push (SIGKILL, OOM kill)."""
+    prefix = WEIGHT_FILE.format(host=socket.gethostname())
+    for path in glob.glob(os.path.join(glob.escape(directory), glob.escape(prefix) + "*")):
+        pid = os.path.basename(path)[len(prefix) :].split("-", 1)[0]
+        if pid.isdigit() and not _process_alive(int(pid)):
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 class ServerEngine:
     """The policy's rollouts on `urls` (vLLM servers), its weights pushed through `weight_dir` ("files"
     transport; default: /dev/shm when every server is on this host). `tokenizer`: the trainer's, checked
-    against the server's; `auto_push`: push before each generation (False: the caller pushes)."""
+    against the server's; `auto_push`: push before each generation (False: the caller pushes); `run`: this
+    run's name (the trainer: its host and output directory): each server is claimed for it, refused while
+    another live run holds it, and checked after every generation to have loaded no weights but this
+    engine's; `context`: the longest prompt + completion, which every server must hold."""
 
     def __init__(
-        self, model, urls, *, wait_s=240.0, timeout=600.0, weight_dir=None, auto_push=True, tokenizer=None
-    ):
+        self, model, urls, *, wait_s=240.0, timeout=600.0, weight_dir=None, auto_push=True, tokenizer=None,
+        run=None, context=None,
+    ):  # fmt: skip
         self.servers = [Server(u, timeout) for u in urls]
         if not self.servers:
             raise ValueError("vllm_server_base_url: no server given")
         self.auto_push = auto_push  # False: the caller pushes (asynchronous training, from its own thread)
         self.lock = threading.Lock()  # a push waits for the generation in flight, and the reverse
+        self.run = run or this_run()
+        self.loads: dict = {}  # url -> the server's weight-load count after this engine's last load
         t0 = time.monotonic()
         for s in self.servers:
             s.wait_up(wait_s)
-            check_server(s, model, tokenizer)
+            check_server(s, model, tokenizer, context)
+            self.loads[s.url] = claim(s, self.run, lease_s=2 * timeout + 60)
         self.connect_s = time.monotonic() - t0
         if weight_dir is None:
             if not all(s.local for s in self.servers):
@@ -290,6 +368,7 @@ class ServerEngine:
                 )
             weight_dir = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
         self.weight_dir = weight_dir
+        sweep_weight_files(weight_dir)
         dtypes = {s.info["dtype"] for s in self.servers}
         if len(dtypes) > 1:
             raise ServerError(f"the vLLM servers run different dtypes {sorted(dtypes)}: start them alike")
@@ -299,6 +378,8 @@ class ServerEngine:
         self.versions: dict = {}  # checkpoint name -> version key at the last push
         self.anchor = None  # (the trainer's probe log-probs, {url: the server's}) at the last telling check
         self.noise = 0.0  # |server - trainer| on the probe after the first push (the same weights both sides)
+        self.sent: dict = {}  # checkpoint name -> a checksum of the bytes last pushed
+        self.last_probe = None  # (the trainer's probe log-probs, {url: the server's}) at the last push
         self.stats = {
             "pushes": 0,
             "pushed_tensors": 0,
@@ -313,8 +394,18 @@ class ServerEngine:
         self.closed = False  # set by `close`: requests not yet sent are cancelled
 
     def close(self) -> None:
-        """Cancel the requests not yet sent (a stopping run does not wait for a whole batch)."""
+        """Cancel the requests not yet sent (a stopping run does not wait for a whole batch), and give the
+        servers up (`release`)."""
         self.closed = True
+        self.release()
+
+    def release(self) -> None:
+        """Give this run's servers up, so that the next run claims them at once (best effort: a server that
+        does not answer within seconds is left to the claim's liveness rule)."""
+        for s in self.servers:
+            if s.alive:
+                with contextlib.suppress(ServerError):
+                    s.rpc("grpo_fast_release", self.run, what="release", timeout=2.0)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -367,6 +458,8 @@ class ServerEngine:
                 t = t.clone()
             seen.add(t.data_ptr())
             out[n] = t
+        sums = {n: _checksum(t) for n, t in out.items()}
+        bytes_changed = any(self.sent.get(n) != c for n, c in sums.items())
         path = self._write(out, step)
         at = f" at step {step}" if step is not None else ""
         try:
@@ -375,7 +468,8 @@ class ServerEngine:
         finally:
             os.unlink(path)
         self.versions.update(keys)
-        self._verify(mine, at)
+        self.sent.update(sums)
+        self._verify(mine, at, bytes_changed)
         self.stats["pushes"] += 1
         self.stats["pushed_tensors"] += len(out)
         self.stats["sync_bytes"] = sum(t.numel() * t.element_size() for t in out.values())
@@ -384,7 +478,8 @@ class ServerEngine:
     def _write(self, tensors: dict, step) -> str:
         from safetensors.torch import save_file
 
-        name = f"grpo-fast-weights-{os.getpid()}-{id(self)}-{step if step is not None else 'x'}.safetensors"
+        name = WEIGHT_FILE.format(host=socket.gethostname())
+        name += f"{os.getpid()}-{id(self)}-{step if step is not None else 'x'}.safetensors"
         path = os.path.join(self.weight_dir, name)
         try:
             save_file(tensors, path + ".tmp")
@@ -401,14 +496,19 @@ class ServerEngine:
         return path
 
     def _load(self, s: Server, path: str, at: str) -> None:
-        s.call("/pause?mode=wait", {}, what=f"pause before the weight push{at}")
+        resume = dict(what=f"resume after the weight push{at}", timeout=CHECK_TIMEOUT_S)
         try:
-            loaded = s.rpc("grpo_fast_load", path, what=f"weight push{at}")
-            s.call("/reset_prefix_cache", {}, what=f"prefix cache reset{at}")
-        finally:
-            s.call("/resume", {}, what=f"resume after the weight push{at}")
+            s.call("/pause?mode=wait", {}, what=f"pause before the weight push{at}")
+            loaded = s.rpc("grpo_fast_load", path, self.run, what=f"weight push{at}")
+            s.call("/reset_prefix_cache", {}, what=f"prefix cache reset{at}", timeout=CHECK_TIMEOUT_S)
+        except BaseException:  # the first error is the one said: a failing resume after it is not
+            with contextlib.suppress(Exception):
+                s.call("/resume", {}, **resume)
+            raise
+        s.call("/resume", {}, **resume)
         if not loaded or not isinstance(loaded[0], dict):
             raise ServerError(f"vLLM server {s.url}: weight push{at} returned {loaded!r}, not what it loaded")
+        self.loads[s.url] = int(loaded[0].get("loads", 0))
 
     def probe_ids(self, vocab: int) -> list:
         """PROBE_LEN fixed random tokens (fewer when a server's context is shorter)."""
@@ -442,25 +542,41 @@ class ServerEngine:
         lm.train(was_training)
         return logits.log_softmax(-1).gather(-1, x[0, 1:, None].to(logits.device))[:, 0].cpu()
 
-    def _verify(self, mine: torch.Tensor, at: str) -> None:
-        """The server's probe log-probs equal the trainer's (`mine`) within the dtype's tolerance, and moved
-        with them: since the last push at which the trainer's had moved by more than 16x the noise (the error
-        of the first push, where both hold the same weights; at least 1% of the tolerance), the server's must
-        have moved by at least half as much (a correct push: within the two errors of the trainer's movement).
-        Checked against that anchor rather than the previous push, so that small steps (bf16) add up until
-        they can be told apart from noise: a transport that does nothing fails within a few pushes at most."""
+    def _verify(self, mine: torch.Tensor, at: str, bytes_changed: bool = True) -> None:
+        """The server's probe log-probs are finite, equal the trainer's (`mine`) within the dtype's tolerance,
+        and moved with them. Two movement checks, so that a transport that does nothing fails at the first
+        push that changes anything, in fp32 and in 16 bits alike:
+
+        - exact: when the pushed bytes changed and the trainer's probe moved, the server's must differ from
+          what it answered after the previous push (the same weights and the same request give the same bits;
+          a 16-bit step too small to move the probe beyond the noise still flips some bits);
+        - by size: since the last push at which the trainer's moved by more than 16x the noise (the error of
+          the first push, where both hold the same weights; at least 1% of the tolerance), the server's must
+          have moved by at least half as much (a push that lands somewhere else)."""
+        if not bool(torch.isfinite(mine).all()):
+            raise RuntimeError(
+                f"weight push{at}: the policy's own log-probs of the probe are not finite (the trained "
+                "weights hold NaN or inf): training diverged"
+            )
         ids = self.probe_ids(self.vocab)
         tol = PROBE_TOLERANCE.get(self.dtype, 0.25)
         anchored = self.anchor is not None
         moved = float((mine - self.anchor[0]).abs().max()) if anchored else 0.0
         telling = anchored and moved > 16 * max(self.noise, tol / 100)
+        last = self.last_probe
+        expect_change = bytes_changed and last is not None and not torch.equal(mine, last[0])
         errors, theirs_all = [], []
         for s in self.alive:
             theirs = self.server_logprobs(s, ids, f"verification probe{at}")
             err = float((theirs - mine).abs().max())
             theirs_moved = float((theirs - self.anchor[1][s.url]).abs().max()) if anchored else 0.0
-            if err > tol:
+            if not math.isfinite(err) or not err <= tol:  # a NaN or inf answer fails too
                 why = f"max |server - trainer| {err:.3g} > {tol:g}"
+            elif expect_change and s.url in last[1] and torch.equal(theirs, last[1][s.url]):
+                why = (
+                    "they are bit for bit what it answered before this push, though the pushed weights and "
+                    "the trainer's log-probs changed: the push changed nothing there"
+                )
             elif telling and theirs_moved < moved / 2:
                 why = (
                     f"they did not move with the trainer's (the trainer's moved {moved:.3g} since the last "
@@ -480,6 +596,24 @@ class ServerEngine:
         self.stats["probe_moved"] = moved
         if not anchored or telling:
             self.anchor = (mine, dict(theirs_all))
+        self.last_probe = (mine, dict(theirs_all))
+
+    def check_owned(self, servers) -> None:
+        """ServerError unless each of `servers` is still this run's, with no weights loaded but this engine's
+        since its last push (another writer, or a server restarted under the same address): checked after
+        every generation, before its samples are used."""
+        for s in servers:
+            said = s.rpc("grpo_fast_state", self.run, what="ownership check", timeout=CHECK_TIMEOUT_S)
+            state = said[0] if said and isinstance(said[0], dict) else {}
+            owner = (state.get("owner") or {}).get("run")
+            if owner != self.run or state.get("loads") != self.loads.get(s.url):
+                raise ServerError(
+                    f"vLLM server {s.url}: its weights changed under this run: owned by {owner!r} (this run "
+                    "is "
+                    f"{self.run!r}), {state.get('loads')} weight loads where this run's last push left "
+                    f"{self.loads.get(s.url)} (another run pushed to it, or it restarted): its samples are "
+                    "not this policy's"
+                )
 
     # ---- generation -------------------------------------------------------------------------------------
     def generate(
@@ -526,13 +660,50 @@ class ServerEngine:
             live = self.alive
             start, self._next = self._next, self._next + n
             jobs = [(prompts[i], seeds[i], live[(start + i) % len(live)]) for i in range(n)]
-            pool = ThreadPoolExecutor(max_workers=min(32, max(1, n)), thread_name_prefix="grpo-fast-vllm")
-            try:
-                outs = list(pool.map(lambda job: self._one(job, base, G, greedy), jobs))
-            finally:  # on an error, the requests not yet sent are dropped, not waited for
-                pool.shutdown(wait=False, cancel_futures=True)
+            outs = self._map(lambda job: self._one(job, base, G, greedy), jobs)
+            self.check_owned([s for s in self.servers if s.alive])
         self.stats["calls"] += 1
         return pad_rows([r for out in outs for r in out], pad, prompt_ids.device, return_logprobs)
+
+    def _map(self, fn, jobs: list, workers: int = 32) -> list:
+        """[fn(job) for job in jobs] on up to `workers` daemon threads. The first error is raised at once, and
+        so is a `close` (the run stopping): requests in flight are left behind, not waited for (a daemon
+        thread never holds up the process's exit), those not yet sent are dropped."""
+        todo, done = queue.SimpleQueue(), queue.SimpleQueue()
+        for i, job in enumerate(jobs):
+            todo.put((i, job))
+        failed = threading.Event()
+
+        def work():
+            while not (failed.is_set() or self.closed):
+                try:
+                    i, job = todo.get_nowait()
+                except queue.Empty:
+                    return
+                try:
+                    done.put((i, fn(job), None))
+                except BaseException as exc:
+                    done.put((i, None, exc))
+
+        for _ in range(min(workers, len(jobs))):
+            threading.Thread(target=work, name="grpo-fast-vllm", daemon=True).start()
+        out = [None] * len(jobs)
+        try:
+            for _ in jobs:
+                while True:
+                    if self.closed:
+                        raise ServerError("the run is stopping: generation cancelled")
+                    try:
+                        i, res, exc = done.get(timeout=0.1)
+                        break
+                    except queue.Empty:
+                        continue
+                if exc is not None:
+                    raise exc
+                out[i] = res
+        finally:
+            failed.set()
+        return out
 
     def _one(self, job, base, G, greedy) -> list:
         """One prompt's G completions [(token ids, log-probs)], retried on another server if its own fails."""
@@ -555,6 +726,11 @@ class ServerEngine:
                 if not others:
                     raise
                 server = others[0]
+
+
+def _checksum(t: torch.Tensor) -> int:
+    """A checksum of a tensor's bytes (CRC-32: whether a pushed tensor changed since the last push)."""
+    return zlib.crc32(t.contiguous().view(torch.uint8).numpy())
 
 
 def _choices(out: dict, server: Server, G: int, with_logprobs: bool) -> list:

@@ -5,8 +5,12 @@ the server's `/collective_rpc` endpoint, whose arguments are strings only.
 Imported inside vLLM's worker processes; it imports nothing of grpo-fast's beyond this file, and vLLM, torch
 and safetensors only inside the methods."""
 
+import json
 import os
 import socket
+import time
+
+LAUNCH_TOKEN_ENV = "GRPO_FAST_LAUNCH_TOKEN"  # set by `grpo-fast serve` (launch()): the token of the launch
 
 
 def _gpu_uuid(device) -> str | None:
@@ -41,13 +45,82 @@ class WeightReceiver:
             "gpu_uuid": _gpu_uuid(getattr(self, "device", None)),
             "host": socket.gethostname(),
             "cpus": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [],
+            # which launch started this server (vLLM's processes inherit the API server's environment): the
+            # launcher and `grpo-fast serve --train`'s trainer refuse a server answering on the port that is
+            # not the one they started
+            "launch_token": os.environ.get(LAUNCH_TOKEN_ENV),
         }
 
-    def grpo_fast_load(self, path: str) -> dict:
+    def grpo_fast_claim(self, owner: str, lease_s: str) -> dict:
+        """Make the run `owner` (JSON: run, host, pid) this server's owner, unless another run holds it and is
+        alive (its process on this host, else a call from it within `lease_s` seconds): {"ok": False, "owner":
+        theirs}. A run that claims again (its --resume, its other ranks) keeps it. Returns the load count: the
+        trainer checks later that nobody else loaded weights here."""
+        me, held = json.loads(owner), self._grpo_fast_owner()
+        if held and held["run"] != me["run"] and _alive(held, float(lease_s)):
+            return {"ok": False, "owner": _shown(held)}
+        self._grpo_fast_held = {**me, "renewed": time.monotonic()}
+        return {"ok": True, "previous": _shown(held) if held else None, "loads": self._grpo_fast_count()}
+
+    def grpo_fast_release(self, run: str) -> bool:
+        """`run` gives this server up (its end): the next run claims it at once."""
+        held = self._grpo_fast_owner()
+        if held and held["run"] == run:
+            self._grpo_fast_held = None
+            return True
+        return False
+
+    def grpo_fast_state(self, run: str) -> dict:
+        """Who owns this server and how many weight loads it has had (renews `run`'s claim if it owns it)."""
+        held = self._grpo_fast_owner()
+        if held and held["run"] == run:
+            held["renewed"] = time.monotonic()
+        return {"owner": _shown(held) if held else None, "loads": self._grpo_fast_count()}
+
+    def grpo_fast_load(self, path: str, run: str = "") -> dict:
         """Load the checkpoint-format tensors of the safetensors file at `path` into the running model (in
-        place, repacked for the device's kernels as vLLM's own reload does); returns what it loaded."""
+        place, repacked for the device's kernels as vLLM's own reload does); returns what it loaded and the
+        load count. Refused when `run` is not the run that owns this server."""
         from safetensors.torch import load_file
 
+        held = self._grpo_fast_owner()
+        if held and run and held["run"] != run:
+            raise RuntimeError(f"grpo-fast: this server is owned by run {held['run']!r}, not {run!r}")
         weights = load_file(path, device="cpu")
         self.reload_weights(weights_iterator=iter(weights.items()), is_checkpoint_format=True)
-        return {"tensors": len(weights), "bytes": sum(t.numel() * t.element_size() for t in weights.values())}
+        self._grpo_fast_loads = self._grpo_fast_count() + 1
+        if held:
+            held["renewed"] = time.monotonic()
+        return {
+            "tensors": len(weights),
+            "bytes": sum(t.numel() * t.element_size() for t in weights.values()),
+            "loads": self._grpo_fast_loads,
+        }
+
+    def _grpo_fast_owner(self) -> dict | None:
+        return getattr(self, "_grpo_fast_held", None)
+
+    def _grpo_fast_count(self) -> int:
+        return getattr(self, "_grpo_fast_loads", 0)
+
+
+def _alive(owner: dict, lease_s: float) -> bool:
+    """Whether the run holding a server is still there: its process, when on this host; else it called
+    within `lease_s`."""
+    if owner.get("host") == socket.gethostname() and owner.get("pid"):
+        try:
+            os.kill(int(owner["pid"]), 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+    return time.monotonic() - owner.get("renewed", 0.0) < lease_s
+
+
+def _shown(owner: dict) -> dict:
+    """An owner as the trainer is told it: run, host, pid, seconds since it last called."""
+    return {
+        **{k: v for k, v in owner.items() if k != "renewed"},
+        "idle_s": time.monotonic() - owner["renewed"],
+    }

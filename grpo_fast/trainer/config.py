@@ -157,8 +157,9 @@ class GRPOConfig:
     max_staleness: int = _f(
         0, "asynchronous GRPO: the next steps' rollouts are generated (on vLLM servers, or colocated on a "
         "thread of its own over a copy of the weights) while this one trains, from weights at most this many "
-        "optimizer steps older than the policy they train; staler ones are dropped and counted (TRL's "
-        "AsyncGRPO name); 0 = synchronous",
+        "policy versions older than the policy they train (a version per batch trained: with num_iterations "
+        "k, k optimizer steps); staler ones are dropped, counted and replaced (TRL's AsyncGRPO name); "
+        "0 = synchronous",
     )  # fmt: skip
     # --- GRPO ---
     beta: float = _f(0.0, "KL coefficient (k3 estimator against the reference model)")

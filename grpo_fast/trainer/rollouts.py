@@ -32,6 +32,7 @@ from ..rollout import vllm_server
 from ..rollout.vllm_engine import checkpoint_weights, version_of
 from ..rollout.vllm_server import ServerError
 from .distributed import Policy, device_of, full_tensor
+from .stopping import NEVER, Stopping
 
 
 @dataclass
@@ -45,22 +46,29 @@ class Batch:
 
 
 class Inline:
-    """The trainer makes each rollout itself, just before it trains it (colocated engines)."""
+    """The trainer makes each rollout itself, just before it trains it (colocated engines). A stop signal
+    during the generation cuts it short (one process only: under torchrun it may hold collectives); the
+    sampler's position then stays before the prompts it drew."""
 
     def __init__(self, run, make):
         self.run, self.make = run, make
+        self.trained_state = run.sampler.state_dict()
+        self.abortable = run.signals.abortable if run.dist.world == 1 else NEVER
 
     def next(self) -> tuple[list, object, dict]:
         run = self.run
         local = run.cfg.prompts_per_step // run.dist.world
-        rows = run.sampler.next()[run.dist.rank * local : (run.dist.rank + 1) * local]
-        return rows, self.make(run, rows), {}
+        with self.abortable():
+            rows = run.sampler.next()[run.dist.rank * local : (run.dist.rank + 1) * local]
+            rollout = self.make(run, rows)
+        self.trained_state = run.sampler.state_dict()
+        return rows, rollout, {}
 
     def after_update(self, step: int) -> dict:
         return {}
 
     def sampler_state(self) -> dict:
-        return self.run.sampler.state_dict()
+        return self.trained_state
 
     def close(self) -> None:
         pass
@@ -69,13 +77,19 @@ class Inline:
 class Ahead:
     """Rollouts made by `produce(j) -> (rows, rollout, sampler_state)` on a thread of its own, batch j under
     version >= j - max_staleness; `push(step)` hands the policy's weights to the generator after each
-    optimizer step."""
+    optimizer step. `abortable`: the waits a stop signal may cut short (grpo_fast.trainer.stopping): waiting
+    for a batch, and the push when `push_abortable` (one process: under torchrun the push is a collective,
+    which cuts only its rank-local part). `commit_on_next`: a batch counts as trained (the sampler position a
+    checkpoint takes) once `next` returns it; False: once `commit()` says so (`Agreed`, after every rank got
+    its batch)."""
 
     def __init__(self, produce, push, version: int, max_staleness: int, groups_per_batch: int, last=None,
-                 on_close=None):  # fmt: skip
+                 on_close=None, abortable=NEVER, push_abortable=True, commit_on_next=True):  # fmt: skip
         self.produce, self.push, self.S = produce, push, max_staleness
         self.version = self.next_step = version
         self.last, self.on_close = last, on_close  # no batch from `last` on; on_close(): cancel requests
+        self.abortable, self.push_abortable = abortable, push_abortable
+        self.commit_on_next, self.taken = commit_on_next, None
         self.groups = groups_per_batch
         self.ready: collections.deque = collections.deque()
         self.cond = threading.Condition()
@@ -86,16 +100,19 @@ class Ahead:
         self.dropped_groups = self.dropped_batches = 0
         self.idle_s = 0.0  # the generation thread waiting for the version gate, since the last `next`
         self.trained_state: dict | None = None
+        self._start()
+
+    # ---- the generation thread ------------------------------------------------------------------------
+    def _start(self):
         self.thread = threading.Thread(target=self._loop, name="grpo-fast-rollouts", daemon=True)
         self.thread.start()
 
-    # ---- the generation thread ------------------------------------------------------------------------
     def _loop(self):
-        j = self.next_step
         try:
             while True:
                 t0 = time.monotonic()
                 with self.cond:
+                    j = self.next_step
                     self.cond.wait_for(
                         lambda: self.closed or (self.version >= j - self.S and not self.push_pending)
                     )
@@ -109,8 +126,8 @@ class Ahead:
                     batch = Batch(j, rows, ro, version, state, time.monotonic() - t1)
                 with self.cond:
                     self.ready.append(batch)
+                    self.next_step = j + 1
                     self.cond.notify_all()
-                j += 1
         except BaseException as exc:  # handed to the trainer, which raises it
             with self.cond:
                 self.error = exc
@@ -121,18 +138,24 @@ class Ahead:
         """The next batch fresh enough to train (staler ones dropped), and its metrics."""
         t0 = time.monotonic()
         while True:
-            with self.cond:
+            with self.abortable(), self.cond:
                 self.cond.wait_for(lambda: self.ready or self.error is not None)
                 if not self.ready:
                     raise self.error
                 batch = self.ready.popleft()
                 staleness = self.version - batch.version
                 idle, self.idle_s = self.idle_s, 0.0
-            if staleness > self.S:
-                self.dropped_batches += 1
-                self.dropped_groups += self.groups
-                continue
-            self.trained_state = batch.sampler_state
+                if staleness > self.S:  # dropped: one more batch generated in its place
+                    self.dropped_batches += 1
+                    self.dropped_groups += self.groups
+                    if self.last is not None:
+                        self.last += 1
+                        if not self.thread.is_alive() and self.error is None and not self.closed:
+                            self._start()
+                    continue
+            self.taken = batch.sampler_state
+            if self.commit_on_next:
+                self.commit()
             return (
                 batch.rows,
                 batch.rollout,
@@ -152,7 +175,7 @@ class Ahead:
         with self.cond:
             self.push_pending = True
         try:
-            with self.weights:
+            with self.abortable() if self.push_abortable else NEVER(), self.weights:
                 metrics = self.push(step) or {}
                 with self.cond:
                     self.version += 1
@@ -161,6 +184,10 @@ class Ahead:
                 self.push_pending = False
                 self.cond.notify_all()
         return metrics
+
+    def commit(self) -> None:
+        """The batch `next` returned is trained (its sampler position is the one to save)."""
+        self.trained_state = self.taken
 
     def sampler_state(self) -> dict | None:
         return self.trained_state
@@ -179,9 +206,12 @@ class Agreed:
 
     def __init__(self, source, info):
         self.source, self.info = source, info
+        source.commit_on_next = False  # a batch counts once every rank has its own (`next`)
 
     def next(self):
-        return agree(self.source.next, self.info)
+        out = agree(self.source.next, self.info)
+        self.source.commit()  # every rank has its batch: it will be trained
+        return out
 
     def after_update(self, step: int) -> dict:
         return self.source.after_update(step)  # `push_weights` hands every rank the verdict itself
@@ -212,20 +242,28 @@ def agree(call, info):
 
 
 def _said(err) -> tuple | None:
-    return None if err is None else (isinstance(err, ServerError), str(err))
+    if err is None:
+        return None
+    return ("stop" if isinstance(err, Stopping) else isinstance(err, ServerError), str(err))
+
+
+_RAISED = {True: ServerError, False: RuntimeError, "stop": Stopping}
 
 
 def raise_agreed(err, said: list) -> None:
-    """Raise on this rank what every rank told (`said[r]`: None, or (a server's fault, message)); `err`:
-    this rank's own exception, raised itself where it decides the kind."""
+    """Raise on this rank what every rank told (`said[r]`: None, or (kind, message); kind: True a server's
+    fault, "stop" a stop signal, False anything else); `err`: this rank's own exception, raised itself where
+    it decides the kind. Any other failure makes a RuntimeError everywhere, else any server's a ServerError,
+    else a stop signal a `Stopping`."""
     failed = [(r, x) for r, x in enumerate(said) if x is not None]
     if not failed:
         return
-    server = all(x[0] for _, x in failed)
-    if err is not None and isinstance(err, ServerError) == server:
+    kinds = [x[0] for _, x in failed]
+    kind = False if False in kinds else True if True in kinds else "stop"
+    if err is not None and _said(err)[0] == kind:
         raise err
-    r, (_, message) = next((r, x) for r, x in failed if x[0] == server)  # one of the deciding kind
-    raise (ServerError if server else RuntimeError)(f"rank {r}: {message}") from err
+    r, (_, message) = next((r, x) for r, x in failed if x[0] == kind)  # one of the deciding kind
+    raise _RAISED[kind](f"rank {r}: {message}") from err
 
 
 @torch.no_grad()
@@ -262,15 +300,16 @@ def push_weights(engine, run, step) -> int:
     keys = {n: entries[n][0] for n in names}
     err = None
     if info.main:
-        try:
-            with engine.lock:
+        try:  # rank-local (the others wait in the broadcast below): a stop signal may cut it short
+            with run.signals.abortable(), engine.lock:
                 engine.send(tensors, keys, mine, step, t0)
         except Exception as exc:
             err = exc
-    box = [_said(err)]
+    box = [_said(err), engine.loads]
     dist.broadcast_object_list(box, src=0)
-    raise_agreed(err, box)
+    raise_agreed(err, box[:1])
     engine.versions.update(keys)
+    engine.loads.update(box[1])  # what every server's load count is after rank 0's load: checked by all
     return len(names)
 
 
@@ -323,7 +362,8 @@ def for_run(run, make):
 
     k = cfg.num_iterations  # optimizer steps per batch
     last = -(-cfg.max_steps // k)
-    source = Ahead(produce, push, run.step // k, cfg.max_staleness, cfg.prompts_per_step, last, close)
+    source = Ahead(produce, push, run.step // k, cfg.max_staleness, cfg.prompts_per_step, last, close,
+                   abortable=run.signals.abortable, push_abortable=not info.on)  # fmt: skip
     source.trained_state = base_state
     return Agreed(source, info) if info.on else source
 

@@ -7,6 +7,8 @@ count is all-reduced.
 """
 
 import math
+import os
+import socket
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -83,6 +85,7 @@ def engine_options(cfg: GRPOConfig) -> dict:
             "mode": "server", "urls": server_urls(cfg), "wait_s": cfg.vllm_server_timeout,
             "timeout": cfg.vllm_request_timeout_s, "weight_dir": cfg.vllm_weight_dir,
             "auto_push": cfg.max_staleness == 0,  # asynchronous: the trainer pushes after each step
+            "run": run_name(cfg), "context": cfg.max_prompt_length + cfg.max_completion_length,
         }  # fmt: skip
     elif cfg.rollout == "vllm":
         opts["vllm_options"] = {
@@ -93,6 +96,12 @@ def engine_options(cfg: GRPOConfig) -> dict:
             "logprobs_mode": vllm_engine.logprobs_mode_for(cfg.temperature),
         }
     return opts
+
+
+def run_name(cfg: GRPOConfig) -> str:
+    """What a vLLM server knows this run by (its owner): the host and the output directory, so that its
+    --resume and its torchrun ranks are the same run, and another run is refused."""
+    return f"{socket.gethostname()}:{os.path.abspath(cfg.output_dir)}"
 
 
 def eval_engine_options(cfg: GRPOConfig) -> dict:

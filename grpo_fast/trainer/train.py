@@ -28,7 +28,6 @@ import math
 import os
 import random
 import shutil
-import signal
 import sys
 import time
 from contextlib import contextmanager
@@ -67,6 +66,7 @@ from .plotting import pyplot
 from .precision import Precision
 from .precision import resolve as resolve_precision
 from .step import encode_prompts, evaluate, optimize, rollout, score_rollout, step_record
+from .stopping import Signals, Stopping
 
 __all__ = ["train", "main", "encode_prompts"]
 
@@ -105,6 +105,7 @@ class Run:
     tools: list = field(default_factory=list)  # --tools: multi-turn rollouts
     environment_factory: object = None  # --environment: one instance per rollout
     rollouts: object = None  # where each step's rollout comes from (grpo_fast.trainer.rollouts)
+    signals: Signals = field(default_factory=Signals)  # SIGTERM / Ctrl-C (grpo_fast.trainer.stopping)
 
     @property
     def multi_turn(self) -> bool:
@@ -122,7 +123,7 @@ def train(cfg: GRPOConfig) -> dict:
             print(f"step 0: held-out accuracy {run.last_eval['eval_accuracy']:.3f}", flush=True)
     bar = tqdm(total=cfg.max_steps, initial=run.step, desc="grpo", dynamic_ncols=True,
                disable=None if run.dist.main else True)  # fmt: skip
-    with stop_on_signals() as signals, serving(run):
+    with run.signals.install() as signals, serving(run):
         stopped = False
         while run.step < cfg.max_steps:
             stopped = should_stop(run, signals)
@@ -130,7 +131,11 @@ def train(cfg: GRPOConfig) -> dict:
                 break
             t0 = clock(run.device)
             reset_peak(run.device)
-            rows, ro, extra = run.rollouts.next()  # 1. G completions per prompt (this rank's share)
+            try:
+                rows, ro, extra = run.rollouts.next()  # 1. G completions per prompt (this rank's share)
+            except Stopping:  # a signal while waiting for it: nothing of this step trained
+                stopped = True
+                break
             rollout_peak = peak_mib(run.device)
             release_free_memory(run.device)  # CPU: what the rollout freed (packed weights, buffers) goes back
             t1 = clock(run.device)
@@ -143,6 +148,8 @@ def train(cfg: GRPOConfig) -> dict:
             t3 = clock(run.device)
             try:
                 extra.update(run.rollouts.after_update(run.step))  # servers: the new weights pushed, verified
+            except Stopping:  # a signal during the push: the step is trained, the next run pushes it whole
+                stopped = True
             finally:  # a push that failed still leaves this step trained: logged (and saved) before it stops
                 t4 = clock(run.device)
                 run.elapsed_train += t4 - t0
@@ -150,8 +157,10 @@ def train(cfg: GRPOConfig) -> dict:
                 record.update(extra, time_sync_s=t4 - t3)  # 4. log
                 record["tokens_per_s"] *= (t3 - t0) / (t4 - t0)  # over the whole step, the push included
                 after_step(run, record, bar)
+            if stopped:
+                break
         if not stopped:  # a signal during the last step
-            (stopped,) = agreed([signals["stop"]], run.dist)
+            (stopped,) = agreed([signals.stop], run.dist)
     bar.close()
     return finish(run, bool(stopped))
 
@@ -160,15 +169,22 @@ def train(cfg: GRPOConfig) -> dict:
 def serving(run: Run):
     """The run's rollout source (grpo_fast.trainer.rollouts) for the loop's duration. A vLLM server that fails
     stops the run with its error after the last completed step is saved; `--resume` continues from there."""
+    start = run.step
     try:
         run.rollouts = rollouts.for_run(run, rollout)
         yield
     except ServerError as exc:
         if run.rollouts is not None:
             run.rollouts.close()
-        path = save(run, run.step)
         if run.dist.main:
             run.log.close()
+        again = "run the same command again" + (" (with --resume)" if start else "")
+        if run.step == start:  # nothing trained here: no checkpoint (at step 0 none that --resume would need)
+            raise SystemExit(
+                f"grpo-fast: stopped at step {run.step} before training a step: {exc}\nonce the server is "
+                f"back (or the cause above is fixed), {again}"
+            ) from exc
+        path = save(run, run.step)
         raise SystemExit(
             f"grpo-fast: stopped at step {run.step}: {exc}\nthe last completed step is saved in {path}; once "
             "the server is back (or the cause above is fixed), run again with --resume to continue from it"
@@ -182,7 +198,7 @@ def should_stop(run: Run, signals) -> bool | None:
     """True on a signal (any rank), None at the time budget; every rank agrees (one all-reduce)."""
     cfg = run.cfg
     stopped, over_budget = agreed(
-        [signals["stop"], cfg.time_budget_s and run.elapsed_train >= cfg.time_budget_s], run.dist
+        [signals.stop, cfg.time_budget_s and run.elapsed_train >= cfg.time_budget_s], run.dist
     )
     if stopped:
         return True
@@ -229,9 +245,10 @@ def finish(run: Run, stopped: bool) -> dict:
     """Interrupted: checkpoint and exit 130. Done: final evaluation, checkpoint, plot, summary."""
     cfg, dist, out = run.cfg, run.dist, run.out
     if stopped:
-        path = save(run, run.step)
+        path = save(run, run.step) if run.step else None  # no checkpoint-0: the run is the same run again
         if dist.main:
-            print(f"interrupted: checkpoint saved to {path}", flush=True)
+            said = f"checkpoint saved to {path}" if path else "before step 1, nothing to save: run it again"
+            print(f"interrupted: {said}", flush=True)
             run.log.close()
         release(run)
         sys.exit(130)
@@ -638,22 +655,6 @@ def clock(device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter()
-
-
-@contextmanager
-def stop_on_signals():
-    """SIGTERM and Ctrl-C set a flag; the loop saves a checkpoint at the end of the step, then exits."""
-    flag = {"stop": False}
-
-    def handler(signum, frame):
-        flag["stop"] = True
-
-    old = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        yield flag
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
 
 
 def main(argv=None) -> None:
