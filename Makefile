@@ -69,7 +69,7 @@ test: setup setup-bare setup-vllm smollm2 docs
 	GRPO_FAST_BARE_PYTHON=$(CURDIR)/$(BARE)/bin/python GRPO_FAST_REQUIRE_SANDBOX=1 $(VPY) -m pytest --durations=20 tests
 	$(BARE)/bin/python -m pytest -m transformers_range tests/test_shared_prefix.py tests/test_real_model.py \
 		tests/test_rollout.py
-	$(VLLM_ENV)/bin/python -m pytest --durations=10 tests/test_vllm.py tests/test_vllm_server.py
+	$(VLLM_ENV)/bin/python -m pytest --durations=10 tests/test_vllm.py tests/test_vllm_server.py tests/test_serve.py
 
 demo: setup
 	$(VPY) -m grpo_fast.train --output-dir runs/demo --overwrite-output-dir

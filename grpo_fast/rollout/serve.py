@@ -14,19 +14,28 @@ It starts `python -m vllm.entrypoints.openai.api_server` (the `vllm serve` conso
 wheel fails at start: its distribution is not named "vllm"), with the interpreter given by `--python`
 (default: this one), waits for `/health` and says how long the start took; it runs until interrupted, and
 stops the whole server (its process group) on exit. `launch()` does the same as a context manager, for scripts
-and tests."""
+and tests.
+
+It never adopts a server it did not start: a port where something listens already is refused before anything
+starts, and the server must report the launch's own token ($GRPO_FAST_LAUNCH_TOKEN, through the worker
+extension's info) once it answers; `--train` hands that token to the trainer ($GRPO_FAST_SERVER_TOKEN), which
+checks it too. Nothing of the server outlives its launcher: a watchdog process kills the server's process
+group when the launcher dies, by SIGKILL included."""
 
 import argparse
 import contextlib
 import json
 import os
+import secrets
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import time
 
-from .vllm_server import EXTENSION, Server, ServerError
+from .vllm_server import EXTENSION, TOKEN_ENV, Server, ServerError
+from .vllm_worker import LAUNCH_TOKEN_ENV
 
 
 def command(
@@ -79,6 +88,20 @@ def environment(cpu: bool, kv_cache_gb: float, cores: str | None) -> dict:
     return env
 
 
+class Launched(str):
+    """The URL of a server that launch() started (a str), with `token`, the launch token the server
+    reports (the trainer checks it when $GRPO_FAST_SERVER_TOKEN is set), and `pid`, its process (and process
+    group)."""
+
+    token: str
+    pid: int
+
+    def __new__(cls, url: str, token: str, pid: int):
+        self = super().__new__(cls, url)
+        self.token, self.pid = token, pid
+        return self
+
+
 @contextlib.contextmanager
 def launch(
     model: str,
@@ -93,12 +116,19 @@ def launch(
     cores: str | None = None,
     gpus: str | None = None,
     wait_s: float = 600.0,
+    grace_s: float = 15.0,
     log=None,
     extra=(),
 ):
-    """Start a server for `model`, wait until it answers, yield its URL; stop it (and every process it
-    started) on exit. `log`: a file for its output (default: inherited)."""
+    """Start a server for `model`, wait until it answers, yield its URL (a `Launched`: the URL, its launch
+    token and process id); stop it (and every process it started) on exit: SIGTERM, SIGKILL after `grace_s`,
+    the same when the launcher dies (the watchdog). `log`: a file for its output (default: inherited).
+    ServerError when something listens on host:port already, or when what answers there is not this launch's
+    server."""
     python = python or sys.executable
+    address = "127.0.0.1" if host in ("0.0.0.0", "") else host
+    url = f"http://{address}:{port}"
+    refuse_busy_port(url, address, port)
     if cpu is None:
         cpu = not _has_cuda()
     cmd = command(
@@ -111,7 +141,8 @@ def launch(
         cpu=cpu,
         extra=extra,
     )
-    env = {**os.environ, **environment(cpu, kv_cache_gb, cores)}
+    token = secrets.token_hex(16)
+    env = {**os.environ, **environment(cpu, kv_cache_gb, cores), LAUNCH_TOKEN_ENV: token}
     if gpus is not None:  # the server's own GPU(s); the trainer keeps the others
         env["CUDA_VISIBLE_DEVICES"] = gpus
     if cpu and cores:  # the server's own cores: vLLM binds its OpenMP threads; the API process follows
@@ -120,8 +151,9 @@ def launch(
         cmd, env=env, stdout=log, stderr=subprocess.STDOUT if log else None, start_new_session=True,
         preexec_fn=_die_with_parent,
     )  # fmt: skip
-    url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{port}"
+    watchdog = None
     try:
+        watchdog = Watchdog(proc.pid, grace_s)
         t0 = time.monotonic()
         server = Server(url, timeout=10)
         while True:
@@ -139,10 +171,69 @@ def launch(
                         f"vLLM server for {model} did not answer /health within {wait_s:.0f}s"
                     ) from None
                 time.sleep(1.0)
+        _check_own(server, proc, token, lambda: f"vLLM server for {model}: {shlex.join(cmd)}{_tail(log)}")
         print(f"grpo-fast serve: vLLM up at {url} in {time.monotonic() - t0:.1f}s", flush=True)
-        yield url
+        yield Launched(url, token, proc.pid)
     finally:
-        stop(proc)
+        try:
+            stop(proc, grace_s)
+        finally:
+            if watchdog is not None:
+                watchdog.release()
+
+
+def refuse_busy_port(url: str, address: str, port: int) -> None:
+    """ServerError when something listens on address:port already (the server to start could not bind it,
+    and whatever answers there would be taken for it), saying what answers."""
+    try:
+        socket.create_connection((address, port), timeout=2).close()
+    except OSError:
+        return  # nothing listens (refused), or nothing reachable: the server's own bind will tell
+    try:
+        Server(url, timeout=2).call("/health", timeout=2, what="health check")
+    except ServerError:
+        raise ServerError(
+            f"port {port} on {address} is in use by another program (it does not answer /health): stop it, "
+            "or start this server with another --port"
+        ) from None
+    raise ServerError(
+        f"a server is already running at {url} (it answers /health: another `grpo-fast serve` or vLLM "
+        "server?): train against it, stop it, or start this one with another --port"
+    )
+
+
+def _check_own(server: Server, proc: subprocess.Popen, token: str, said) -> None:
+    """ServerError unless the server answering at server.url is the process `proc` that this launch started:
+    still running, and reporting the launch's token. `said()`: what it ran, and its log's end."""
+
+    def exited() -> ServerError:
+        return ServerError(
+            f"{server.url} answers but is not the server this launch started, which exited with code "
+            f"{proc.returncode} while starting: another server runs on that port; start this one with "
+            f"another --port. {said()}"
+        )
+
+    if proc.poll() is not None:
+        raise exited()
+    try:
+        infos = server.rpc("grpo_fast_info", what="the launch token check", timeout=60)
+    except ServerError as exc:
+        if proc.poll() is not None:
+            raise exited() from None
+        raise ServerError(
+            f"{server.url} answers /health but is not the server this launch started (it does not answer "
+            f"grpo-fast's worker extension: {exc}): another server runs on that port; start this one with "
+            "another --port"
+        ) from None
+    if proc.poll() is not None:
+        raise exited()
+    theirs = (infos[0] if infos else {}).get("launch_token")
+    if theirs != token:
+        raise ServerError(
+            f"{server.url} answers but is not the server this launch started (its launch token is "
+            f"{'another' if theirs else 'missing'}): another server runs on that port; start this one with "
+            "another --port"
+        )
 
 
 def _tail(log, lines: int = 15) -> str:
@@ -180,18 +271,91 @@ def _die_with_parent() -> None:
 
 
 def stop(proc: subprocess.Popen, grace_s: float = 15.0) -> None:
-    """SIGTERM to the server's process group, SIGKILL after `grace_s`: nothing of it left running."""
-    if proc.poll() is None:
+    """SIGTERM to the server's process group, SIGKILL after `grace_s` or whatever cuts the wait short (a
+    second Ctrl-C): nothing of it left running."""
+    try:
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=grace_s)
+    finally:
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
+            os.killpg(proc.pid, signal.SIGKILL)  # its children (engine core, workers) too
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=5)
+
+
+# The watchdog's code: no imports beyond the standard library's smallest modules (it starts in ~20 ms).
+# argv: the pipe's read end, the server's process group, the grace in seconds. A byte on the pipe: the
+# launcher stopped the server itself (exit); end of file: the launcher is gone, however it died (kill the
+# group).
+_WATCHDOG = """# grpo-fast serve: the watchdog of a vLLM server's process group
+import os, select, signal, sys, time
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+fd, pgid, grace = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+def alive():
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+while True:
+    if not alive():
+        sys.exit(0)
+    if select.select([fd], [], [], 1.0)[0]:
+        if os.read(fd, 1):
+            sys.exit(0)
+        break
+try:
+    print(f"grpo-fast serve: the launcher is gone: stopping its vLLM server (process group {pgid})",
+          file=sys.stderr, flush=True)
+except OSError:
+    pass
+for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 0.0)):
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        sys.exit(0)
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline and alive():
+        time.sleep(0.1)
+"""
+
+
+class Watchdog:
+    """A small process that stops the server's process group `pgid` (SIGTERM, SIGKILL after `grace_s`)
+    when the launcher dies, however it dies: it holds the read end of a pipe whose write end only the launcher
+    holds (not inherited by the server or the trainer: Python's pipes close on exec), and reads end of file
+    when the launcher's last copy closes. It runs in a session of its own and ignores SIGINT (the terminal's
+    signals are for the launcher, which stops the server itself), and exits when the group is gone.
+    (PR_SET_PDEATHSIG reaches only the API server; vLLM's engine processes could outlive it.)"""
+
+    def __init__(self, pgid: int, grace_s: float = 15.0):
+        read, self._write = os.pipe()
         try:
-            proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            pass
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)  # its children (engine core, workers) too
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=5)
+            self.proc = subprocess.Popen(
+                [sys.executable, "-I", "-S", "-c", _WATCHDOG, str(read), str(pgid), str(grace_s)],
+                pass_fds=(read,), stdin=subprocess.DEVNULL, start_new_session=True,
+            )  # fmt: skip
+        except BaseException:
+            os.close(self._write)
+            raise
+        finally:
+            os.close(read)
+
+    def release(self) -> None:
+        """The launcher stopped the server itself: the watchdog exits, touching nothing."""
+        if self._write < 0:
+            return
+        with contextlib.suppress(OSError):  # it left already: the group is gone
+            os.write(self._write, b".")
+        os.close(self._write)
+        self._write = -1
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=5)
 
 
 def _has(program: str) -> bool:
@@ -220,12 +384,15 @@ def split_cores(n: int | None = None) -> tuple[str | None, str | None]:
     return server, "0" if first == 1 else f"0-{first - 1}"
 
 
-def train_against(url: str, train_argv: list, cores: str | None) -> int:
+def train_against(url: str, train_argv: list, cores: str | None, token: str | None = None) -> int:
     """`grpo-fast train --rollout vllm --vllm-mode server --vllm-server-base-url URL [train_argv]` in a
-    process of its own (on `cores`); its exit code."""
+    process of its own (on `cores`), told the server's launch `token` ($GRPO_FAST_SERVER_TOKEN: it refuses a
+    server without it); its exit code."""
     cmd = [sys.executable, "-m", "grpo_fast.train", "--rollout", "vllm", "--vllm-mode", "server",
            "--vllm-server-base-url", url, *train_argv]  # fmt: skip
     env = dict(os.environ)
+    if token:
+        env[TOKEN_ENV] = token
     if cores and _has("taskset"):
         lo, _, hi = cores.partition("-")
         env["OMP_NUM_THREADS"] = str(int(hi or lo) - int(lo) + 1)
@@ -302,14 +469,13 @@ def main(argv=None) -> None:
             extra=extra,
         ) as url:
             if train_argv is not None:
-                code = train_against(url, train_argv, trainer_cores)
+                code = train_against(url, train_argv, trainer_cores, url.token)
                 if code:
                     sys.exit(code)
                 return
             print(
-                f"train against it: grpo-fast train --rollout vllm --vllm-mode server "
-                f"--vllm-server-base-url {url}"
-                " ...; Ctrl-C stops it",
+                f"train against it: {TOKEN_ENV}={url.token} grpo-fast train --rollout vllm "
+                f"--vllm-mode server --vllm-server-base-url {url} ...; Ctrl-C stops it",
                 flush=True,
             )
             while True:
