@@ -325,6 +325,7 @@ def test_sigterm_during_a_push_stops_within_seconds_and_resumes(tmp_path, async_
         text, _ = trainer.communicate(timeout=60)
         took = time.monotonic() - t0
         fake.worker.hold.clear()
+        print(f"SIGTERM during a push ({'async' if async_ else 'sync'}): exit in {took:.2f}s")
         assert trainer.returncode == 130 and took < 10, (took, text[-3000:])
         assert not list(wdir.iterdir())  # the push's file removed
         state = json.loads((out / f"checkpoint-{_steps(out)[-1]}" / "trainer_state.json").read_text())
