@@ -25,9 +25,10 @@ and a static entropy_coef (entropies come from the same sweep over the vocabular
 What does not change: generation (by default), rewards, advantages, logging, checkpoints, accelerate. Anything
 this path does not cover (the adaptive entropy controller, MoE aux losses, multimodal inputs, logit scaling or
 soft-capping, a model wrapped or sharded for distributed training: DDP, FSDP, ZeRO-3) runs TRL's own code,
-with a one-line warning saying why. Metrics: kl, clip_ratio/{low,high,region}_mean, cispo_clip_ratio and
-vespo/phi_seq_mean as TRL's; `entropy` when the options compute it; clip_ratio/low_min and
-clip_ratio/high_max are not logged on the fused path.
+with a one-line warning saying why. Metrics (docs/trl.md's table): TRL's names, scaling and timing for kl,
+clip_ratio/{low,high,region}_mean, cispo_clip_ratio, vespo/phi_seq_mean and, with the entropy bonus,
+policy_loss (each micro-batch) and entropy_coef (each optimizer step); `entropy` only when the options
+compute it; clip_ratio/low_min and clip_ratio/high_max are not logged on the fused path.
 """
 
 import warnings
@@ -37,6 +38,7 @@ import torch
 import trl
 
 from ..kernels import fused_linear_grpo_loss, fused_linear_logprobs
+from ..kernels.loss_variants import top_entropy_mask
 from ..models.model_parts import decoder_of, lm_head_of
 from ..models.shared_prefix import shared_prefix_forward
 from ..rollout import generate_groups, is_exact, native
@@ -345,6 +347,9 @@ class GRPOTrainer(trl.GRPOTrainer):
                 top_entropy_quantile=self.top_entropy_quantile,
                 entropy_coef=entropy_coef,
             )
+        if self._entropy_bonus_enabled:  # the kernel's loss is TRL's policy_loss - coef x H
+            entropy = self._bonus_entropy(metrics, (hidden, weight, bias), completion_ids, mask)
+            self._log_entropy_bonus(mode, loss.detach() + entropy_coef * entropy)
         if self.loss_type not in ITEM_NORMALIZED:  # TRL scales these for accumulation; num_items does it
             loss = loss / accumulation
 
@@ -365,7 +370,31 @@ class GRPOTrainer(trl.GRPOTrainer):
             "is_ratio_mean": "sampling/importance_sampling_ratio/mean",
             "sampling_logp_diff_mean": "sampling/sampling_logp_difference/mean",
         }
+        # the sampling metrics only for the native engine's samples: TRL logs vLLM's at generation, and none
+        # for log-probs a rollout_func returns without vLLM
+        ours_sampled = self.grpo_fast_rollout == "native" and not self.use_vllm and self.rollout_func is None
         for ours, theirs in names.items():
-            if ours in metrics and not (self.use_vllm and theirs.startswith("sampling/")):
+            if ours in metrics and (ours_sampled or not theirs.startswith("sampling/")):
                 self._metrics[mode][theirs].append(reduce_mean(metrics[ours]))
         return loss
+
+    def _bonus_entropy(self, metrics, head, completion_ids, mask):
+        """H, the mean entropy of the tokens the entropy bonus acts on: every active token's (the logged
+        `entropy`), or under top_entropy_quantile those the top-entropy mask keeps, rescored here (one forward
+        of the LM head, no gradient; the kernel does not return per-token entropies)."""
+        if self.top_entropy_quantile >= 1.0:
+            return metrics["entropy"]
+        hidden, weight, bias = head
+        with torch.no_grad(), self._head_precision():
+            _, entropies = fused_linear_logprobs(
+                hidden, weight, completion_ids, bias=bias, temperature=self.temperature, return_entropy=True
+            )
+        kept = mask.float() * top_entropy_mask(entropies, mask, self.top_entropy_quantile)
+        return (entropies * kept).sum() / kept.sum().clamp(min=1.0)
+
+    def _log_entropy_bonus(self, mode, policy_loss):
+        """TRL's names and timing: `policy_loss` (the loss before the bonus, and before the accumulation
+        scaling of the loss types that take it after) each micro-batch, `entropy_coef` each optimizer step."""
+        self._metrics[mode]["policy_loss"].append(self.accelerator.gather(policy_loss).nanmean().item())
+        if mode == "train" and self.accelerator.sync_gradients:
+            self._metrics[mode]["entropy_coef"].append(self.entropy_coef)
