@@ -119,14 +119,17 @@ bench-full: setup setup-vllm smollm2
 		--providers trl,trl_static_cache,trl_continuous_batching,trl_grpo_fast,trl_grpo_fast_native,grpo_fast,grpo_fast_vllm
 	$(VPY) -m bench.report
 
-# Wheels the GPU suite installs on the bare GPU machine (Python 3.12, no network) for its TRL and Liger rows:
-# TRL with what that machine lacks of its dependencies, Liger. Pure-Python wheels, ~3.5 MB of the device's
-# 64 MiB carry limit.
+# Wheels the GPU suite installs on the bare GPU machine (Python 3.12, no network) for its TRL, Liger and CCE
+# rows: TRL with what that machine lacks of its dependencies, Liger, Cut Cross-Entropy. Pure-Python wheels,
+# ~3.5 MB of the device's 64 MiB carry limit; plain `pip download` (no environment to build). bitsandbytes
+# (the 8-bit AdamW memory row) is a 41 MiB wheel: only with GPU_BNB=1, else that row says why it is skipped.
 GPU_WHEELS := trl==1.16.0 liger-kernel==0.8.5 cut-cross-entropy==25.1.1 datasets==4.7.0 dill==0.4.0 multiprocess==0.70.18
-gpu-wheels: setup
+GPU_BNB ?=
+gpu-wheels:
 	mkdir -p bench/wheels
-	$(VPY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-		--platform manylinux2014_x86_64 -d bench/wheels $(GPU_WHEELS)
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux2014_x86_64 --platform manylinux_2_24_x86_64 -d bench/wheels $(GPU_WHEELS) \
+		$(if $(GPU_BNB),bitsandbytes==0.50.2)
 	@du -ch bench/wheels/*.whl | tail -1 | sed 's/total/in bench\/wheels (the device carries 64 MiB in all)/'
 
 lint: setup

@@ -543,7 +543,9 @@ def render(payload: dict) -> str:
     return md + ("\n" + model["text"] + "\n" if model else "")
 
 
-def main(argv=None) -> None:
+def main(argv=None, on_row=None) -> None:
+    """The command line; `on_row(row)` is called with each provider's row as it ends (the GPU suite keeps
+    rows that a time-out would otherwise lose)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="tiny model and shapes (a smoke run)")
     ap.add_argument("--workload", default="synthetic", choices=("synthetic", "real"))
@@ -596,6 +598,8 @@ def main(argv=None) -> None:
                     res = {"error": f"did not finish within {timeout:.0f}s"}
             row = dict(provider=p, label=LABELS[p], **res)
             rows.append(row)
+            if on_row is not None:
+                on_row(row)
             shown = res.get("error") or res.get("skipped")
             if not shown:
                 shown = (

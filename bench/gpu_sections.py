@@ -1,18 +1,22 @@
 """The GPU suite's sections, each run in its own process by bench/gpu_suite.py:
 
-    python -m bench.gpu_sections NAME RESULT_JSON DEADLINE_EPOCH_S OUTDIR [--dry-run] [--no-triton]
+    python -m bench.gpu_sections NAME OUTDIR DEADLINE_EPOCH_S [--dry-run] [--no-triton]
 
-A section writes its result ({"rows": [...], "columns": [...], "notes": [...]}) to RESULT_JSON after every
-row, so that a section stopped at its deadline still reports what it measured. --dry-run: tiny shapes on the
-CPU (Triton through its interpreter). --no-triton: the compile check failed, so Triton rows are skipped.
+A section merges its result ({"rows": [...], "columns": [...], "notes": [...]}) into OUTDIR/gpu_suite.json and
+rewrites OUTDIR/report.md after every row (bench.gpu_suite.publish), so that a section stopped or killed at
+any moment still reports what it measured. torch.compiler's artifacts of earlier sections and loans are
+loaded first and this section's saved at its end (GRPO_FAST_SUITE_CACHE). --dry-run: tiny shapes on the CPU
+(Triton through its interpreter). --no-triton: the JIT pass failed, so Triton rows are skipped.
 
 The references here are written out plainly (full logits, log_softmax, TRL's clipped loss) and share no code
 with grpo_fast.kernels.
 """
 
 import json
+import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -27,8 +31,8 @@ TINY = dict(N=2 * 37, H=32, V=1001)
 
 
 class Section:
-    def __init__(self, path: Path, deadline: float, out: Path, dry: bool, triton_ok: bool):
-        self.path, self.deadline, self.out, self.dry, self.triton_ok = path, deadline, out, dry, triton_ok
+    def __init__(self, name: str, out: Path, deadline: float, dry: bool, triton_ok: bool):
+        self.name, self.out, self.deadline, self.dry, self.triton_ok = name, out, deadline, dry, triton_ok
         self.device = torch.device("cpu" if dry else "cuda")
         self.result = {"rows": [], "columns": [], "notes": []}
 
@@ -46,16 +50,19 @@ class Section:
         self.save()
 
     def save(self) -> None:
-        self.path.write_text(json.dumps(self.result, indent=1, default=str))
+        from bench.gpu_suite import publish
+
+        publish(self.out, name=self.name, section=self.result)
 
     def sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
 
-    def timed(self, fn, budget_s: float = 6.0) -> dict:
+    def timed(self, fn, budget_s: float = 2.5) -> dict:
         """One warm-up call (compilation, allocator), then as many timed calls as fit in `budget_s` (at least
         one, at most 20): median and min in ms, and the peak memory the calls allocated above what was
-        allocated before them (CUDA; NaN on the CPU). A call slower than the budget is timed once."""
+        allocated before them (CUDA; NaN on the CPU). A call slower than the budget is timed once; 2.5 s
+        gives a call of 0.5 s five samples, and the suite's ~60 rows fit a loan."""
         budget_s = max(0.0, min(budget_s, self.left() - 5))
         fn()
         cuda = self.device.type == "cuda"
@@ -92,6 +99,23 @@ class Section:
     def free(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+    def load_compile_cache(self) -> None:
+        """torch.compiler's artifacts of earlier sections and loans, before anything compiles."""
+        cache = Path(os.environ.get("GRPO_FAST_SUITE_CACHE", "/nonexistent"))
+        for f in sorted((cache / "artifacts").glob("*.bin")):
+            try:
+                torch.compiler.load_cache_artifacts(f.read_bytes())
+            except Exception as exc:  # noqa: BLE001 - another torch's artifacts: compile cold
+                self.note(f"compile cache {f.name} not loaded: {type(exc).__name__}: {str(exc)[:120]}")
+
+    def save_compile_cache(self) -> None:
+        """This process's torch.compiler artifacts so far, for the suite's compile_cache.tar.gz."""
+        cache = os.environ.get("GRPO_FAST_SUITE_CACHE")
+        got = torch.compiler.save_cache_artifacts() if cache else None
+        if got and got[0]:
+            Path(cache, "artifacts").mkdir(parents=True, exist_ok=True)
+            Path(cache, "artifacts", f"{self.name}.bin").write_bytes(got[0])
 
 
 def _problem(N, H, V, dtype, device, seed=0):
@@ -162,18 +186,16 @@ CHECK_COLUMNS = [
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}  # the tests' oracle tolerances, relative to max |ref|
 
 
-def _variants(entropy_too: bool):
-    """(name, kind, bias, temperature, entropy): the public functions with their options."""
-    out = [
-        ("logprobs", "logprobs", False, 1.0, False),
-        ("logprobs bias T=0.7 entropy", "logprobs", True, 0.7, True),
-        ("loss old+ref beta=0.04 bias T=0.7", "loss", True, 0.7, False),
-    ]
-    return out if entropy_too else out[:1] + out[2:]
+VARIANTS = [  # (name, kind, bias, temperature, entropy): the public functions with their options
+    ("logprobs", "logprobs", False, 1.0, False),
+    ("logprobs bias T=0.7 entropy", "logprobs", True, 0.7, True),
+    ("loss old+ref beta=0.04 bias T=0.7", "loss", True, 0.7, False),
+]
 
 
-def check_against_fp64(sec: Section, shape: dict, dtypes, impls, entropy_too=True) -> bool:
-    """Rows of the flash-attention rule: err(ours) <= 2 * err(plain torch in that dtype) + tol * max|ref|."""
+def check_against_fp64(sec: Section, shape: dict, dtypes, impls, jit=False) -> bool:
+    """Rows of the flash-attention rule: err(ours) <= 2 * err(plain torch in that dtype) + tol * max|ref|;
+    `jit`: the rows say "JIT pass" in their variant."""
     from grpo_fast.kernels import fused_linear_grpo_loss, fused_linear_logprobs
 
     all_ok = True
@@ -183,7 +205,8 @@ def check_against_fp64(sec: Section, shape: dict, dtypes, impls, entropy_too=Tru
         up = [
             torch.randn(targets.shape, device=sec.device, generator=g, dtype=torch.float64) for _ in range(2)
         ]
-        for name, kind, with_bias, temp, ent in _variants(entropy_too):
+        for name, kind, with_bias, temp, ent in VARIANTS:
+            name = f"JIT pass: {name}" if jit else name
             b = bias if with_bias else None
             if kind == "logprobs":
 
@@ -263,28 +286,27 @@ def check_against_fp64(sec: Section, shape: dict, dtypes, impls, entropy_too=Tru
     return all_ok
 
 
-def section_compile(sec: Section) -> None:
-    """Seconds-long: every Triton kernel in both dtypes with and without bias/entropy at small shapes,
-    compiled, run and checked; a missing C compiler or a tile too large for shared memory shows here."""
-    sec.result["columns"] = CHECK_COLUMNS
-    t0 = time.time()
-    shape = dict(N=2 * 37, H=96, V=1001) if sec.dry else dict(N=1024 + 37, H=256, V=5003)
-    sec.triton_ok = True
-    ok = check_against_fp64(sec, shape, [torch.bfloat16, torch.float32], ["triton"])
-    sec.result["triton_ok"] = ok
-    sec.note(
-        f"compiled and checked every variant at N, H, V = {tuple(shape.values())} in {time.time() - t0:.1f} s"
-    )
-    if not ok:
-        raise SystemExit("compile check failed: later sections skip Triton rows")
-
-
 def section_correctness(sec: Section) -> None:
-    """Triton and the PyTorch twin on this device against fp64, bf16 and fp32 inputs, real vocabulary."""
+    """Triton and the PyTorch twin on this device against fp64, bf16 and fp32 inputs, real vocabulary. First
+    one JIT pass: every Triton kernel and variant at a small shape with the big one's divisibility by 16 and
+    vocabulary (what Triton specializes on: the big check reuses what this compiles); on failure later
+    sections skip Triton rows."""
     sec.result["columns"] = CHECK_COLUMNS
     shape = TINY if sec.dry else CHECK
+    sec.triton_ok = True
+    if not sec.dry:  # (the interpreter compiles nothing: in a dry run the one check below is the JIT pass)
+        t0 = time.time()
+        small = dict(N=512, H=256, V=CHECK["V"])
+        sec.triton_ok = check_against_fp64(sec, small, [torch.bfloat16, torch.float32], ["triton"], jit=True)
+        sec.result["triton_ok"] = sec.triton_ok
+        sec.note(f"JIT pass at N, H, V = {tuple(small.values())}: {time.time() - t0:.1f} s; "
+                 f"Triton {'ok' if sec.triton_ok else 'FAILED: later sections skip its rows'}")  # fmt: skip
     sec.note(f"N, H, V = {tuple(shape.values())}; fp32 matmuls in IEEE fp32 (TF32 off), as torch's default")
-    if not check_against_fp64(sec, shape, [torch.bfloat16, torch.float32], ["triton", "torch"]):
+    ok = check_against_fp64(sec, shape, [torch.bfloat16, torch.float32], ["triton", "torch"])
+    if sec.dry:
+        sec.result["triton_ok"] = ok
+        sec.save()
+    if not (ok and sec.triton_ok):
         raise SystemExit("a correctness check failed (see the rows marked NO)")
 
 
@@ -342,6 +364,8 @@ def _measure_row(sec, label, fn, flops, extra):
         row = dict(extra, provider=label, note=f"error: {type(exc).__name__}: {str(exc)[:200]}")
     sec.free()
     sec.add(row)
+    if "compiled" in label or label == "liger":  # Liger's loss is torch.compile'd too
+        sec.save_compile_cache()
     return row
 
 
@@ -381,6 +405,7 @@ def section_speed(sec: Section) -> None:
     sec.note(f"N, H, V = {N}, {H}, {V}, {str(dtype)[6:]}; {n_mm}^3 matmul measured at {peak:.0f} TFLOP/s")
     loss = _loss_providers(sec, h, w, targets, mask, adv)
     liger = loss.pop("liger")
+    loss["cut cross-entropy"] = _cce_provider(sec, h, w, targets, mask, adv)
     for label, fn in loss.items():
         _measure_row(sec, label, fn, 6 * N * H * V, dict(mode="loss fwd+bwd"))
 
@@ -399,6 +424,7 @@ def section_speed(sec: Section) -> None:
                 fused_linear_logprobs(h, w, targets, impl=impl)
 
         fwd[label] = run
+    fwd["cut cross-entropy"] = _cce_provider(sec, h, w, targets, mask, adv, forward_only=True)
     for label, fn in fwd.items():
         _measure_row(sec, label, fn, 2 * N * H * V, dict(mode="logprobs fwd"))
     _measure_row(sec, "liger", liger, 6 * N * H * V, dict(mode="loss fwd+bwd"))
@@ -429,9 +455,9 @@ BACKWARD_COLUMNS = [
 ]
 
 
-def section_backward(sec: Section) -> None:
-    """The on-policy GRPO loss from hidden states, forward+backward, bf16, at three LM-head shapes: naive
-    torch (and compiled), our Triton path's two backwards (chunked: GEMMs + row kernels, one writer per
+def section_backward(sec: Section, names=("Qwen vocabulary, H 4096",)) -> None:
+    """The on-policy GRPO loss from hidden states, forward+backward, bf16, at Qwen's LM-head shape: naive
+    torch (and compiled, last), our Triton path's two backwards (chunked: GEMMs + row kernels, one writer per
     output, the default; atomic: tile kernels with atomics), the twin, Liger's fused linear GRPO loss and Cut
     Cross-Entropy's linear cross-entropy (its log-probs into the same loss) where their wheels are carried.
     Goal (issue 34): chunked <= 0.8x naive's time at <= 15% of its memory."""
@@ -439,12 +465,12 @@ def section_backward(sec: Section) -> None:
 
     sec.result["columns"] = BACKWARD_COLUMNS
     dtype = torch.float32 if sec.dry else torch.bfloat16
-    shapes = {"tiny": tuple(TINY.values())} if sec.dry else BACKWARD_SHAPES
+    shapes = {"tiny": tuple(TINY.values())} if sec.dry else {n: BACKWARD_SHAPES[n] for n in names}
     default = lp.TRITON_BACKWARD
     for name, (N, H, V) in shapes.items():
         hidden, weight, _, targets, mask, adv = _problem(N, H, V, dtype, sec.device)
         h, w = hidden.requires_grad_(True), weight.requires_grad_(True)
-        first = name == next(iter(shapes))  # torch.compile at the first shape only: it compiles for ~1 min
+        first = name == next(iter(BACKWARD_SHAPES))  # torch.compile at Qwen's shape only: ~1 min to compile
         providers = _loss_providers(sec, h, w, targets, mask, adv, compiled=first and not sec.dry)
         triton = providers.pop("grpo_fast triton")
         for path in ("chunked", "atomic"):
@@ -490,6 +516,11 @@ def section_backward(sec: Section) -> None:
         sec.free()
 
 
+def section_backward_shapes(sec: Section) -> None:
+    """The backward section at the two other LM-head shapes: Qwen2.5-7B's head and SmolLM2-135M's."""
+    section_backward(sec, [n for n in BACKWARD_SHAPES if n != next(iter(BACKWARD_SHAPES))])
+
+
 def _grad_of(step, h) -> None:
     """Run one provider step keeping its hidden gradient (the steps clear gradients after backward)."""
     saved = []
@@ -501,15 +532,22 @@ def _grad_of(step, h) -> None:
     h.grad = saved[-1]
 
 
-def _cce_provider(sec, h, w, targets, mask, adv):
+def _cce_provider(sec, h, w, targets, mask, adv, forward_only=False):
     """Cut Cross-Entropy's log-probs (-its per-token cross-entropy, gradient filtering on, its default) in
-    the naive loss; a note where its wheel is not carried."""
+    the naive loss (or alone, without grad); a note where its wheel is not carried."""
     try:
         from cut_cross_entropy import linear_cross_entropy
     except Exception as exc:  # noqa: BLE001 - absent on a bare GPU machine unless its wheel is carried
         return f"skipped: cut-cross-entropy not importable ({type(exc).__name__})"
     if sec.device.type != "cuda":
         return "skipped: its kernels need CUDA"
+    if forward_only:
+
+        def fwd():
+            with torch.no_grad():
+                linear_cross_entropy(h, w, targets, reduction="none")
+
+        return fwd
 
     def run():
         lp = -linear_cross_entropy(h, w, targets, reduction="none")
@@ -636,101 +674,147 @@ def section_prefix(sec: Section) -> None:
     sec.save()
 
 
-def section_generation(sec: Section) -> None:
-    """Completion tokens/s of HF `generate(num_return_sequences=G)`, the reference engine and the native
-    engine (eager, also with its layers in fp8; and compiled: CUDA graphs) on a random-init
-    Qwen2.5-0.5B-shaped model in bf16, G=8, C=512, 8 and 32 prompts of 128 tokens. No EOS (a random model):
-    every sample runs C tokens. Goal: native >= 5x HF."""
-    from bench.bench_prefix import make_model
-    from grpo_fast.rollout import generate_groups
+GEN_COLUMNS = [["provider", "provider"], ["prompts", "prompts"], ["layers", "layers"], ["P", "P"], ["G", "G"],
+               ["C", "C"], ["ms", "ms"], ["tokens_per_s", "completion tokens/s"], ["vs_hf", "vs HF generate"],
+               ["peak_mib", "peak MiB"], ["warmup_s", "warm-up s"], ["graphs", "graphs compiled"],
+               ["note", "note"]]  # fmt: skip
 
-    sec.result["columns"] = [["provider", "provider"], ["prompts", "prompts"], ["P", "P"], ["G", "G"],
-                             ["C", "C"], ["ms", "ms"], ["tokens_per_s", "completion tokens/s"],
-                             ["vs_hf", "vs HF generate"], ["peak_mib", "peak MiB"], ["warmup_s", "warm-up s"],
-                             ["note", "note"]]  # fmt: skip
+
+def _generation_rows(sec: Section, plan, layers=None) -> None:
+    """Rows of completion tokens/s for `plan` [(prompts, label, fn(model, ids, C, G) or a note)] on a
+    random-init Qwen2.5-0.5B-shaped model in bf16 (`layers` of its 24), G=8, C=512, prompts of 128 tokens,
+    no EOS (a random model: every sample runs C tokens). A warm-up (compiles, allocator) and one timed run
+    each; a failure, the warm-up's included, is that provider's row; the compiled graphs counted."""
+    import torch._dynamo.utils as dynamo_utils
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from bench.bench_prefix import QWEN2_SHAPES
+
     P, G, C = (8, 4, 8) if sec.dry else (128, 8, 512)
+    shape = dict(QWEN2_SHAPES["tiny" if sec.dry else "0.5b"])
+    shape["num_hidden_layers"] = layers or shape["num_hidden_layers"]
+    torch.manual_seed(0)
+    cfg = Qwen2Config(**shape, max_position_embeddings=4096)
+    cfg._attn_implementation = "sdpa"
     dtype = torch.float32 if sec.dry else torch.bfloat16
-    model = make_model("tiny" if sec.dry else "0.5b").to(device=sec.device, dtype=dtype).eval()
+    model = Qwen2ForCausalLM(cfg).to(device=sec.device, dtype=dtype).eval()
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
-    V = model.config.vocab_size
-
-    def hf(ids, c):
-        with torch.no_grad():
-            model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True,
-                           temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=c,
-                           num_return_sequences=G)  # fmt: skip
-
-    def ours(engine, compile, rollout_dtype="model"):
-        def run(ids, c):
-            generate_groups(model, ids, torch.ones_like(ids), G, c, temperature=1.0, eos_token_id=None,
-                            engine=engine, compile=compile, rollout_dtype=rollout_dtype)  # fmt: skip
-
-        return run
-
-    plan = [  # the most telling first: the section's deadline cuts the tail
-        (8, "native, eager", ours("native", False)),
-        (8, "HF generate", hf),
-        # the decode step's layers in fp8 (e4m3, per-channel x per-token scales, torch._scaled_mm): never run
-        # on a GPU yet
-        (8, "native, eager, rollout_dtype fp8", ours("native", False, "fp8")),
-        (32, "native, eager", ours("native", False)),
-        (32, "HF generate", hf),
-        (8, "reference engine", ours("reference", "auto")),
-        # last: its first compile had not ended after 170 s on an H200 (run 4). Dry run: tested elsewhere
-        (8, "native, compiled", ours("native", not sec.dry)),
-    ]
     for n, label, fn in plan:
+        if isinstance(fn, str):
+            sec.add(dict(provider=label, prompts=n, note=fn))
+            continue
         if sec.left() < 25:
             sec.add(dict(provider=label, prompts=n, note="skipped: section out of time"))
             continue
         g = torch.Generator(device=sec.device).manual_seed(0)
-        ids = torch.randint(2, V, (n, P), device=sec.device, generator=g)
-        t0 = time.perf_counter()
-        fn(ids, 8)  # warm-up: kernels, allocator; the compiled engine compiles here
-        fn(ids, min(C, 64))
-        sec.sync()
-        warm = time.perf_counter() - t0
+        ids = torch.randint(2, cfg.vocab_size, (n, P), device=sec.device, generator=g)
         t = {}
 
         def timed_run(fn=fn, ids=ids):
             t0 = time.perf_counter()
-            fn(ids, C)
+            fn(model, ids, C, G)
             sec.sync()
             t["ms"] = (time.perf_counter() - t0) * 1e3
 
+        graphs = dynamo_utils.counters["stats"]["unique_graphs"]
         try:
+            t0 = time.perf_counter()
+            fn(model, ids, 8, G)  # warm-up: kernels, allocator; a compiled engine compiles here
+            fn(model, ids, min(C, 64), G)
+            sec.sync()
+            warm = time.perf_counter() - t0
             peak = sec.peak_mib(timed_run)  # one full run, timed and its peak taken
-        except Exception as exc:  # noqa: BLE001 - a failing provider is a row
+        except Exception as exc:  # noqa: BLE001 - a failing provider is a row, the next still runs
             sec.add(dict(provider=label, prompts=n, note=f"error: {type(exc).__name__}: {str(exc)[:160]}"))
             continue
-        sec.add(dict(provider=label, prompts=n, P=P, G=G, C=C, ms=t["ms"], warmup_s=warm,
-                     tokens_per_s=n * G * C / (t["ms"] / 1e3), peak_mib=peak))  # fmt: skip
+        sec.add(dict(provider=label, prompts=n, layers=shape["num_hidden_layers"], P=P, G=G, C=C, ms=t["ms"],
+                     warmup_s=warm, tokens_per_s=n * G * C / (t["ms"] / 1e3), peak_mib=peak,
+                     graphs=dynamo_utils.counters["stats"]["unique_graphs"] - graphs))  # fmt: skip
+        sec.save_compile_cache()
     rows = sec.result["rows"]
     for r in rows:
-        hf_row = next(
-            (x for x in rows if x["provider"] == "HF generate" and x["prompts"] == r["prompts"]), None
-        )
+        hf_row = next((x for x in rows if x["provider"] == "HF generate" and x["prompts"] == r["prompts"]
+                       and x.get("layers") == r.get("layers")), None)  # fmt: skip
         if hf_row and "tokens_per_s" in hf_row and "tokens_per_s" in r:
             r["vs_hf"] = r["tokens_per_s"] / hf_row["tokens_per_s"]
     sec.save()
 
 
-def section_e2e(sec: Section) -> None:
-    """bench_e2e (TRL, TRL + our subclass, grpo-fast sharing off/on) within the section's deadline; its own
-    bench_e2e.{json,md,png} land beside the report."""
+def _hf(model, ids, c, G):
+    with torch.no_grad():
+        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0,
+                       top_k=0, top_p=1.0, max_new_tokens=c, num_return_sequences=G)  # fmt: skip
+
+
+def _ours(engine, compile, rollout_dtype="model"):
+    from grpo_fast.rollout import generate_groups
+
+    def run(model, ids, c, G):
+        generate_groups(model, ids, torch.ones_like(ids), G, c, temperature=1.0, eos_token_id=None,
+                        engine=engine, compile=compile, rollout_dtype=rollout_dtype)  # fmt: skip
+
+    return run
+
+
+def section_generation(sec: Section) -> None:
+    """Completion tokens/s of HF `generate(num_return_sequences=G)` and the native engine, eager, with the
+    model's bf16 layers and with its decode layers in fp8 (e4m3, per-channel x per-token scales,
+    torch._scaled_mm) on a random-init Qwen2.5-0.5B-shaped model, G=8, C=512, 8 and 32 prompts of 128
+    tokens. Goal: native >= 5x HF. The compiled engine is the decode section's."""
+    sec.result["columns"] = GEN_COLUMNS
+    _generation_rows(sec, [  # the most telling first: the section's deadline cuts the tail
+        (8, "native, eager", _ours("native", False)),
+        (8, "HF generate", _hf),
+        (8, "native, eager, rollout_dtype fp8", _ours("native", False, "fp8")),
+        (32, "native, eager", _ours("native", False)),
+        (32, "HF generate", _hf),
+    ])  # fmt: skip
+
+
+def section_decode(sec: Section) -> None:
+    """The native engine's compiled decode (torch.compile, CUDA graphs), recompiles and graph breaks logged
+    to the suite's log: on a 2-layer Qwen2.5-0.5B-shaped model first (its first compile never ended within
+    170 s at 24 layers), then the 24 layers; the reference engine beside them. 8 prompts, G=8, C=512."""
+    import torch._logging
+
+    sec.result["columns"] = GEN_COLUMNS
+    torch._logging.set_logs(recompiles=True, graph_breaks=True)
+    compiled = "skipped: dry run (tests/test_rollout.py compiles the decode on a CPU)" if sec.dry else None
+    compiled = compiled or _ours("native", True)
+    eager = _ours("native", False)
+    _generation_rows(sec, [(8, "native, compiled", compiled), (8, "native, eager", eager)], layers=2)
+    _generation_rows(sec, [(8, "native, compiled", compiled), (8, "native, eager", eager),
+                           (8, "reference engine", _ours("reference", "auto"))])  # fmt: skip
+
+
+E2E_KEYS = ("provider", "step_s", "generate_s", "train_s", "tokens_per_s", "speedup_vs_trl", "peak_mem_mb",
+            "mem_vs_trl", "skipped", "error")  # fmt: skip
+
+
+def _e2e_rows(sec: Section, argv: list[str], keys=E2E_KEYS, extra=None) -> None:
+    """bench_e2e with `argv`, each provider's row added as it ends (its own files in a temporary folder: the
+    device returns 8 files), speed and memory against the TRL row before it, if any."""
     from bench import bench_e2e
 
-    out = sec.out
-    argv = ["--out-dir", str(out), "--deadline", str(sec.deadline - 5)]
-    argv += ["--quick", "--providers", "trl,grpo_fast"] if sec.dry else []
-    bench_e2e.main(argv)
-    rows = json.loads((out / ("bench_e2e_quick.json" if sec.dry else "bench_e2e.json")).read_text())["rows"]
-    keys = ("provider", "step_s", "generate_s", "train_s", "tokens_per_s", "speedup_vs_trl", "peak_mem_mb",
-            "mem_vs_trl", "skipped", "error")  # fmt: skip
-    sec.result["columns"] = [[k, k] for k in keys]
-    for r in rows:
-        sec.add({k: r[k] for k in keys if k in r})
+    def on_row(r):
+        rows = sec.result["rows"]
+        trl = next((x for x in rows if x.get("provider") == "trl" and "tokens_per_s" in x), None)
+        if trl and "tokens_per_s" in r:
+            r = dict(r, speedup_vs_trl=r["tokens_per_s"] / trl["tokens_per_s"],
+                     mem_vs_trl=r["peak_mem_mb"] / trl["peak_mem_mb"])  # fmt: skip
+        sec.add({**(extra or {}), **{k: r[k] for k in keys if k in r}})
+
+    with tempfile.TemporaryDirectory() as tmp:
+        bench_e2e.main(["--out-dir", tmp, "--deadline", str(sec.deadline - 5), *argv], on_row=on_row)
+
+
+def section_e2e(sec: Section) -> None:
+    """bench_e2e's synthetic workload: TRL (fp32), grpo-fast at its default, grpo-fast fastest (colocated
+    async --max-staleness 1 under --bf16), each provider's row as it ends."""
+    sec.result["columns"] = [[k, k] for k in E2E_KEYS]
+    providers = "trl,grpo_fast" if sec.dry else "trl,grpo_fast,grpo_fast_async_mp"
+    _e2e_rows(sec, ["--providers", providers] + (["--quick"] if sec.dry else []))
 
 
 def section_server(sec: Section) -> None:
@@ -738,9 +822,6 @@ def section_server(sec: Section) -> None:
     async (--max-staleness 1), the server on the last GPU and the trainer on cuda:0; sync seconds per step and
     the idle fractions. Needs vLLM (its interpreter: bench._utils.vllm_python) and two GPUs, else one row
     saying why."""
-    import torch
-
-    from bench import bench_e2e
     from bench._utils import NO_VLLM, vllm_python
 
     why = NO_VLLM if vllm_python() is None else None
@@ -754,62 +835,49 @@ def section_server(sec: Section) -> None:
     if why:
         sec.add({"provider": "grpo_fast_server", "skipped": why})
         return
-    argv = ["--out-dir", str(sec.out / "server"), "--deadline", str(sec.deadline - 5),
-            "--providers", "grpo_fast,grpo_fast_server,grpo_fast_server_async", "--steps", "3"]  # fmt: skip
-    argv += ["--quick"] if sec.dry else []
-    bench_e2e.main(argv)
-    name = "bench_e2e_quick.json" if sec.dry else "bench_e2e.json"
-    for r in json.loads((sec.out / "server" / name).read_text())["rows"]:
-        sec.add({k: r[k] for k in keys if k in r})
+    _e2e_rows(sec, ["--providers", "grpo_fast,grpo_fast_server,grpo_fast_server_async", "--steps", "3"], keys)
 
 
 def section_memory(sec: Section) -> None:
     """Peak memory (max_memory_allocated) of real `grpo-fast train` steps on a SmolLM2-135M-shaped model (30
     layers, random weights), one process per configuration (full / LoRA, beta 0 / 0.04, checkpointing off /
-    on, sharing on / off, bf16, C up to 512, G up to 16), per step and phase; with `grpo-fast estimate`'s
-    prediction where the estimator exists (bench/bench_memory.py)."""
+    on, sharing on / off, the precision recipes: bf16 weights with fp32 masters / Kahan, autocast, 8-bit
+    AdamW; C up to 512, G up to 16), per step and phase, beside `grpo-fast estimate`'s prediction
+    (bench/bench_memory.py)."""
+    import importlib.util
+
     from bench import bench_memory
 
-    layers, steps = (2, 2) if sec.dry else (30, 3)
-    # the dry run: one configuration (the suite must end within its 470 s on a 2-core CPU); LoRA needs peft
-    names = ["full_beta_gc_unshared"] if sec.dry else list(bench_memory.CONFIGS)
     sec.result["columns"] = [list(c) for c in bench_memory.COLUMNS]
-    bench_memory.run(
-        names, layers, steps, deadline=sec.deadline - 5, extra_flags=["--rollout-compile", "off"],
-        on_row=lambda r: sec.add({k: v for k, v in r.items() if k != "flags"}),
-    )  # fmt: skip
+    layers, steps = (2, 2) if sec.dry else (30, 3)
+    # the dry run: one configuration, and one recipe at a short C (bf16 GEMMs crawl on CPUs without bf16)
+    runs = [(["full_beta_gc_unshared"], None), (["full_bf16_master"], dict(C=8, G=2))] if sec.dry else [
+        (list(bench_memory.CONFIGS), None)]  # fmt: skip
+    for names, overrides in runs:
+        for name in [n for n in names if bench_memory.CONFIGS[n].get("optim") == "adamw_8bit"]:
+            if importlib.util.find_spec("bitsandbytes") is None:  # carried only on request: its wheel
+                names.remove(name)  # (CUDA builds inside) and the compile cache overrun 64 MiB together
+                sec.add(dict(config=name, note="skipped: no bitsandbytes (make gpu-wheels GPU_BNB=1)"))
+        bench_memory.run(
+            names, layers, steps, deadline=sec.deadline - 5, extra_flags=["--rollout-compile", "off"],
+            on_row=lambda r: sec.add({k: v for k, v in r.items() if k != "flags"}), overrides=overrides,
+        )  # fmt: skip
     sec.note(f"SmolLM2-135M shape, {layers} layers, {steps} steps each, native engine eager (compile off)")
 
 
 def section_precision(sec: Section) -> None:
-    """bf16 mixed precision as TRL's users run it: end-to-end steps (bench_e2e's synthetic workload) of TRL
-    with bf16=False and bf16=True, ours in fp32 and with --bf16 (autocast on fp32 master weights, the rollout
-    in bf16, corrected); then `grpo-fast estimate` beside measured peaks for each precision recipe
-    (bench_memory.RECIPES: bf16 weights with fp32 masters / Kahan, autocast, 8-bit AdamW)."""
-    from bench import bench_e2e, bench_memory
-
-    memory_s = 40 if sec.dry else 110  # what the recipes' memory rows need at the end
-    # the dry run: TRL at its default only (each provider is a process that imports TRL, ~20 s on a CPU)
-    providers = "trl_bf16,grpo_fast,grpo_fast_mp" if sec.dry else "trl,trl_bf16,grpo_fast,grpo_fast_mp"
-    argv = ["--out-dir", str(sec.out / "precision"), "--deadline", str(sec.deadline - memory_s),
-            "--providers", providers]  # fmt: skip
-    argv += ["--quick", "--steps", "1"] if sec.dry else []
-    bench_e2e.main(argv)
-    name = "bench_e2e_quick.json" if sec.dry else "bench_e2e.json"
-    keys = ("provider", "step_s", "generate_s", "train_s", "tokens_per_s", "speedup_vs_trl", "peak_mem_mb",
-            "skipped", "error")  # fmt: skip
-    for r in json.loads((sec.out / "precision" / name).read_text())["rows"]:
-        sec.add({"what": "e2e", **{k: r[k] for k in keys if k in r}})
-    layers, steps = (2, 1) if sec.dry else (30, 2)
-    names = ["full_bf16_master"] if sec.dry else bench_memory.RECIPES  # dry: "full" is the memory section's
-    bench_memory.run(
-        names, layers, steps, deadline=sec.deadline - 5, extra_flags=["--rollout-compile", "off"],
-        on_row=lambda r: sec.add({"what": "memory", **{k: v for k, v in r.items() if k != "flags"}}),
-        overrides=dict(C=8, G=2) if sec.dry else None,  # bf16 GEMMs crawl on CPUs without bf16 units
-    )  # fmt: skip
-    columns = [["what", "what"]] + [[k, k] for k in keys] + [list(c) for c in bench_memory.COLUMNS]
-    sec.result["columns"] = columns
-    sec.note(f"e2e: bench_e2e synthetic workload; memory: SmolLM2-135M shape, {layers} layers, {steps} steps")
+    """The mixed-precision step as TRL's users run it: end-to-end steps (bench_e2e's synthetic workload, 1
+    warm-up + 1 measured) of TRL with bf16=True and ours with --bf16 (autocast on fp32 master weights, the
+    rollout in bf16, corrected). The recipes' memory is the memory section's."""
+    keys = ("provider", "step_s", "generate_s", "train_s", "tokens_per_s", "peak_mem_mb", "skipped", "error")
+    sec.result["columns"] = [[k, k] for k in keys] + [["vs_trl_bf16", "tokens/s vs TRL bf16=True"]]
+    argv = ["--providers", "trl_bf16,grpo_fast_mp", "--warmup", "1", "--steps", "1"]
+    _e2e_rows(sec, argv + (["--quick"] if sec.dry else []), keys)
+    rows = {r["provider"]: r for r in sec.result["rows"]}
+    trl, ours = rows.get("trl_bf16", {}), rows.get("grpo_fast_mp", {})
+    if "tokens_per_s" in trl and "tokens_per_s" in ours:
+        ours["vs_trl_bf16"] = ours["tokens_per_s"] / trl["tokens_per_s"]
+        sec.save()
 
 
 TILE_COLUMNS = [
@@ -899,27 +967,15 @@ def section_tiles(sec: Section) -> None:
     lp.FWD_TILES, lp.BWD_TILES = shipped
 
 
-SECTIONS = {
-    "compile": section_compile,
-    "correctness": section_correctness,
-    "speed": section_speed,
-    "backward": section_backward,
-    "precision": section_precision,
-    "atomics": section_atomics,
-    "tiles": section_tiles,
-    "prefix": section_prefix,
-    "generation": section_generation,
-    "memory": section_memory,
-    "e2e": section_e2e,
-    "server": section_server,
-}
-
-
 def main(argv) -> None:
-    name, path, deadline, out = argv[0], Path(argv[1]), float(argv[2]), Path(argv[3])
-    sec = Section(path, deadline, out, "--dry-run" in argv, "--no-triton" not in argv)
+    name, out, deadline = argv[0], Path(argv[1]), float(argv[2])
+    sec = Section(name, out, deadline, "--dry-run" in argv, "--no-triton" not in argv)
     sec.save()
-    SECTIONS[name](sec)
+    sec.load_compile_cache()
+    try:
+        globals()[f"section_{name}"](sec)
+    finally:
+        sec.save_compile_cache()
 
 
 if __name__ == "__main__":

@@ -1,83 +1,90 @@
-"""GPU suite for one CUDA GPU (an H200 here) with no network: kernel correctness and speed, one command.
+"""GPU suite for one CUDA GPU (an H200 here) with no network, sized for a short loan (15 minutes of device
+time, one command at most 10 minutes): the most valuable rows first, every row on disk as it is measured.
 
-    bash bench/gpu_suite.sh OUTDIR [--dry-run] [--sections a,b]    (runs python -m bench.gpu_suite, same args)
+    bash bench/gpu_suite.sh OUTDIR [--budget S] [--tier 1|2] [--sections a,b] [--dry-run]
+    python -m bench.gpu_suite --out OUTDIR [the same options]    (what the shell runs, from a copy)
 
-Sections (bench/gpu_sections.py), in order of value, each in its own process so that a CUDA fault or an OOM in
-one cannot poison the next, each bounded by what is left of the suite's BUDGET_S:
-  compile      seconds: every Triton kernel and variant at small shapes vs fp64; on failure Triton rows are
-               skipped and the other rows still run
-  correctness  Triton and the twin vs fp64 at N, H, V = 4096, 4096, 151936, bf16 and fp32, with bias,
-               temperature, entropy, and the loss with old/reference log-probs and beta > 0 (values and
-               d hidden / d weight / d bias), under the flash-attention rule
-  speed        GRPO loss fwd+bwd and log-probs fwd at N, H, V = 16384, 4096, 151936 bf16: naive torch, Liger
-               (when its wheel is there), Triton, the twin; TFLOP/s against the matmul rate measured
-  precision    bf16 mixed precision: e2e steps of TRL bf16=False / True and ours fp32 / --bf16, and the
-               memory estimate beside measured peaks for each precision recipe
-  atomics      the backward's atomic semantics and program order vs the twin's matmuls: what impl="auto"
-               should pick on this GPU
-  tiles        tile sizes and launch options of the forward and backward kernels
-  prefix       shared vs unshared training step, Qwen2.5-0.5B-shaped
-  generation   HF generate vs the rollout engines, Qwen2.5-0.5B-shaped, 8 and 32 prompts, G=8, C=512
-  memory       peak memory of real `grpo-fast train` steps, SmolLM2-135M-shaped, six configurations, beside
-               `grpo-fast estimate` (bench/bench_memory.py)
-  e2e          bench_e2e vs TRL (TRL rows when its wheels are there), with what time is left
-  server       rollouts on a vLLM server on a GPU of its own vs colocated, synchronous and async (needs vLLM
-               and two GPUs; else one row saying why)
-OUTDIR/gpu_suite.json and OUTDIR/report.md are rewritten after every section. Exit status 1 when a section
-errored or timed out. --dry-run: tiny shapes on the CPU, Triton through its interpreter (the test suite runs
-it, in our environment and in a bare one).
+Sections (bench/gpu_sections.py), each in its own process so that a CUDA fault or an OOM in one cannot poison
+the next. Tier 1 (the first call, in order of value):
+  correctness  one JIT pass of every Triton kernel at a small shape (it decides whether later Triton rows
+               run), then Triton and the twin vs fp64 at N, H, V = 4096, 4096, 151936, bf16 and fp32
+  speed        loss fwd+bwd and log-prob forward at 16384, 4096, 151936 bf16: ours vs naive, Liger, CCE
+  backward     the first LM-head shape: chunked vs atomic vs naive (torch.compile'd naive last)
+  precision    the mixed-precision step: ours --bf16 vs TRL bf16=True, 1 warm-up + 1 measured step
+  generation   native eager (bf16, fp8) vs HF generate
+  e2e          TRL, ours at its default, ours fastest (colocated async --bf16)
+Tier 2 (a second call): atomics, tiles, prefix, memory (every bench_memory configuration, precision recipes
+included), decode (the compiled decode: a 2-layer model first, recompiles logged). Only by --sections:
+backward_shapes (the other two LM-head shapes), server (needs vLLM and two GPUs).
+
+A section runs while the budget holds its minimum and every later section's; it gets at most its planned
+seconds. OUTDIR holds at most four files: gpu_suite.json and report.md (rewritten after every row, by the
+section's process itself, atomically: a kill at any moment keeps every finished row), gpu_suite.log (the
+shell's tee) and compile_cache.tar.gz (Triton's cache and torch.compiler's artifacts; put it in
+bench/gpu_cache/ and carry that folder: the next loan starts warm). Exit status 1 when a section errored,
+124 when the suite was killed. --dry-run: tiny shapes on the CPU, Triton through its interpreter (the tests).
 """
 
+import argparse
 import json
 import math
+import os
+import signal
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 from pathlib import Path
 
-BUDGET_S = 470  # the device tool allows 8 minutes a command with room to spare; gpu_suite.sh kills at 470 s
-RESERVE_S = 8  # for the report after the last section
-# name: (seconds it needs to be worth starting, seconds it may take at most)
+BUDGET_S = 480  # one 10-minute command with 2 minutes to spare (the tree's copy, wheels, the last report)
+SHELL_MARGIN_S = 30  # gpu_suite.sh kills at budget + this: the suite's own deadline comes first
+RESERVE_S = 8  # for the report and the cache file after the last section
+DRY_SCALE = 3  # a dry run's sections may take 3x their plan: a shared 2-core CPU under Triton's interpreter
+CACHE_FILE = "compile_cache.tar.gz"
+CACHE_MAX_BYTES = 15 * 2**20  # the device returns files of at most 16 MiB
+# name: (tier, seconds it needs to be worth starting, seconds planned on an H200 = its cap); tier 1 sums to
+# 465 s of the default 480, tier 2 to 300 s (it gets what a second call's --budget gives, in this order)
 SECTIONS = {
-    "compile": (20, 90),
-    "correctness": (30, 100),
-    "speed": (40, 120),
-    "backward": (40, 150),
-    "precision": (60, 170),
-    "atomics": (40, 110),
-    "tiles": (30, 100),
-    "prefix": (20, 60),
-    "generation": (40, 150),
-    "memory": (60, 170),
-    "e2e": (90, 300),
-    "server": (20, 200),
+    "correctness": (1, 30, 75),
+    "speed": (1, 30, 65),
+    "backward": (1, 30, 80),
+    "precision": (1, 40, 75),
+    "generation": (1, 30, 70),
+    "e2e": (1, 60, 100),
+    "atomics": (2, 20, 40),
+    "tiles": (2, 20, 40),
+    "prefix": (2, 15, 25),
+    "memory": (2, 40, 90),
+    "decode": (2, 30, 105),
+    "backward_shapes": (3, 30, 80),
+    "server": (3, 20, 200),
 }
 
 
-def run_section(name: str, out: Path, tmp: Path, deadline: float, dry: bool, triton_ok: bool) -> dict:
-    need, cap = SECTIONS[name]
-    left = deadline - time.time()
-    if left < need:
-        return {"skipped": f"{left:.0f} s left of the suite's {BUDGET_S} s; it needs {need} s"}
-    end = time.time() + min(cap, left)
-    path = tmp / f"{name}.json"
-    cmd = [sys.executable, "-m", "bench.gpu_sections", name, str(path), str(end), str(out)]
-    cmd += ["--dry-run"] if dry else []
-    cmd += [] if triton_ok else ["--no-triton"]
-    t0 = time.time()
-    print(f"== {name} (at most {end - t0:.0f} s)", flush=True)
-    try:
-        proc = subprocess.run(cmd, timeout=end - t0 + 5, stderr=subprocess.PIPE, text=True)
-        error = None if proc.returncode == 0 else (proc.stderr.strip()[-3000:] or f"exit {proc.returncode}")
-        sys.stderr.write(proc.stderr[-3000:])
-    except subprocess.TimeoutExpired:
-        error = f"stopped at its limit ({end - t0:.0f} s); rows so far kept"
-    result = json.loads(path.read_text()) if path.is_file() else {"rows": []}
-    result["seconds"] = round(time.time() - t0, 1)
-    if error:
-        result["error"] = error
-    print(f"== {name}: {result['seconds']} s{', ERROR' if error else ''}", flush=True)
+class Killed(Exception):
+    """SIGTERM (the shell's or the device's time-out): stop the section in flight, keep what is written."""
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The rolling result: one JSON and its report, rewritten atomically by whichever process is measuring
+# ---------------------------------------------------------------------------------------------------------
+def _write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)  # a reader (or a kill) sees the old file or the new one, never half of one
+
+
+def publish(out: Path, result: dict | None = None, name: str | None = None, section: dict | None = None):
+    """Write `result` (or the one on disk, with `section`'s keys merged into section `name`) as
+    OUTDIR/gpu_suite.json and OUTDIR/report.md; return it."""
+    path = out / "gpu_suite.json"
+    if result is None:
+        result = json.loads(path.read_text())
+    if name is not None:
+        result["sections"][name] = {**result["sections"].get(name, {}), **(section or {})}
+    _write(path, json.dumps(result, indent=1, default=str))
+    _write(out / "report.md", report_md(result))
     return result
 
 
@@ -89,30 +96,46 @@ def _cell(v) -> str:
     return "-" if v is None else str(v).replace("|", "/").replace("\n", " ")
 
 
+def _status(sec: dict) -> str:
+    if "skipped" in sec:
+        return "skipped"
+    if "error" in sec:
+        return "killed" if sec["error"].startswith("killed") else "error"
+    return sec.get("status", "done")
+
+
+def timeline(result: dict) -> list[str]:
+    """The plan against what happened: a Markdown table, one line per section."""
+    lines = ["| section | tier | planned s | spent s | rows | status |", "|---|---|---|---|---|---|"]
+    for name, sec in result["sections"].items():
+        spent = sec.get("seconds", round(time.time() - sec["started"], 1) if "started" in sec else None)
+        lines.append(
+            f"| {name} | {SECTIONS[name][0]} | {_cell(sec.get('planned_s'))} | {_cell(spent)} | "
+            f"{len(sec.get('rows', []))} | {_status(sec)} |"
+        )
+    return lines
+
+
 def report_md(result: dict) -> str:
-    m = result["machine"]
+    m, v = result["machine"], result["machine"]["versions"]
     lines = [
         f"# GPU suite{' (dry run, CPU)' if result['dry_run'] else ''}",
         "",
-        f"Machine: {m.get('gpu', m['cpu'])}; torch {m['versions']['torch']}, "
-        f"triton {m['versions']['triton']}, transformers {m['versions']['transformers']}, "
-        f"trl {m['versions']['trl']}, liger-kernel "
-        f"{m['versions']['liger_kernel']}, Python {m['python']}; commit {m['git_commit']}. "
-        f"Total {result.get('seconds', 0):.0f} s of {BUDGET_S} s.",
+        f"Machine: {m.get('gpu', m['cpu'])}; torch {v['torch']}, triton {v['triton']}, transformers "
+        f"{v['transformers']}, trl {v['trl']}, liger-kernel {v['liger_kernel']}, Python {m['python']}; "
+        f"commit {m['git_commit']}. {_cell(result.get('seconds', 0.0))} s of the {result['budget_s']} s "
+        f"budget. {result.get('cache', '')}",
+        "",
+        *timeline(result),
     ]
-    for name in SECTIONS:
-        sec = result["sections"].get(name)
-        if sec is None:
-            continue
+    for name, sec in result["sections"].items():
         lines += ["", f"## {name}", ""]
         if "skipped" in sec:
             lines.append(f"Skipped: {sec['skipped']}.")
             continue
         doc = _section_doc(name)
-        if doc:
-            lines += [doc, ""]
+        lines += [doc, ""] if doc else []
         lines += [f"- {n}" for n in sec.get("notes", [])]
-        lines.append(f"- {sec['seconds']} s")
         cols = sec.get("columns") or []
         if sec.get("rows") and cols:
             used = [c for c in cols if any(c[0] in r for r in sec["rows"])]
@@ -130,43 +153,168 @@ def _section_doc(name: str) -> str:
     return " ".join(doc.split())
 
 
+# ---------------------------------------------------------------------------------------------------------
+# Compile caches: restored from a carried file, returned as one file
+# ---------------------------------------------------------------------------------------------------------
+def restore_cache(src: Path | None, cache: Path) -> str:
+    """Unpack a compile_cache.tar.gz of an earlier loan into `cache` (triton/, artifacts/); a note."""
+    (cache / "triton").mkdir(parents=True, exist_ok=True)
+    (cache / "artifacts").mkdir(exist_ok=True)
+    if src is None or not src.is_file():
+        return "Compile caches: cold (no carried bench/gpu_cache/compile_cache.tar.gz)."
+    try:
+        with tarfile.open(src) as tar:
+            kw = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}  # Python >= 3.12, 3.11.4
+            tar.extractall(cache, **kw)
+    except (OSError, tarfile.TarError) as exc:
+        return f"Compile caches: {src.name} unreadable ({exc}); cold."
+    n = sum(1 for p in cache.rglob("*") if p.is_file())
+    return f"Compile caches: restored {n} files from {src.name}."
+
+
+def pack_cache(cache: Path, out: Path) -> int:
+    """OUTDIR/compile_cache.tar.gz of `cache`: torch.compiler's artifacts first, then Triton's cache while
+    the file stays under the device's return limit. Returns its size (0: nothing cached yet)."""
+    files = sorted((cache / "artifacts").glob("*.bin")) + sorted(p for p in (cache / "triton").rglob("*"))
+    files = [p for p in files if p.is_file()]
+    if not files:
+        return 0
+    tmp = out / f".{CACHE_FILE}.tmp"
+    total = 0
+    with tarfile.open(tmp, "w:gz") as tar:
+        for p in files:
+            total += p.stat().st_size
+            if total > 3 * CACHE_MAX_BYTES:  # uncompressed; gzip takes Triton's text (PTX, IR) to ~1/3
+                break
+            tar.add(p, arcname=str(p.relative_to(cache)))
+    os.replace(tmp, out / CACHE_FILE)
+    return (out / CACHE_FILE).stat().st_size
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The plan and the run
+# ---------------------------------------------------------------------------------------------------------
+def plan(tier: int, sections: list[str] | None) -> list[str]:
+    """The sections of a call in the order they run: the tier's, or the ones named, in their order."""
+    if sections:
+        return list(sections)
+    return [n for n, (t, _, _) in SECTIONS.items() if t == tier]
+
+
+def allowance(name: str, left: float, later: list[str], scale: float = 1) -> float:
+    """Seconds `name` may take: its planned seconds, less whatever the later sections' minimums need."""
+    return min(scale * SECTIONS[name][2], left - sum(SECTIONS[n][1] for n in later))
+
+
+def run_section(name: str, later: list[str], out: Path, deadline: float, opts: list[str]) -> dict:
+    need = SECTIONS[name][1]
+    room = allowance(name, deadline - time.time(), later, DRY_SCALE if "--dry-run" in opts else 1)
+    if room < need:
+        sec = {"skipped": f"{room:.0f} s left for it (later sections' minimums kept); it needs {need} s"}
+        return publish(out, name=name, section=sec)["sections"][name]
+    t0 = time.time()
+    publish(out, name=name, section={"planned_s": round(room), "started": t0, "status": "running"})
+    print(f"== {name} (planned {room:.0f} s)", flush=True)
+    cmd = [sys.executable, "-m", "bench.gpu_sections", name, str(out), str(t0 + room), *opts]
+    killed = False
+    with tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd, stderr=err, text=True)
+        try:
+            proc.wait(timeout=room + 5)
+            error = None
+        except subprocess.TimeoutExpired:
+            error = f"stopped at its limit ({room:.0f} s); rows so far kept"
+        except Killed:
+            killed, error = True, "killed by the suite's time-out; rows so far kept"
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            err.seek(0)
+            tail = err.read()[-3000:]
+            sys.stderr.write(tail)
+    if error is None and proc.returncode != 0:
+        error = tail.strip() or f"exit {proc.returncode}"
+    done = {"seconds": round(time.time() - t0, 1), "status": "done"}
+    sec = publish(out, name=name, section=dict(done, **({"error": error} if error else {})))["sections"][name]
+    print(f"== {name}: {sec['seconds']} s of {room:.0f}{', ERROR' if error else ''}", flush=True)
+    if killed:
+        raise Killed
+    return sec
+
+
+def budget_of(argv) -> int:
+    """The --budget of a command line (the shell derives its time-out from it)."""
+    return parse(argv).budget
+
+
+def parse(argv):
+    ap = argparse.ArgumentParser(description="The GPU suite (see bench/gpu_suite.py's docstring).")
+    ap.add_argument("out", nargs="?", default=None, help="results folder (or --out)")
+    ap.add_argument("--out", dest="out_flag", default=None)
+    ap.add_argument("--budget", type=int, default=BUDGET_S, help=f"seconds for the whole call ({BUDGET_S})")
+    ap.add_argument("--tier", type=int, default=1, choices=(1, 2, 3), help="1: the first call, 2: the second")
+    ap.add_argument("--sections", default=None, help="comma-separated, in place of --tier")
+    ap.add_argument("--cache-from", default=None, help="a compile_cache.tar.gz from an earlier loan")
+    ap.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU")
+    args = ap.parse_known_args(argv)[0]
+    if args.sections is not None:
+        names = [s for s in args.sections.split(",") if s]
+        unknown = [s for s in names if s not in SECTIONS]
+        if unknown or not names:
+            ap.error(f"--sections: expected a comma-separated subset of {', '.join(SECTIONS)}, got {unknown}")
+        args.sections = names
+    args.out = Path(args.out_flag or args.out or "bench/results/h200")
+    return args
+
+
+def _on_sigterm(signum, frame):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # `timeout` signals us and then our group: once is enough
+    raise Killed
+
+
 def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    dry = "--dry-run" in argv
-    chosen = list(SECTIONS)
-    if "--sections" in argv:
-        i = argv.index("--sections")
-        chosen = argv[i + 1].split(",") if i + 1 < len(argv) else []
-        argv = argv[:i] + argv[i + 2 :]
-        unknown = [s for s in chosen if s not in SECTIONS]
-        if unknown or not chosen:
-            raise SystemExit(
-                f"--sections: expected a comma-separated subset of {', '.join(SECTIONS)}, got {unknown}"
-            )
-    args = [a for a in argv if not a.startswith("--")]
-    out = Path(args[0] if args else "bench/results/h200")
+    args = parse(sys.argv[1:] if argv is None else argv)
+    out = args.out
     out.mkdir(parents=True, exist_ok=True)
     import torch
 
-    if not dry and not torch.cuda.is_available():
+    if not args.dry_run and not torch.cuda.is_available():
         raise SystemExit("gpu_suite: no CUDA device (use --dry-run for the CPU smoke run)")
     from bench._utils import machine_info
 
     start = time.time()
-    deadline = start + BUDGET_S - RESERVE_S
-    result = {"machine": machine_info(), "dry_run": dry, "budget_s": BUDGET_S, "sections": {}}
-    triton_ok = True
-    with tempfile.TemporaryDirectory() as tmp:
-        for name in chosen:
-            sec = run_section(name, out, Path(tmp), deadline, dry, triton_ok)
-            if name == "compile" and "skipped" not in sec:
-                triton_ok = sec.get("triton_ok", False) and "error" not in sec
-            result["sections"][name] = sec
-            result["seconds"] = time.time() - start
-            result["errored"] = [n for n, s in result["sections"].items() if "error" in s]
-            (out / "gpu_suite.json").write_text(json.dumps(result, indent=1, default=str))
-            (out / "report.md").write_text(report_md(result))
+    deadline = start + args.budget - RESERVE_S
+    cache = Path(tempfile.mkdtemp(prefix="gpu_suite_cache_"))
+    note = restore_cache(Path(args.cache_from) if args.cache_from else None, cache)
+    os.environ.update(TRITON_CACHE_DIR=str(cache / "triton"), GRPO_FAST_SUITE_CACHE=str(cache))
+    names = plan(args.tier, args.sections)
+    result = {"machine": machine_info(), "dry_run": args.dry_run, "budget_s": args.budget, "order": names,
+              "cache": note, "sections": {}}  # fmt: skip
+    publish(out, result)
+    opts = ["--dry-run"] if args.dry_run else []
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    killed = False
+    try:
+        for i, name in enumerate(names):
+            sec = run_section(name, names[i + 1 :], out, deadline, opts)
+            if name == "correctness" and "skipped" not in sec and not sec.get("triton_ok", False):
+                opts = [*opts, "--no-triton"]
+            if "skipped" not in sec:
+                pack_cache(cache, out)
+    except Killed:
+        killed = True
+    result = json.loads((out / "gpu_suite.json").read_text())
+    result["seconds"] = round(time.time() - start, 1)
+    result["errored"] = [n for n, s in result["sections"].items() if "error" in s]
+    size = pack_cache(cache, out)
+    result["cache"] += f" Returned: {CACHE_FILE}, {size / 2**20:.1f} MiB." if size else ""
+    publish(out, result)
+    print("\n".join(["", *timeline(result), ""]))
     print(f"wrote {out}/gpu_suite.json and {out}/report.md in {time.time() - start:.0f} s")
+    if killed:
+        print("gpu_suite: killed by a time-out; finished rows kept", file=sys.stderr)
+        return 124
     if result["errored"]:
         print(f"gpu_suite: sections with errors: {', '.join(result['errored'])}", file=sys.stderr)
         return 1
