@@ -282,6 +282,8 @@ def test_serve_prints_the_token_and_serve_train_passes_it(fake_python, monkeypat
 
 def test_stop_kills_a_stubborn_group_even_when_interrupted_during_its_grace():
     proc = stubborn_group()
+    # Ctrl-C raises KeyboardInterrupt here whatever handler an earlier test in this process left installed
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         timer = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT))  # the second Ctrl-C
         timer.start()
@@ -293,6 +295,7 @@ def test_stop_kills_a_stubborn_group_even_when_interrupted_during_its_grace():
         assert took is not None, group(proc.pid)
         print(f"stop() interrupted at 0.5 s: group gone {time.monotonic() - t0:.2f}s after stop() began")
     finally:
+        signal.signal(signal.SIGINT, old)
         timer.cancel()
         kill_group(proc.pid)
 
