@@ -70,6 +70,7 @@ class FakeServer:
         self.fail: dict = {}
         self.nan = False
         self.paused = False
+        self.frozen = threading.Event()  # set: every request waits until it is cleared (a SIGSTOPped server)
         self.calls: list = []
         self.lock = threading.Lock()  # one forward at a time, as one engine would
 
@@ -89,6 +90,9 @@ class FakeServer:
 
             def _answer(self, body):
                 path = self.path.split("?")[0]
+                deadline = time.monotonic() + 120
+                while fake.frozen.is_set() and time.monotonic() < deadline:
+                    time.sleep(0.05)
                 fake.calls.append(path)
                 status = fake.fail.get(path)
                 try:

@@ -304,8 +304,9 @@ def test_a_failed_connect_writes_no_checkpoint_and_the_same_command_runs_again(t
 
 @pytest.mark.parametrize("async_", [False, True], ids=["sync", "async"])
 def test_sigterm_during_a_push_stops_within_seconds_and_resumes(tmp_path, async_):
-    """The push after step 1 hangs on the server (a load that takes minutes): SIGTERM stops the trainer
-    within 10 s, with step 1 saved and no weight file left; `--resume` then trains steps 2-4, each once."""
+    """The push after step 1 hangs on the server (a load that takes minutes, then every request hangs, as a
+    SIGSTOPped server's): SIGTERM stops the trainer within 10 s, with step 1 saved and no weight file left
+    (no call on the way out waits for a server's time-out); `--resume` then trains steps 2-4, each once."""
     model = policy()
     out, wdir = tmp_path / "run", tmp_path / "weights"
     wdir.mkdir()
@@ -320,10 +321,12 @@ def test_sigterm_during_a_push_stops_within_seconds_and_resumes(tmp_path, async_
         while not fake.worker.loading.is_set() and time.monotonic() < deadline and trainer.poll() is None:
             time.sleep(0.05)
         assert fake.worker.loading.is_set(), trainer.communicate()[0][-3000:]
+        fake.frozen.set()
         t0 = time.monotonic()
         trainer.send_signal(signal.SIGTERM)
         text, _ = trainer.communicate(timeout=60)
         took = time.monotonic() - t0
+        fake.frozen.clear()
         fake.worker.hold.clear()
         print(f"SIGTERM during a push ({'async' if async_ else 'sync'}): exit in {took:.2f}s")
         assert trainer.returncode == 130 and took < 10, (took, text[-3000:])

@@ -50,6 +50,7 @@ EXTENSION = "grpo_fast.rollout.vllm_worker.WeightReceiver"
 MIN_VLLM = (0, 32)  # the oldest build whose endpoints this client was tested against
 PROBE_LEN = 48
 CHECK_TIMEOUT_S = 30.0  # the questions asked of a server when connecting (not generation's time-out)
+LEAVING_TIMEOUT_S = 2.0  # best-effort calls on the way out (a release, a resume after a stop signal)
 # the largest |server - trainer| log-prob on the probe a push may leave, by the server's dtype (vLLM's kernels
 # are not the trainer's: fp32 differs by rounding, 16-bit by its precision)
 PROBE_TOLERANCE = {"float32": 2e-3, "bfloat16": 0.25, "float16": 0.05}
@@ -405,7 +406,7 @@ class ServerEngine:
         for s in self.servers:
             if s.alive:
                 with contextlib.suppress(ServerError):
-                    s.rpc("grpo_fast_release", self.run, what="release", timeout=2.0)
+                    s.rpc("grpo_fast_release", self.run, what="release", timeout=LEAVING_TIMEOUT_S)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -496,16 +497,21 @@ class ServerEngine:
         return path
 
     def _load(self, s: Server, path: str, at: str) -> None:
-        resume = dict(what=f"resume after the weight push{at}", timeout=CHECK_TIMEOUT_S)
+        what = f"resume after the weight push{at}"
         try:
             s.call("/pause?mode=wait", {}, what=f"pause before the weight push{at}")
             loaded = s.rpc("grpo_fast_load", path, self.run, what=f"weight push{at}")
             s.call("/reset_prefix_cache", {}, what=f"prefix cache reset{at}", timeout=CHECK_TIMEOUT_S)
-        except BaseException:  # the first error is the one said: a failing resume after it is not
-            with contextlib.suppress(Exception):
-                s.call("/resume", {}, **resume)
+        except BaseException as exc:  # the first error is the one said: a failing resume after it is not
+            # a stop signal (not the server's error) leaves at once: a hung server would hold it for the
+            # whole time-out, and the next run resumes the server at connect anyway
+            leaving = not isinstance(exc, ServerError)
+            try:
+                s.call("/resume", {}, what=what, timeout=LEAVING_TIMEOUT_S if leaving else CHECK_TIMEOUT_S)
+            except ServerError:
+                s.alive = s.alive and not leaving  # silent on the way out: not waited for again (`release`)
             raise
-        s.call("/resume", {}, **resume)
+        s.call("/resume", {}, what=what, timeout=CHECK_TIMEOUT_S)
         if not loaded or not isinstance(loaded[0], dict):
             raise ServerError(f"vLLM server {s.url}: weight push{at} returned {loaded!r}, not what it loaded")
         self.loads[s.url] = int(loaded[0].get("loads", 0))
