@@ -248,6 +248,12 @@ def test_auto_bf16_follows_the_measurement(tmp_path, monkeypatch, train, decode,
     cal, fresh = calibrate.calibration(calibrate.shapes_of(cfg))
     assert not fresh and len(calls) == 5  # from the cache
     assert cal.rollout_choice()[0] == rollout
+    cpu = torch.device("cpu")  # --rollout-dtype auto: the decode measurement decides; engines see its pick
+    auto = parse_config(["--rollout-dtype", "auto"])
+    assert precision.resolve(auto, cpu)[0].rollout_dtype == ("bf16" if rollout == "bf16" else "fp32")
+    server = ["--rollout", "vllm", "--vllm-mode", "server", "--vllm-server-base-url", "http://127.0.0.1:1"]
+    on_server = parse_config([*server, "--rollout-dtype", "auto"])
+    assert precision.resolve(on_server, cpu)[0].rollout_dtype == "auto"  # the server's dtype is its own
     cached = json.loads(calibrate.cache_path().read_text())
     assert list(cached) == [cal.key] and calibrate.cache_key(calibrate.shapes_of(cfg)) == cal.key
     assert "torch " + torch.__version__ in cal.key and f"threads {torch.get_num_threads()}" in cal.key
@@ -263,6 +269,51 @@ def test_auto_bf16_follows_the_measurement(tmp_path, monkeypatch, train, decode,
         precision.auto_bf16(torch.device("cpu"))[1],
     )
     assert len(calls) == 5
+
+
+RANK_SCRIPT = """
+import json, os, sys
+import torch, torch.distributed as td
+from grpo_fast.trainer import calibrate, precision
+from grpo_fast.trainer.config import parse_config
+from grpo_fast.trainer.distributed import DistInfo
+
+rank = int(sys.argv[1])
+os.environ["GRPO_FAST_CACHE"] = sys.argv[2] + f"/cache-{rank}"  # each rank its own: none reads another's
+os.environ.pop("GRPO_FAST_CPU_BF16", None)
+measured = []
+
+def timer(name, fn):  # rank 0: bf16 measured faster in both; a rank 1 that measured would say fp32
+    measured.append(name)
+    return {"fp32": 1.0}.get(name.split("/")[1], 0.5 if rank == 0 else 2.0)
+
+calibrate.time_call = timer
+td.init_process_group("gloo", init_method="file://" + sys.argv[2] + "/store", rank=rank, world_size=2)
+cfg, prec = precision.resolve_agreed(parse_config(["--rollout-dtype", "auto"]), torch.device("cpu"),
+                                     DistInfo(rank=rank, world=2, kind="ddp"))
+said = {"bf16": cfg.bf16, "rollout": cfg.rollout_dtype, "compute": prec.compute, "measured": measured}
+print(json.dumps(said))
+td.destroy_process_group()
+"""
+
+
+def test_under_torchrun_rank_0_alone_measures_and_every_rank_takes_its_choice(tmp_path):
+    """--bf16 unset and --rollout-dtype auto under torchrun: rank 0 measures (each rank's timer would say
+    otherwise), the others measure nothing and train and sample as rank 0 decided."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "rank.py"
+    script.write_text(RANK_SCRIPT)
+    cmd = [sys.executable, str(script)]
+    procs = [
+        subprocess.Popen([*cmd, str(r), str(tmp_path)], stdout=subprocess.PIPE, text=True) for r in [0, 1]
+    ]
+    said = [json.loads(p.communicate(timeout=120)[0].strip().splitlines()[-1]) for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    assert said[0]["measured"] and not said[1]["measured"], said
+    for s in said:
+        assert (s["bf16"], s["rollout"], s["compute"]) == (True, "bf16", "bf16"), said
 
 
 def test_the_calibration_measures_this_machine_in_seconds(tmp_path, monkeypatch):

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from fake_vllm import FakeServer
+from server_runs import server_trainer, trained_steps
 
 from grpo_fast.rollout.vllm_server import Server, ServerEngine, ServerError
 
@@ -278,19 +279,14 @@ def test_close_does_not_wait_for_requests_in_flight():
 
 
 def _train(out, url, *more):
-    cmd = [sys.executable, "-m", "grpo_fast.train", "--output-dir", str(out), "--rollout", "vllm",
-           "--vllm-mode", "server", "--vllm-server-base-url", url, "--max-steps", "4", "--save-steps", "0",
-           "--eval-max-samples", "0", "--time-budget-s", "0", "--vllm-request-timeout-s", "60",
-           "--vllm-server-timeout", "5", "--max-prompt-length", "24", "--max-completion-length", "8",
-           "--prompts-per-step", "2", "--num-generations", "2", *more]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return server_trainer(out, url, ["--max-steps", "4", "--save-steps", "0", "--eval-max-samples", "0",
+                                     "--time-budget-s", "0", "--vllm-request-timeout-s", "60",
+                                     "--vllm-server-timeout", "5", "--max-prompt-length", "24",
+                                     "--max-completion-length", "8", "--prompts-per-step", "2",
+                                     "--num-generations", "2", *more])  # fmt: skip
 
 
-def _steps(out) -> list:
-    path = out / "metrics.jsonl"
-    lines = path.read_text().splitlines() if path.is_file() else []
-    return [json.loads(x)["step"] for x in lines if "reward_mean" in x]
+_steps = trained_steps
 
 
 def test_a_failed_connect_writes_no_checkpoint_and_the_same_command_runs_again(tmp_path):

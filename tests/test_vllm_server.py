@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from server_runs import server_trainer, trained_steps
 from tiny_models import eos_likely_lm
 
 from grpo_fast.rollout import serve
@@ -172,18 +173,12 @@ def gone(pgid, wait_s=20.0) -> bool:
 
 
 def _train(out, url, *more):
-    cmd = [sys.executable, "-m", "grpo_fast.train", "--output-dir", str(out), "--rollout", "vllm",
-           "--vllm-mode", "server", "--vllm-server-base-url", url, "--max-staleness", "1", "--max-steps", "8",
-           "--save-steps", "2", "--eval-steps", "0", "--time-budget-s", "0", "--vllm-request-timeout-s", "20",
-           "--vllm-server-timeout", "20", *more]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return server_trainer(out, url, ["--max-staleness", "1", "--max-steps", "8", "--save-steps", "2",
+                                     "--eval-steps", "0", "--time-budget-s", "0", "--vllm-request-timeout-s",
+                                     "20", "--vllm-server-timeout", "20", *more])  # fmt: skip
 
 
-def _steps(out) -> list:
-    path = out / "metrics.jsonl"
-    lines = path.read_text().splitlines() if path.is_file() else []
-    return [json.loads(x)["step"] for x in lines if "reward_mean" in x]
+_steps = trained_steps
 
 
 def test_server_killed_mid_run_then_resume(tmp_path):

@@ -125,7 +125,8 @@ class GRPOConfig:
         "the precision rollouts sample in: the policy's own (model = fp32), or a copy made after each "
         "optimizer step: bf16 / fp16 (native and vllm), int8 (native, CPU: per-channel weights, per-token "
         "activations), fp8 (native: e4m3 via torch._scaled_mm, GPU-fast, CPU-emulated; vllm: GPU), or auto "
-        "(bf16 where the machine multiplies bf16 natively); not the training forward, so the mismatch "
+        "(on a CPU bf16 where its decode step measured faster, as --bf16 unset measures training; elsewhere "
+        "bf16 where the machine multiplies bf16 natively); not the training forward, so the mismatch "
         "correction applies",
         choices=("model", "auto", "fp32", "bf16", "fp16", "int8", "fp8"),
     )

@@ -132,14 +132,8 @@ COPY_BYTES = {"fp32": (4, 4), "bf16": (2, 2), "fp16": (2, 2), "int8": (1, 4), "f
 
 def engine_copy_bytes(p: dict, cfg: GRPOConfig, device: str) -> float:
     """The native engine's copy of the linear weights for a call (fp32 packed on a CPU, or the rollout
-    dtype's)."""
-    dtype = rollout_dtype_of(cfg)
-    if dtype == "auto":
-        from ..rollout.native import auto_rollout_dtype
-
-        dtype = auto_rollout_dtype(
-            torch.device(device), torch.float32 if cfg.dtype == "fp32" else torch.bfloat16
-        )[0]
+    dtype's); `cfg` as `precision.resolve` leaves it."""
+    dtype = rollout_dtype_of(cfg)  # cfg resolved: "auto" decided (precision.resolve)
     if dtype in ("model", "fp32") and (device != "cpu" or cfg.dtype != "fp32"):
         return 0.0  # the modules themselves (fp32 weights are packed for a call on the CPU only)
     layers_b, head_b = COPY_BYTES["fp32" if dtype == "model" else dtype]

@@ -140,7 +140,49 @@ def auto_bf16(device: torch.device, cfg=None) -> tuple[bool, str]:
     return faster, f"bf16 autocast trains at {speedup:.2f}x fp32 on this CPU ({vendor}, {isa})"
 
 
+def auto_rollout_dtype(device: torch.device, cfg) -> tuple[str, str]:
+    """("bf16" | "fp32" | "model", why) for --rollout-dtype auto: on a CPU with fp32 weights, the
+    calibration's decode step (bf16 where it measured faster; its mismatch to the fp32 trainer is within
+    rollout.native.AUTO_MISMATCH_K3); elsewhere, or with measuring off, the native engine's rule (bf16 where
+    the machine multiplies bf16 natively)."""
+    from . import calibrate
+
+    if device.type == "cpu" and cfg.dtype == "fp32" and calibrate.enabled():
+        cal, fresh = calibrate.calibration(calibrate.shapes_of(cfg))
+        pick, why = cal.rollout_choice()
+        if fresh:
+            why += f"; calibrated in {cal.seconds:.1f} s, cached in {calibrate.cache_path()}"
+        return ("fp32" if pick == "model" else pick), why
+    from ..rollout import native
+
+    pick, why = native.auto_rollout_dtype(device, STORAGE_DTYPES[cfg.dtype])
+    return ("fp32" if pick == "model" and cfg.dtype == "fp32" else pick), why
+
+
 _said: set = set()
+
+
+def _say(what: str, reason: str) -> None:
+    if reason not in _said:
+        _said.add(reason)
+        print(f"grpo-fast {what} ({reason})", flush=True)
+
+
+def resolve_agreed(cfg, device: torch.device, dist):
+    """`resolve` under torchrun: rank 0 decides what is left to decide (--bf16 unset, --rollout-dtype auto:
+    measured there alone, since ranks measuring at once would time each other's contention) and every rank
+    takes its decision (ranks that decided apart would train apart)."""
+    if not dist.on or (cfg.bf16 is not None and cfg.rollout_dtype != "auto"):
+        return resolve(cfg, device)
+    import torch.distributed as td
+
+    box = [None]
+    if dist.main:
+        decided, _ = resolve(cfg, device)
+        box = [(decided.bf16, decided.rollout_dtype)]
+    td.broadcast_object_list(box, src=0)
+    bf16, rollout = box[0]
+    return resolve(replace(cfg, bf16=bf16, rollout_dtype=rollout), device)
 
 
 def resolve(cfg, device: torch.device):
@@ -160,15 +202,18 @@ def resolve(cfg, device: torch.device):
             bf16, reason = True, "the weights are bf16"
         else:
             bf16, reason = auto_bf16(device, cfg)
-            if reason not in _said:
-                _said.add(reason)
-                print(f"grpo-fast precision: {'bf16 autocast' if bf16 else 'fp32'} ({reason})", flush=True)
+            _say(f"precision: {'bf16 autocast' if bf16 else 'fp32'}", reason)
     if cfg.dtype == "bf16" and bf16 is False:
         raise ValueError("--dtype bf16 with --no-bf16: bf16 weights compute in bf16 (drop --no-bf16)")
     compute = "bf16" if bf16 or cfg.dtype == "bf16" else "fp16" if cfg.fp16 else "fp32"
     precision = Precision(cfg.dtype, compute, cfg.optim, reason or ("--fp16" if cfg.fp16 else "fp32"))
     check_optimizer(precision, device)
-    return replace(cfg, bf16=bool(bf16)), precision
+    rollout = cfg.rollout_dtype
+    on_server = cfg.rollout == "vllm" and cfg.vllm_mode == "server"  # a server's dtype is its own
+    if rollout == "auto" and not on_server:
+        rollout, why = auto_rollout_dtype(device, cfg)
+        _say(f"rollout dtype auto: {'fp32' if rollout == 'model' else rollout}", why)
+    return replace(cfg, bf16=bool(bf16), rollout_dtype=rollout), precision
 
 
 def of_config(cfg) -> Precision:

@@ -64,7 +64,7 @@ from .modeling import fp32_source, load_model_and_tokenizer, load_weights_from_c
 from .optimizers import AdamW16, build_optimizer
 from .plotting import pyplot
 from .precision import Precision
-from .precision import resolve as resolve_precision
+from .precision import resolve_agreed as resolve_precision
 from .step import encode_prompts, evaluate, optimize, rollout, score_rollout, step_record
 from .stopping import Signals, Stopping
 
@@ -304,7 +304,7 @@ def setup(cfg: GRPOConfig) -> Run:
     torch.manual_seed(cfg.seed)
     device = device_of(dist)
     check_distributed(cfg, dist)
-    cfg, precision = resolve_precision(cfg, device)  # --bf16 unset: decided here, said once
+    cfg, precision = resolve_precision(cfg, device, dist)  # --bf16 unset, auto: decided here, said once
     check_correction(cfg)
     # everything that reads only files is checked before anything heavy (memory probes, the model) runs
     model_path(cfg)
