@@ -1,11 +1,15 @@
-"""What a precision recipe costs and keeps, on this machine: bf16 autocast vs fp32 GEMMs at a real model's
-training shapes, and every optimizer's step time, bytes per parameter and exactness.
+"""What a precision recipe costs and keeps, on this machine: bf16 autocast and bf16 weights vs fp32 GEMMs at a
+real model's training shapes, what `grpo-fast train` measures to choose, and every optimizer's step time,
+bytes per parameter and exactness.
 
-    python -m bench.bench_precision [--tokens 4096] [--repeats 5]
+    python -m bench.bench_precision [--tokens 256 4096] [--repeats 5]
 
+0. `calibration`: grpo_fast.trainer.calibrate's measurement at SmolLM2-135M's shapes (what --bf16 unset and
+   --rollout-dtype auto decide by), its choices and its cost in seconds.
 1. `linears`: one SmolLM2-135M decoder layer's linear layers (q, k, v, o, gate, up, down) forward + backward
-   over `--tokens` tokens, fp32 vs under bf16 autocast (fp32 weights): the ratio is the row of
-   grpo_fast/trainer/precision.py's CPU_BF16_TRAIN_SPEEDUP for this CPU's vendor and instruction set;
+   over each `--tokens` count, fp32 vs bf16 autocast (fp32 weights, casts per GEMM) vs bf16 weights and
+   activations (no casts); the last count's layer ratio is the row of grpo_fast/trainer/precision.py's
+   CPU_BF16_TRAIN_SPEEDUP (the fallback with measuring off) for this CPU's vendor and instruction set;
    fp32 GFLOP/s beside it.
 2. `optimizers`: a step of each `--optim` on SmolLM2-135M's parameters (random, its shapes), weights fp32 or
    bf16 (and torch's plain AdamW stepping bf16 weights in place, the path before
@@ -41,32 +45,59 @@ def _median_s(fn, repeats):
     return sorted(times)[len(times) // 2]
 
 
+RECIPES = ("fp32", "bf16_autocast", "bf16_weights")  # grpo_fast.trainer.calibrate's training recipes
+
+
 def linears(tokens: int, repeats: int) -> list[dict]:
+    """Each linear of a layer forward + backward over `tokens` tokens in each recipe: fp32; bf16 autocast on
+    fp32 weights (a cast of the input and the weight per GEMM, gradients back to fp32); bf16 weights and
+    activations (no casts: --dtype bf16, whose optimizer keeps the fp32 masters)."""
     g = torch.Generator().manual_seed(0)
     rows = []
-    total = {"fp32": 0.0, "bf16": 0.0}
+    total = dict.fromkeys(RECIPES, 0.0)
     for name, (out_f, in_f) in LAYER.items():
-        x = torch.randn(tokens, in_f, generator=g).requires_grad_()
-        w = (torch.randn(out_f, in_f, generator=g) * 0.02).requires_grad_()
-        up = torch.randn(tokens, out_f, generator=g)
+        x32 = torch.randn(tokens, in_f, generator=g)
+        w32 = torch.randn(out_f, in_f, generator=g) * 0.02
+        up32 = torch.randn(tokens, out_f, generator=g)
 
-        def step(autocast):
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-                y = torch.nn.functional.linear(x, w)
-            y.backward(up.to(y.dtype))
-            x.grad = w.grad = None
+        def step(recipe):
+            dtype = torch.bfloat16 if recipe == "bf16_weights" else torch.float32
+            x, w = (t.to(dtype).requires_grad_() for t in (x32, w32))
+            up = up32.to(torch.bfloat16 if recipe != "fp32" else torch.float32)
 
-        t32, t16 = _median_s(lambda: step(False), repeats), _median_s(lambda: step(True), repeats)
-        total["fp32"] += t32
-        total["bf16"] += t16
+            def run():
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=recipe == "bf16_autocast"):
+                    y = torch.nn.functional.linear(x, w)
+                y.backward(up)
+                x.grad = w.grad = None
+
+            return run
+
+        t = {r: _median_s(step(r), repeats) for r in RECIPES}
+        for r in RECIPES:
+            total[r] += t[r]
         flops = 6 * tokens * in_f * out_f  # forward, d input, d weight
-        rows.append(dict(linear=f"{name} {in_f}->{out_f}", fp32_ms=t32 * 1e3, bf16_ms=t16 * 1e3,
-                         speedup=t32 / t16, fp32_gflops=flops / t32 / 1e9))  # fmt: skip
-    flops = sum(6 * tokens * i * o for o, i in LAYER.values())
-    t32, t16 = total["fp32"], total["bf16"]
-    rows.append(dict(linear="the layer", fp32_ms=t32 * 1e3, bf16_ms=t16 * 1e3, speedup=t32 / t16,
-                     fp32_gflops=flops / t32 / 1e9))  # fmt: skip
+        rows.append(_linear_row(f"{name} {in_f}->{out_f}", tokens, t, flops))
+    rows.append(_linear_row("the layer", tokens, total, sum(6 * tokens * i * o for o, i in LAYER.values())))
     return rows
+
+
+def _linear_row(name: str, tokens: int, t: dict, flops: float) -> dict:
+    return dict(linear=name, tokens=tokens, fp32_ms=t["fp32"] * 1e3, bf16_ms=t["bf16_autocast"] * 1e3,
+                speedup=t["fp32"] / t["bf16_autocast"], bf16w_ms=t["bf16_weights"] * 1e3,
+                bf16w_speedup=t["fp32"] / t["bf16_weights"], fp32_gflops=flops / t["fp32"] / 1e9)  # fmt: skip
+
+
+def calibration() -> dict:
+    """What `grpo-fast train` measures on this machine at SmolLM2-135M's shapes (grpo_fast.trainer.calibrate:
+    a decoder layer forward + backward per training recipe, a decode step in fp32 / bf16), what it picks, and
+    what measuring cost."""
+    from dataclasses import asdict
+
+    from grpo_fast.trainer import calibrate
+
+    cal = calibrate.measure(calibrate.Shapes.of_model_config(calibrate.DEFAULT_MODEL, calibrate.MAX_TOKENS))
+    return {**asdict(cal), "train_choice": cal.train_choice(), "rollout_choice": cal.rollout_choice()}
 
 
 OPTIMIZER_ROWS = [
@@ -179,8 +210,10 @@ def optimizers(repeats: int) -> list[dict]:
     return rows
 
 
-LINEAR_COLUMNS = [("linear", "linear"), ("fp32_ms", "fp32 ms"), ("bf16_ms", "bf16 autocast ms"),
-                  ("speedup", "bf16 speed over fp32"), ("fp32_gflops", "fp32 GFLOP/s")]  # fmt: skip
+LINEAR_COLUMNS = [("linear", "linear"), ("tokens", "tokens"), ("fp32_ms", "fp32 ms"),
+                  ("bf16_ms", "bf16 autocast ms"), ("speedup", "autocast speed over fp32"),
+                  ("bf16w_ms", "bf16 weights ms"), ("bf16w_speedup", "bf16 weights speed over fp32"),
+                  ("fp32_gflops", "fp32 GFLOP/s")]  # fmt: skip
 OPT_COLUMNS = [
     ("weights", "weights"), ("optim", "--optim"), ("step_s", "step s (134.5M params)"),
     ("state_bytes_per_param", "state bytes / param"), ("bytes_per_param", "+ weights + grads"),
@@ -192,7 +225,13 @@ OPT_COLUMNS = [
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tokens", type=int, default=4096, help="tokens of the linear layers' batch")
+    ap.add_argument(
+        "--tokens",
+        type=int,
+        nargs="+",
+        default=[256, 4096],
+        help="tokens of the linear layers' batch, each (256: the calibration's; 4096: a step's)",
+    )
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out-dir", default=None)
     args = ap.parse_args(argv)
@@ -200,24 +239,32 @@ def main(argv=None) -> None:
 
     map_large_allocations(torch.device("cpu"))  # before anything is allocated: step_transient's peaks
     info = machine_info()
-    lin = linears(args.tokens, args.repeats)
+    cal = calibration()
+    lin = [row for tokens in args.tokens for row in linears(tokens, args.repeats)]
     opt = optimizers(args.repeats)
     from grpo_fast.trainer.precision import cpu_class
 
     vendor, isa = cpu_class()
     layer = lin[-1]["speedup"]
+    ratios = lambda d: ", ".join(f"{k} {v:.2f}x" for k, v in d.items())  # noqa: E731
     md = (
         f"# Precision recipes on {cpu_line(info)}\n\n"
         f"torch {torch.__version__}; vendor `{vendor}`, instruction-set class `{isa}`: bf16 autocast trains "
-        f"a layer's linears at **{layer:.2f}x** fp32 (grpo_fast/trainer/precision.py's "
-        f"CPU_BF16_TRAIN_SPEEDUP row for ({vendor!r}, {isa!r})).\n\n"
-        f"## Linear layers, forward + backward, {args.tokens} tokens (one SmolLM2-135M layer)\n\n"
+        f"a layer's linears at **{layer:.2f}x** fp32 over {lin[-1]['tokens']} tokens (the measurement-off "
+        f"fallback, grpo_fast/trainer/precision.py's CPU_BF16_TRAIN_SPEEDUP row for ({vendor!r}, "
+        f"{isa!r})).\n\n"
+        f"## The calibration (`grpo-fast train` with --bf16 unset, --rollout-dtype auto)\n\n"
+        f"A decoder layer at SmolLM2-135M's widths over {cal['key'].split('tokens=')[-1]} tokens, forward + "
+        f"backward: {ratios(cal['train'])}; a decode step: {ratios(cal['decode'])} (fp32's time over the "
+        f"recipe's). Training: {'bf16 autocast' if cal['train_choice'][0] else 'fp32'}; rollouts: "
+        f"{cal['rollout_choice'][0].replace('model', 'fp32')}. Measuring took {cal['seconds']:.1f} s.\n\n"
+        f"## Linear layers, forward + backward (one SmolLM2-135M layer)\n\n"
         + markdown_table(lin, LINEAR_COLUMNS)
         + "\n\n## Optimizers: a step of SmolLM2-135M's parameters; exactness on one layer "
         "(12 steps, lr 1e-5)\n\n" + markdown_table(opt, OPT_COLUMNS) + "\n"
     )
-    payload = {"machine": info, "vendor": vendor, "isa": isa, "tokens": args.tokens, "linears": lin,
-               "optimizers": opt}  # fmt: skip
+    payload = {"machine": info, "vendor": vendor, "isa": isa, "tokens": args.tokens, "calibration": cal,
+               "linears": lin, "optimizers": opt}  # fmt: skip
     out = write_results("bench_precision", payload, md, Path(args.out_dir) if args.out_dir else None)
     print(md)
     print(f"results in {out}")
