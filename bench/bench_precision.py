@@ -88,18 +88,6 @@ def _linear_row(name: str, tokens: int, t: dict, flops: float) -> dict:
                 bf16w_speedup=t["fp32"] / t["bf16_weights"], fp32_gflops=flops / t["fp32"] / 1e9)  # fmt: skip
 
 
-def calibration() -> dict:
-    """What `grpo-fast train` measures on this machine at SmolLM2-135M's shapes (grpo_fast.trainer.calibrate:
-    a decoder layer forward + backward per training recipe, a decode step in fp32 / bf16), what it picks, and
-    what measuring cost."""
-    from dataclasses import asdict
-
-    from grpo_fast.trainer import calibrate
-
-    cal = calibrate.measure(calibrate.Shapes.of_model_config(calibrate.DEFAULT_MODEL, calibrate.MAX_TOKENS))
-    return {**asdict(cal), "train_choice": cal.train_choice(), "rollout_choice": cal.rollout_choice()}
-
-
 OPTIMIZER_ROWS = [
     ("fp32", "adamw_torch"), ("fp32", "adamw_torch_fused"), ("fp32", "adamw_8bit"),
     ("bf16", "adamw_torch_fused"), ("bf16", "adamw_torch"), ("bf16", "adamw_kahan"),
@@ -239,7 +227,9 @@ def main(argv=None) -> None:
 
     map_large_allocations(torch.device("cpu"))  # before anything is allocated: step_transient's peaks
     info = machine_info()
-    cal = calibration()
+    from grpo_fast.trainer import calibrate
+
+    cal = calibrate.report()  # what `grpo-fast train` measures to choose, and its choices
     lin = [row for tokens in args.tokens for row in linears(tokens, args.repeats)]
     opt = optimizers(args.repeats)
     from grpo_fast.trainer.precision import cpu_class

@@ -509,7 +509,8 @@ class ServerEngine:
             try:
                 s.call("/resume", {}, what=what, timeout=LEAVING_TIMEOUT_S if leaving else CHECK_TIMEOUT_S)
             except ServerError:
-                s.alive = s.alive and not leaving  # silent on the way out: not waited for again (`release`)
+                if leaving:  # silent on the way out: not waited for again (`release`)
+                    s.alive = False
             raise
         s.call("/resume", {}, what=what, timeout=CHECK_TIMEOUT_S)
         if not loaded or not isinstance(loaded[0], dict):

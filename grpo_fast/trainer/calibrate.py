@@ -275,8 +275,11 @@ def enabled() -> bool:
     return value == "1"
 
 
-if __name__ == "__main__":  # python -m grpo_fast.trainer.calibrate: this machine at SmolLM2-135M's shapes
-    s = Shapes.of_model_config(DEFAULT_MODEL, MAX_TOKENS)
-    cal = measure(s)
-    print(json.dumps(asdict(cal), indent=1))
-    print("train:", cal.train_choice(), "\nrollout:", cal.rollout_choice())
+def report() -> dict:
+    """This machine measured now at SmolLM2-135M's shapes, with what each choice takes (not cached)."""
+    cal = measure(Shapes.of_model_config(DEFAULT_MODEL, MAX_TOKENS))
+    return {**asdict(cal), "train_choice": cal.train_choice(), "rollout_choice": cal.rollout_choice()}
+
+
+if __name__ == "__main__":  # python -m grpo_fast.trainer.calibrate
+    print(json.dumps(report(), indent=1))

@@ -127,17 +127,24 @@ def auto_bf16(device: torch.device, cfg=None) -> tuple[bool, str]:
     from . import calibrate
 
     if cfg is not None and calibrate.enabled():
-        cal, fresh = calibrate.calibration(calibrate.shapes_of(cfg))
+        cal, said = _calibration(cfg)
         bf16, why = cal.train_choice()
-        if fresh:
-            why += f"; calibrated in {cal.seconds:.1f} s, cached in {calibrate.cache_path()}"
-        return bf16, why
+        return bf16, why + said
     vendor, isa = cpu_class()
     speedup = CPU_BF16_TRAIN_SPEEDUP.get((vendor, isa))
     if speedup is None:
         return False, f"bf16 training speed is not measured on this CPU ({vendor or 'unknown vendor'}, {isa})"
     faster = speedup > 1.0
     return faster, f"bf16 autocast trains at {speedup:.2f}x fp32 on this CPU ({vendor}, {isa})"
+
+
+def _calibration(cfg):
+    """(this machine's calibration at `cfg`'s shapes, what to add to a reason: its cost when measured now)."""
+    from . import calibrate
+
+    cal, fresh = calibrate.calibration(calibrate.shapes_of(cfg))
+    said = f"; calibrated in {cal.seconds:.1f} s, cached in {calibrate.cache_path()}" if fresh else ""
+    return cal, said
 
 
 def auto_rollout_dtype(device: torch.device, cfg) -> tuple[str, str]:
@@ -148,11 +155,9 @@ def auto_rollout_dtype(device: torch.device, cfg) -> tuple[str, str]:
     from . import calibrate
 
     if device.type == "cpu" and cfg.dtype == "fp32" and calibrate.enabled():
-        cal, fresh = calibrate.calibration(calibrate.shapes_of(cfg))
+        cal, said = _calibration(cfg)
         pick, why = cal.rollout_choice()
-        if fresh:
-            why += f"; calibrated in {cal.seconds:.1f} s, cached in {calibrate.cache_path()}"
-        return ("fp32" if pick == "model" else pick), why
+        return ("fp32" if pick == "model" else pick), why + said
     from ..rollout import native
 
     pick, why = native.auto_rollout_dtype(device, STORAGE_DTYPES[cfg.dtype])
@@ -212,7 +217,8 @@ def resolve(cfg, device: torch.device):
     on_server = cfg.rollout == "vllm" and cfg.vllm_mode == "server"  # a server's dtype is its own
     if rollout == "auto" and not on_server:
         rollout, why = auto_rollout_dtype(device, cfg)
-        _say(f"rollout dtype auto: {'fp32' if rollout == 'model' else rollout}", why)
+        said = "the policy's own dtype" if rollout == "model" else rollout
+        _say(f"rollout dtype auto: {said}", why)
     return replace(cfg, bf16=bool(bf16), rollout_dtype=rollout), precision
 
 
