@@ -1,6 +1,7 @@
 """A built wheel (what `pip install grpo-fast` gets) holds every module of the source tree."""
 
 import importlib.util
+import os
 import shutil
 import subprocess
 import sys
@@ -35,3 +36,42 @@ def test_wheel_holds_every_module(tmp_path):
     data = [p for p in (ROOT / "grpo_fast").rglob("*") if p.is_file() and p.suffix in kinds]
     expected |= {f"grpo_fast/{p.relative_to(ROOT / 'grpo_fast')}" for p in data}
     assert not expected - names, sorted(expected - names)
+
+
+def _from_the_checkout(code, *, extra_path=None, flags=()):
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    if extra_path is not None:
+        env["PYTHONPATH"] = str(extra_path)
+    return subprocess.run(
+        [sys.executable, *flags, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
+
+
+def test_the_top_level_name_kernels_is_the_hubs_even_from_the_checkout(tmp_path):
+    # `python -m` and pytest put the repository root first on sys.path, where kernels/ would shadow
+    # Hugging Face's `kernels` (transformers >= 5.25 imports it at `import transformers.modeling_utils`).
+    # A stand-in hub package on PYTHONPATH, behind the root, must be what `import kernels` gives;
+    # grpo_fast.kernels stays ours.
+    (tmp_path / "kernels").mkdir()
+    (tmp_path / "kernels" / "__init__.py").write_text("HUB = 'stand-in'\n")
+    (tmp_path / "kernels" / "layer.py").write_text("NAME = 'hub layer'\n")
+    done = _from_the_checkout(
+        "import kernels, kernels.layer, grpo_fast.kernels as ours\n"
+        "print(kernels.HUB, kernels.layer.NAME, ours.__file__, hasattr(ours, 'fused_linear_logprobs'))",
+        extra_path=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["stand-in", "hub", "layer", str(ROOT / "kernels" / "__init__.py"), "True"]
+
+
+def test_without_the_hub_the_top_level_name_kernels_is_missing_not_ours():
+    # -S: no site-packages, so no hub package anywhere; the checkout's kernels/ must not pose as it
+    done = _from_the_checkout("import kernels", flags=("-S",))
+    assert done.returncode != 0
+    assert "ModuleNotFoundError: No module named 'kernels'" in done.stderr, done.stderr
+
+
+def test_transformers_models_import_from_the_checkout():
+    # the failure CI met under transformers 5.25: modeling_utils imports the hub's `kernels`
+    done = _from_the_checkout("import transformers.modeling_utils, grpo_fast.kernels; print('ok')")
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
