@@ -134,24 +134,37 @@ def test_no_batch_past_the_last_and_versions_count_batches():
     assert closed == [True]
 
 
-@pytest.mark.parametrize("rollout_dtype", ["model", "bf16"])
-def test_colocated_samples_come_from_the_version_they_report(tmp_path, monkeypatch, rollout_dtype):
+COLOCATED = [
+    ("model", "shop", False),
+    ("bf16", "shop", False),
+    ("model", "shop-tools", False),
+    ("model", "shop", True),
+]
+
+
+@pytest.mark.parametrize("rollout_dtype,task,budget", COLOCATED)
+def test_colocated_samples_come_from_the_version_they_report(
+    tmp_path, monkeypatch, rollout_dtype, task, budget
+):
     """--max-staleness 1 with the native engine in this process: each step trains samples that the
     generation thread drew from its own copy of the weights. The engine's log-probs of every sampled token
     equal, to fp32 rounding, those transformers computes here under the weights of the version the step
     reports (the initial model or that step's checkpoint), and not those of the next version; the
     rollout-mismatch correction is on (the samples may be off-policy). With --rollout-dtype bf16 the thread
     decodes a bf16 copy of its copy: transformers' forward of the version's weights in bf16 is the reference,
-    to bf16 rounding, and still tells the versions apart."""
+    to bf16 rounding, and still tells the versions apart. shop-tools: multi-turn trajectories with the
+    calculator tool, made whole on the thread; transformers reads each one (tool turns included) and the
+    model's tokens are compared, the tool's are out of the loss. budget: under --max-memory-gb, planned with
+    the thread's copy of the weights and its rollout counted (tests/test_estimate.py checks that estimate)."""
     import torch
-    from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM
+    from versions import logprob_error, version_model
 
     import grpo_fast.trainer.train as T
-    from grpo_fast.tasks import default_task
+    from grpo_fast.tasks import default_task, tools_task
     from grpo_fast.trainer.config import parse_config
 
     made, real = [], T.rollout
+    tools = task == "shop-tools"
 
     def recording(run, rows, generator=None):
         made.append(real(run, rows, generator))
@@ -159,56 +172,53 @@ def test_colocated_samples_come_from_the_version_they_report(tmp_path, monkeypat
 
     monkeypatch.setattr(T, "rollout", recording)
     out = tmp_path / "run"
-    G, steps, T_ = 4, 4, 3.0  # a high temperature: the embedded model's groups are often one answer 4 times
+    # a high temperature: the embedded model's groups are often one answer 4 times (the tools model: one that
+    # still writes well-formed calls)
+    G, steps, T_ = 4, 4, 1.5 if task == "shop-tools" else 3.0
     reward = tmp_path / "rewards.py"  # a reward that varies within every group: every step moves the weights
     reward.write_text(
         "def spread(completions, completion_ids, **kw):\n"
         "    return [float(sum(t * (k + 1) for k, t in enumerate(ids)) % 7) for ids in completion_ids]\n"
     )
-    T.train(parse_config([
-        "--output-dir", str(out), "--reward", f"{reward}:spread", "--num-generations", str(G),
-        "--prompts-per-step", "2",
-        "--max-completion-length", "10", "--eval-max-samples", "0", "--save-steps", "1", "--save-total-limit",
-        "10", "--max-steps", str(steps), "--max-staleness", "1", "--learning-rate", "3e-3", "--warmup-ratio",
-        "0", "--lr-scheduler-type", "constant", "--time-budget-s", "0", "--temperature", str(T_),
+    argv = [
+        "--task", task, "--output-dir", str(out), "--reward", f"{reward}:spread", "--num-generations", str(G),
+        "--prompts-per-step", "2", "--max-completion-length", "48" if tools else "10",
+        "--eval-max-samples", "0", "--save-steps", "1", "--save-total-limit", "10", "--max-steps", str(steps),
+        "--max-staleness", "1", "--learning-rate", "3e-3", "--warmup-ratio", "0", "--lr-scheduler-type",
+        "constant", "--time-budget-s", "0", "--temperature", str(T_),
         "--rollout-dtype", rollout_dtype,
-    ]))  # fmt: skip
+    ]  # fmt: skip
+    if budget:  # room for the process growing during a test session
+        from grpo_fast.trainer.estimate import PLAN_MARGIN, Estimator
+
+        peak = Estimator(parse_config(argv)).estimate()["peak"]
+        argv += ["--max-memory-gb", f"{(peak + 2**29) / PLAN_MARGIN / 2**30:.3f}"]
+    T.train(parse_config(argv))
+    if budget:
+        plan = json.loads((out / "config.json").read_text())["resolved"]["memory_plan"]
+        assert plan["estimated_peak_mib"] > 0
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     records = [r for r in records if "loss" in r]
     assert [r["step"] for r in records] == list(range(1, steps + 1)) and len(made) == steps
     assert all("loss/is_ratio_mean" in r for r in records)  # corrected
+    if tools:  # trajectories that called the tool, whose tokens are attended but not trained
+        assert sum(r["tools/call_frequency"] for r in records) > 0
+        assert sum(float((ro.completion_mask * (1 - ro.tool_mask)).sum()) for ro in made) > 0
     staleness = [r["async/staleness"] for r in records]
     assert set(staleness) <= {0, 1} and 1 in staleness, staleness
-
-    def weights(version):
-        model = AutoModelForCausalLM.from_pretrained(default_task.ASSET_DIR, dtype=torch.float32).eval()
-        if version:
-            state = load_file(out / f"checkpoint-{version}" / "model.safetensors")
-            missing, unexpected = model.load_state_dict(state, strict=False)
-            assert not unexpected and set(missing) <= {"lm_head.weight"}
-        return model.to(torch.bfloat16) if rollout_dtype == "bf16" else model
-
-    def hf_logprobs(model, ro, r):
-        prompt = ro.prompt_ids[r // G][ro.prompt_mask[r // G].bool()]
-        k = int(ro.completion_mask[r].sum())
-        ids = torch.cat([prompt, ro.completion_ids[r, :k]])[None]
-        with torch.no_grad():
-            logits = model(input_ids=ids).logits[0, prompt.numel() - 1 : -1].double() / T_
-        return logits.log_softmax(-1).gather(-1, ids[0, prompt.numel() :, None])[:, 0], k
 
     # (bound on the error against the reported version, floor on the largest against the next one): fp32
     # rounding, or bf16 rounding (measured: at most 0.04, while the next version is 1.3-3.3 away)
     same, apart = {"model": (1e-4, 1e-2), "bf16": (0.15, 0.5)}[rollout_dtype]
-    models = {v: weights(v) for v in range(steps)}
+    base = tools_task.ASSET_DIR if tools else default_task.ASSET_DIR
+    dtype = torch.bfloat16 if rollout_dtype == "bf16" else torch.float32
+    models = {v: version_model(base, out, v, dtype) for v in range(steps)}
     for step, (ro, st) in enumerate(zip(made, staleness, strict=True), start=1):
         version = step - 1 - st  # batches trained before this one was drawn
-        errors, others = [], []
-        for r in range(ro.completion_ids.shape[0]):
-            mine, k = hf_logprobs(models[version], ro, r)
-            errors.append(float((ro.sampling_logps[r, :k].double() - mine).abs().max()))
-            if version + 1 < steps:
-                theirs, _ = hf_logprobs(models[version + 1], ro, r)
-                others.append(float((ro.sampling_logps[r, :k].double() - theirs).abs().max()))
+        rows = range(ro.completion_ids.shape[0])
+        errors = [logprob_error(models[version], ro, r, G, T_) for r in rows]
+        later = models.get(version + 1)
+        others = [logprob_error(later, ro, r, G, T_) for r in rows] if later is not None else []
         assert max(errors) < same, (step, st, errors)
         assert not others or max(others) > apart, (step, st, others)  # the check tells versions apart
 
@@ -238,8 +248,9 @@ def test_every_rank_raises_the_same_kind():
 def test_async_settings_checked():
     from grpo_fast.trainer.config import collective_timeout_s, parse_config
 
-    with pytest.raises(ValueError, match="max_memory_gb"):
-        parse_config(["--max-staleness", "1", "--max-memory-gb", "8"])
+    with pytest.raises(ValueError, match="max_staleness must be >= 0"):
+        parse_config(["--max-staleness", "-1"])
+    parse_config(["--max-staleness", "1", "--max-memory-gb", "8"])  # planned with the thread's copy counted
     with pytest.raises(ValueError, match="vllm-mode server"):
         parse_config(["--max-staleness", "1", "--rollout", "vllm"])
     server = ["--rollout", "vllm", "--vllm-mode", "server", "--vllm-server-base-url", "http://a:1,http://b:2"]

@@ -75,7 +75,28 @@ def _worker(rank, world, port, cfg, pack=None):
     T.train(GRPOConfig(**cfg))
 
 
-def _run(tmp: Path, name: str, world: int, kind: str = "ddp", pack=None, **over) -> Path:
+def _recording_worker(rank, world, port, cfg, pack=None):
+    """A rank that trains on real rollouts and keeps what each of its steps sampled (rollouts-rank<r>.pt)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world))
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    import grpo_fast.trainer.train as T
+    from grpo_fast.trainer.config import GRPOConfig
+
+    made, real = [], T.rollout
+    keep = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "model_mask", "sampling_logps")
+
+    def recording(run, rows, generator=None):
+        ro = real(run, rows, generator)
+        made.append({k: getattr(ro, k) for k in keep})
+        return ro
+
+    T.rollout = recording
+    T.train(GRPOConfig(**cfg))
+    torch.save(made, Path(cfg["output_dir"]) / f"rollouts-rank{rank}.pt")
+
+
+def _run(tmp: Path, name: str, world: int, kind: str = "ddp", pack=None, worker=_worker, **over) -> Path:
     reward = tmp / "rewards.py"
     reward.write_text(REWARD)
     cfg = dict(
@@ -98,7 +119,7 @@ def _run(tmp: Path, name: str, world: int, kind: str = "ddp", pack=None, **over)
     )
     cfg.update(over)
     args = (world, _free_port(), cfg, pack)
-    mp.start_processes(_worker, args=args, nprocs=world, join=True, start_method="spawn")
+    mp.start_processes(worker, args=args, nprocs=world, join=True, start_method="spawn")
     return tmp / name
 
 
@@ -231,3 +252,42 @@ def test_a_dead_rank_makes_the_other_exit_with_an_error(tmp_path):
     assert procs[1].returncode == -9
     assert procs[0].returncode not in (0, None), out0[-2000:]
     assert "a collective with the other ranks failed" in out0, out0[-2000:]
+
+
+@pytest.mark.parametrize("kind", ["ddp", "fsdp"])
+def test_colocated_async_ranks_sample_the_versions_they_report(tmp_path, kind):
+    """--max-staleness 1 colocated under torchrun: each rank's generation thread samples its share of the
+    prompts from its own whole copy of the weights, which the push after every step refreshes (FSDP2: the
+    changed shards gathered). transformers, under each version's checkpoint, reads every rank's samples: the
+    engine's log-probs equal those of a version at most 1 step stale (rank 0's: exactly the version its log
+    reports), to fp32 rounding, and not those of the next version."""
+    from types import SimpleNamespace
+
+    from versions import logprob_error, version_model
+
+    from grpo_fast.tasks import default_task
+
+    steps, G, T_ = 4, 4, 3.0
+    out = _run(
+        tmp_path, f"async-{kind}", 2, kind, worker=_recording_worker, max_steps=steps, max_staleness=1,
+        learning_rate=3e-3, temperature=T_, beta=0.0, scale_rewards="group", max_completion_length=10,
+    )  # fmt: skip
+    records = _metrics(out)
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    assert all("loss/is_ratio_mean" in r for r in records)  # corrected
+    staleness = [r["async/staleness"] for r in records]  # rank 0's
+    assert set(staleness) <= {0, 1} and 1 in staleness, staleness
+    models = {v: version_model(default_task.ASSET_DIR, out, v) for v in range(steps)}
+    for rank in range(2):
+        made = torch.load(out / f"rollouts-rank{rank}.pt")
+        assert len(made) == steps
+        for step, fields in enumerate(made, start=1):
+            ro, rows = SimpleNamespace(**fields), range(fields["completion_ids"].shape[0])
+            fresh = [v for v in (step - 2, step - 1) if v >= 0]  # at most 1 step stale
+            errors = {v: max(logprob_error(models[v], ro, r, G, T_) for r in rows) for v in fresh}
+            version = min(errors, key=errors.get)
+            assert errors[version] < 1e-4, (rank, step, errors)
+            if rank == 0:
+                assert version == step - 1 - staleness[step - 1], (step, errors, staleness)
+            if version + 1 < steps:  # the check tells versions apart
+                assert max(logprob_error(models[version + 1], ro, r, G, T_) for r in rows) > 1e-2

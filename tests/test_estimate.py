@@ -15,19 +15,23 @@ TINY = ["--num-generations", "4", "--prompts-per-step", "2", "--max-completion-l
 
 @pytest.mark.slow
 def test_estimate_within_15_percent_of_measured_peak():
-    """Real `grpo-fast train` steps in fresh processes (resident-set peak of the last step, per-step reset) on
-    a 2-layer model of SmolLM2-135M's shape and vocabulary, over the axes that change the memory: full / LoRA,
-    beta 0 / 0.04, gradient checkpointing off / on, prefix sharing on / off. The allocator is held as the
-    trainer holds it under --max-memory-gb (glibc's default keeps freed blocks in the heap: LoRA's resident
-    set then ran 20-25% over its tensors). And each precision recipe: bf16 weights with fp32 masters / a
-    Kahan compensation, bf16 autocast on fp32 weights, 8-bit AdamW states."""
+    """Real `grpo-fast train` steps in fresh processes (resident-set peak of the largest step after the
+    first, per-step reset) on a 2-layer model of SmolLM2-135M's shape and vocabulary, over the axes that
+    change the memory: full / LoRA, beta 0 / 0.04, gradient checkpointing off / on, prefix sharing on / off,
+    colocated async (the generation thread's copy and rollout beside the training). The allocator is held as
+    the trainer holds it under --max-memory-gb (glibc's default keeps freed blocks in the heap: LoRA's
+    resident set then ran 20-25% over its tensors). And each precision recipe: bf16 weights with fp32
+    masters / a Kahan compensation, bf16 autocast on fp32 weights, 8-bit AdamW states."""
     names = ["full", "full_beta_gc_unshared", "lora_beta", "lora_gc_unshared"]
     rows = bench_memory.run(names, layers=2, steps=2, map_large=True)["rows"]
     # every precision recipe (grpo_fast.trainer.precision), shorter completions: 16-bit GEMMs are slow on
     # some CPUs
     recipes = [n for n in bench_memory.RECIPES if n != "full"]
     rows += bench_memory.run(recipes, layers=2, steps=2, map_large=True, overrides=dict(C=32, G=4))["rows"]
-    assert [r["config"] for r in rows] == names + recipes
+    # colocated async: the thread's copy of the weights, and its rollout of the next batch through this step's
+    # training (step 2 of 3: the last step has no next batch)
+    rows += bench_memory.run(["full_async"], layers=2, steps=3, map_large=True)["rows"]
+    assert [r["config"] for r in rows] == names + recipes + ["full_async"]
     for r in rows:
         assert "measured_mib" in r and "estimate_mib" in r, r.get("note")
         shown = (r["config"], r["measured_mib"], r["estimate_mib"])

@@ -78,10 +78,10 @@ def test_shared_prefix_forward_equals_plain_forward_and_gradients(kind, attentio
 def test_gradient_checkpointing_recomputes_the_same_attention(attention):
     """A checkpointed layer is recomputed in the backward, after the forward returned: with the trainer's
     checkpointing_kwargs it runs the forward's own attention again (gradients equal the plain forward's)."""
-    from grpo_fast.models.model_parts import checkpointing_kwargs
+    from grpo_fast.models.model_parts import checkpointing_kwargs, enable_checkpointing
 
     model = _model("llama").train()
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing_kwargs(model))
+    enable_checkpointing(model, checkpointing_kwargs(model))
     _assert_shared_equals_plain(model, attention)
 
 
@@ -89,8 +89,10 @@ def test_foreign_gradient_checkpointing_keeps_the_mask():
     """Checkpointing enabled without checkpointing_kwargs (as TRL does) recomputes a layer with the model's
     own attention: "auto" takes the 4D mask, which reaches the recomputation as a forward argument, and a
     layout that needs its own attention is refused rather than silently recomputed without it."""
+    from grpo_fast.models.model_parts import enable_checkpointing
+
     model = _model("qwen2").train()
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable_checkpointing(model, {"use_reentrant": False})
     _assert_shared_equals_plain(model, "auto")
     with pytest.raises(ValueError, match="checkpointing_kwargs"):
         shared_prefix_forward(model, *_batch()[:4], attention="segments")

@@ -49,6 +49,16 @@ def attention_implementation(model, name):
             c._attn_implementation = impl
 
 
+def enable_checkpointing(model, kwargs: dict) -> None:
+    """Activation (gradient) checkpointing of `model`'s layers with `kwargs` for torch's checkpoint, under the
+    name transformers has for it: `activation_checkpointing_enable` from 5.25 on (the old name warns)."""
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
 def checkpointing_kwargs(model) -> dict:
     """`gradient_checkpointing_kwargs` under which a checkpointed layer's recomputation (in the backward,
     after the forward has returned) runs the attention implementation its forward ran: shared_prefix_forward

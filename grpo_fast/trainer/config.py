@@ -448,18 +448,6 @@ def check_server_mode(cfg: GRPOConfig) -> None:
             "vLLM engine in this process does not generate on a thread of its own); colocated, use "
             "--rollout native (or auto)"
         )
-    if cfg.max_staleness and not server and cfg.max_memory_gb:
-        raise ValueError(
-            f"max_staleness={cfg.max_staleness} colocated with max_memory_gb={cfg.max_memory_gb:g}: the "
-            "memory plan does not count the generation thread's copy of the weights and its rollout "
-            "overlapping the training yet; drop --max-memory-gb, or generate on a vLLM server "
-            "(--vllm-mode server)"
-        )
-    if cfg.max_staleness and (cfg.tools or cfg.environment):
-        raise ValueError(
-            f"max_staleness={cfg.max_staleness}: multi-turn rollouts (--tools / --environment) are "
-            "synchronous only for now: use --max-staleness 0"
-        )
     if cfg.vllm_mode == "server" and cfg.rollout != "vllm":
         raise ValueError(f"vllm_mode='server' needs --rollout vllm, got --rollout {cfg.rollout}")
     if not server:

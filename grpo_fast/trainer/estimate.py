@@ -337,7 +337,10 @@ class Estimator:
             "rollout KV cache": kv,
             "rollout working set": max(prefill, packed + decode),
         }
-        if cfg.rollout == "vllm":  # vLLM's own copy of the weights and the KV space it is given
+        server = cfg.rollout == "vllm" and cfg.vllm_mode == "server"
+        if server:  # the servers' memory is theirs (the push writes one tensor at a time)
+            rollout = {"rollout KV cache": 0.0, "rollout working set": 0.0}
+        elif cfg.rollout == "vllm":  # vLLM's own copy of the weights and the KV space it is given
             if self.device == "cuda":
                 raise ValueError(
                     "--rollout vllm on CUDA takes --vllm-gpu-memory-utilization of the GPU for its weights "
@@ -393,10 +396,18 @@ class Estimator:
         grads_at_loss = p["trainable"] if len(micro) > 1 else 0.0
         at_loss = grads_at_loss + saved + loss_fixed + loss_rows
         in_backward = p["trainable"] + act + head_grad + loss_rows
+        # colocated asynchronous GRPO: the generation thread's own copy of the weights, and its rollout of the
+        # next batch running through the training of this one (the worst case a budget must hold)
+        overlap = 0.0
+        if cfg.max_staleness and not server:
+            parts["generation thread's weights"] = p["weights"]
+            overlap = sum(rollout.values())
         persistent = sum(parts.values())
         rollout_peak = persistent + sum(rollout.values())
-        train_peak = persistent + max(
-            logps + max(at_loss, in_backward), old_ref + logps, p["trainable"] + step_temps
+        train_peak = (
+            persistent
+            + overlap
+            + max(logps + max(at_loss, in_backward), old_ref + logps, p["trainable"] + step_temps)
         )
         return {
             "parts": {**parts, **rollout, **train},
@@ -406,7 +417,7 @@ class Estimator:
             "kv_cache_unshared": kv_unshared,
             "plan": plan,
             # what a micro-batch may take under a budget: the budget less everything else in training
-            "train_fixed": persistent + p["trainable"] + loss_fixed + logps,
+            "train_fixed": persistent + overlap + p["trainable"] + loss_fixed + logps,
             "micro_batches": len(micro),
             "tokens_run": tokens_run(chunks, prompt_lens, completion_lens),
         }

@@ -9,7 +9,12 @@ from pathlib import Path
 
 import torch
 
-from ..models.model_parts import checkpointing_kwargs, decoder_of, position_ids_from_mask
+from ..models.model_parts import (
+    checkpointing_kwargs,
+    decoder_of,
+    enable_checkpointing,
+    position_ids_from_mask,
+)
 from ..models.shared_prefix import shared_prefix_forward
 from ..tasks import default_task, tools_task
 
@@ -78,7 +83,7 @@ def prepare_for_training(model, cfg):
     """Gradient checkpointing and LoRA adapters as `cfg` asks (the memory estimator's probe does the same)."""
     if cfg.gradient_checkpointing:
         # the recomputation runs the forward's attention (shared_prefix_forward's segment attention)
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing_kwargs(model))
+        enable_checkpointing(model, checkpointing_kwargs(model))
         model.config.use_cache = False
     if cfg.lora_r > 0:
         from peft import LoraConfig, get_peft_model

@@ -13,10 +13,11 @@ generation in flight; the generation thread never reads the trained model's para
 sampler's position after the last *trained* batch, so `--resume` trains every step once whatever the thread
 had drawn ahead.
 
-Under torchrun (servers only) every rank runs its own generation thread for its share of the prompts against
-the same servers; the push is a collective (`push_weights`: rank 0 sends whole tensors and verifies, every
-rank gets the verdict) and a server failure on any rank stops every rank at the same point (`agree`), so none
-is left waiting in a collective."""
+Under torchrun every rank runs its own generation thread for its share of the prompts, against the same
+servers or on its own copy of the weights; the push is a collective (`push_weights`: rank 0 sends whole
+tensors and verifies, every rank gets the verdict; `WeightCopy.push`: every rank gathers the changed
+tensors whole) and a failure on any rank stops every rank at the same point (`agree`), so none is left
+waiting in a collective. The generation thread itself never runs a collective."""
 
 import collections
 import copy
@@ -31,7 +32,7 @@ import torch.distributed as dist
 from ..rollout import vllm_server
 from ..rollout.vllm_engine import checkpoint_weights, version_of
 from ..rollout.vllm_server import ServerError
-from .distributed import Policy, device_of, full_tensor
+from .distributed import DistInfo, Policy, device_of, full_tensor
 from .stopping import NEVER, Stopping
 
 
@@ -316,22 +317,33 @@ def push_weights(engine, run, step) -> int:
 class WeightCopy:
     """The generation thread's own copy of the policy (colocated asynchronous GRPO): the trainer updates the
     policy in place while the copy samples; `push` copies in the parameters changed since the last push
-    (their version counters). Costs one more copy of the weights in memory."""
+    (their version counters). `twin`: the copy, taken before the policy was wrapped (an FSDP2 shard cannot be
+    copied whole). Under torchrun each rank keeps its own, and the push is a collective: the changed set
+    agreed across ranks, each FSDP2 shard gathered whole, in the same order on every rank. Costs one more copy
+    of the weights in memory, on every rank."""
 
-    def __init__(self, model):
-        self.model = copy.deepcopy(model).eval().requires_grad_(False)
-        self.pairs = list(zip(model.parameters(), self.model.parameters(), strict=True))  # (trained, copy)
+    def __init__(self, model, twin, info):
+        self.model, self.info = twin.eval().requires_grad_(False), info
+        mine = dict(self.model.named_parameters())
+        theirs = dict(model.named_parameters())
+        if mine.keys() != theirs.keys():
+            raise RuntimeError("the generation thread's copy has other parameters than the policy")
+        self.pairs = [(p, mine[n]) for n, p in theirs.items()]  # (trained, copy)
         self.versions = [version_of(p) for p, _ in self.pairs]
 
     @torch.no_grad()
     def push(self, step) -> dict:
         t0, moved = time.monotonic(), 0
-        for i, (p, q) in enumerate(self.pairs):
-            version = version_of(p)
-            if self.versions[i] != version:
-                q.copy_(p)
-                self.versions[i] = version
-                moved += p.numel() * p.element_size()
+        changed = [version_of(p) != v for (p, _), v in zip(self.pairs, self.versions, strict=True)]
+        if self.info.on:
+            flags = torch.tensor(changed, dtype=torch.int32, device=device_of(self.info))
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+            changed = [bool(f) for f in flags.tolist()]
+        for i, ((p, q), go) in enumerate(zip(self.pairs, changed, strict=True)):
+            if go:
+                q.copy_(full_tensor(p))
+                self.versions[i] = version_of(p)
+                moved += q.numel() * q.element_size()
         return {"sync/seconds": time.monotonic() - t0, "sync/bytes": moved}
 
 
@@ -348,8 +360,9 @@ def for_run(run, make):
     if server:
         push, close = server_push(run)
     else:
-        weights = WeightCopy(run.model)
-        mine = dataclasses.replace(mine, model=weights.model, policy=Policy(weights.model))
+        weights = WeightCopy(run.model, run.rollout_copy, info)
+        # the copy is whole on every rank: its decode runs alone (no rank waits for another's)
+        mine = dataclasses.replace(mine, model=weights.model, policy=Policy(weights.model), dist=DistInfo())
         push, close = weights.push, None
     base_state = run.sampler.state_dict()
     local = cfg.prompts_per_step // info.world

@@ -122,7 +122,7 @@ def rollout(run, rows, generator=None) -> Rollout:
     """G completions for each of `rows`' prompts, sampled by the policy (eval mode, no grad); `generator`:
     another sampling stream than the run's (asynchronous generation, on its own thread)."""
     if run.multi_turn:
-        return multi_turn_rollout(run, rows)
+        return multi_turn_rollout(run, rows, generator)
     cfg = run.cfg
     texts, p_ids, p_mask = encode_prompts(rows, run.tokenizer, cfg.max_prompt_length, run.device)
     if server_mode(cfg):  # a server's rollout never touches the model: it may train meanwhile, and (torchrun)
@@ -176,7 +176,7 @@ def engine_that_ran(run) -> tuple[str, str]:
     return engine, vllm_engine.engine_for(run.model).rollout_dtype if engine == "vllm" else "model"
 
 
-def multi_turn_rollout(run, rows) -> Rollout:
+def multi_turn_rollout(run, rows, generator=None) -> Rollout:
     """G trajectories for each of `rows`' prompts in which the model may call tools (grpo_fast.rollout.
     trajectories): one completion per trajectory, model and tool turns interleaved, `tool_mask` telling them
     apart."""
@@ -195,7 +195,7 @@ def multi_turn_rollout(run, rows) -> Rollout:
             max_tool_calling_iterations=cfg.max_tool_calling_iterations,
             tool_timeout_s=cfg.tool_timeout_s,
             max_prompt_length=cfg.max_prompt_length,
-            **sampling_options(run),
+            **sampling_options(run, generator),
             **engine_options(cfg),
         )
     n = len(tr.turns)

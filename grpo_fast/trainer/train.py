@@ -65,7 +65,7 @@ from .optimizers import AdamW16, build_optimizer
 from .plotting import pyplot
 from .precision import Precision
 from .precision import resolve_agreed as resolve_precision
-from .step import encode_prompts, evaluate, optimize, rollout, score_rollout, step_record
+from .step import encode_prompts, evaluate, optimize, rollout, score_rollout, server_mode, step_record
 from .stopping import Signals, Stopping
 
 __all__ = ["train", "main", "encode_prompts"]
@@ -105,6 +105,7 @@ class Run:
     tools: list = field(default_factory=list)  # --tools: multi-turn rollouts
     environment_factory: object = None  # --environment: one instance per rollout
     rollouts: object = None  # where each step's rollout comes from (grpo_fast.trainer.rollouts)
+    rollout_copy: torch.nn.Module | None = None  # colocated async: the generation thread's weights
     signals: Signals = field(default_factory=Signals)  # SIGTERM / Ctrl-C (grpo_fast.trainer.stopping)
 
     @property
@@ -278,7 +279,8 @@ def finish(run: Run, stopped: bool) -> dict:
 
 def release(run: Run) -> None:
     """Drop the modules, then the process group (see distributed.shutdown)."""
-    run.policy = run.ref_policy = run.model = run.params = run.optimizer = run.scheduler = None
+    run.policy = run.ref_policy = run.model = run.rollout_copy = None
+    run.params = run.optimizer = run.scheduler = None
     shutdown(run.dist)
 
 
@@ -329,6 +331,9 @@ def setup(cfg: GRPOConfig) -> Run:
     resume_from = prepare_output_dir(cfg, out, dist, device)
     if resume_from is not None:  # weights before wrapping: any world size wrote them whole
         load_weights_from_checkpoint(model, resume_from, info["lora"])
+    # colocated asynchronous GRPO: the generation thread's own copy of the weights, whole (before FSDP2 shards
+    # the policy), as resumed
+    rollout_copy = copy.deepcopy(model) if cfg.max_staleness and not server_mode(cfg) else None
     # one module per model behind which every use of the parameters runs (DDP / FSDP hooks see them all)
     policy = wrap(model, dist)
     params = [p for p in policy.parameters() if p.requires_grad]
@@ -350,7 +355,7 @@ def setup(cfg: GRPOConfig) -> Run:
         reward_names=reward_names,
         reward_weights=weights,
         eval_rows=eval_rows[: cfg.eval_max_samples], resume_from=resume_from, packer=packer,
-        tools=tools, environment_factory=env_factory,
+        tools=tools, environment_factory=env_factory, rollout_copy=rollout_copy,
     )  # fmt: skip
     if resume_from is not None:
         resume(run)
@@ -449,11 +454,6 @@ def check_distributed(cfg: GRPOConfig, dist: DistInfo) -> None:
         raise ValueError(
             "--tools / --environment under torchrun are not supported yet (ranks would run different numbers "
             "of turns): train multi-turn in one process"
-        )
-    if dist.on and cfg.max_staleness and not (cfg.rollout == "vllm" and cfg.vllm_mode == "server"):
-        raise ValueError(
-            f"max_staleness={cfg.max_staleness} under torchrun needs rollouts on vLLM servers (--rollout "
-            "vllm --vllm-mode server): colocated asynchronous generation runs in one process only for now"
         )
     if dist.on and cfg.rollout == "vllm" and cfg.vllm_mode != "server":
         raise ValueError(
