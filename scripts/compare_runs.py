@@ -4,12 +4,15 @@
     python scripts/compare_runs.py demo --compare precision [--seeds 1,2,3]
     python scripts/compare_runs.py demo --compare rollouts --seeds 1,2,3 --steps 300 \\
         --out bench/results/cpu/server
+    python scripts/compare_runs.py demo-tools --compare async --seeds 1,2,3 --steps 100 \\
+        --out bench/results/cpu/demo-tools
     python scripts/compare_runs.py smollm2 --compare precision [--steps 20] [--seeds 1]
     python scripts/compare_runs.py smollm2 --compare bf16-weights --movement --steps 12 --seeds 5 \\
         --set num_generations=4 prompts_per_step=2 max_completion_length=24
 
 Workloads: `demo` (the embedded default, `make demo`; held-out greedy accuracy, 400 steps, no time budget so
-every variant runs the same steps), `smollm2` (SmolLM2-135M-Instruct, chat prompts "What is a + b?", a, b in
+every variant runs the same steps), `demo-tools` (the same with the calculator tool, `make demo-tools`),
+`smollm2` (SmolLM2-135M-Instruct, chat prompts "What is a + b?", a, b in
 2..30, reward 1 when the completion states the sum: bench_e2e's real_reward; reward per step).
 Comparisons (each variant a set of `grpo-fast train` flags; runs interleaved by seed):
   rollout-dtype  fp32 rollout vs a bf16 copy of the policy (corrected)
@@ -57,6 +60,7 @@ SMOLLM2_RUN = dict(
 )  # fmt: skip
 
 
+HELD_OUT = ("demo", "demo-tools")  # workloads scored by held-out greedy accuracy
 CURVE_KEYS = ("step", "eval_accuracy", "reward_mean", "loss", "loss/sampling_k3", "time_train_s")
 
 
@@ -72,8 +76,10 @@ def sums_dataset(path: Path) -> Path:
 
 def workload_flags(workload: str, steps: int, work: Path, overrides: dict) -> tuple[list, str | None]:
     """(flags, model directory or None for the embedded default)."""
-    if workload == "demo":
-        flags = ["--time-budget-s", "0", "--save-steps", "0"]
+    if workload in HELD_OUT:
+        flags = ["--time-budget-s", "0", "--save-steps", "0"] + (
+            ["--task", "shop-tools"] if workload == "demo-tools" else []
+        )
         flags += ["--max-steps", str(steps)] if steps else []
         return flags + [f"--{k.replace('_', '-')}={v}" for k, v in overrides.items()], None
     from grpo_fast.tasks.smollm2 import build
@@ -164,7 +170,7 @@ def summarize(workload: str, name: str, seed: int, recs: list[dict]) -> dict:
                masked=sum(r.get("loss/is_masked_fraction", 0.0) for r in steps) / n,
                gen_s=sum(r["time_generate_s"] for r in steps) / n,
                train_s=sum(r["time_train_s"] for r in steps) / n)  # fmt: skip
-    if workload == "demo":
+    if workload in HELD_OUT:
         ev = [r["eval_accuracy"] for r in recs if "eval_accuracy" in r]
         row.update(first=ev[0], last=ev[-1], best=max(ev))
     else:
@@ -183,7 +189,7 @@ def plot(workload: str, names: list, curves: dict, path: Path, compare: str) -> 
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for (name, seed), recs in curves.items():
-        if workload == "demo":
+        if workload in HELD_OUT:
             pts = [(r["step"], r["eval_accuracy"]) for r in recs if "eval_accuracy" in r]
         else:
             pts = [(r["step"], r["reward_mean"]) for r in recs if "reward_mean" in r]
@@ -191,7 +197,7 @@ def plot(workload: str, names: list, curves: dict, path: Path, compare: str) -> 
         ax.plot([s for s, _ in pts], [a for _, a in pts], color=f"C{names.index(name)}", alpha=0.8,
                 label=name if first else None)  # fmt: skip
     ax.set_xlabel("optimizer step")
-    ax.set_ylabel("held-out greedy accuracy" if workload == "demo" else "reward mean of the step's samples")
+    ax.set_ylabel("held-out greedy accuracy" if workload in HELD_OUT else "reward mean of the step's samples")
     ax.set_title(f"{workload}: {compare}, {len({s for _, s in curves})} seed(s) each")
     ax.legend()
     fig.tight_layout()
@@ -201,7 +207,7 @@ def plot(workload: str, names: list, curves: dict, path: Path, compare: str) -> 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("workload", choices=("demo", "smollm2"))
+    ap.add_argument("workload", choices=("demo", "demo-tools", "smollm2"))
     ap.add_argument("--compare", choices=tuple(COMPARISONS), required=True)
     ap.add_argument("--seeds", default="1")
     ap.add_argument("--steps", type=int, default=0, help="optimizer steps (default: demo 400, smollm2 20)")
@@ -240,9 +246,9 @@ def main() -> None:
             r["movement_vs_fp32"] = r["movement"] / ref
     stem = f"{args.workload}_{args.compare.replace('-', '_')}"
     plot(args.workload, list(variants), curves, out / f"{stem}.png", args.compare)
-    metric = ("held-out accuracy before", "after", "best") if args.workload == "demo" else (
+    metric = ("held-out accuracy before", "after", "best") if args.workload in HELD_OUT else (
         "reward, first half", "second half", "step-to-step std")  # fmt: skip
-    keys = ("first", "last", "best" if args.workload == "demo" else "step_std")
+    keys = ("first", "last", "best" if args.workload in HELD_OUT else "step_std")
     head = ["variant", "seed", "steps", *metric, "mismatch k3 mean", "masked fraction", "generation s/step",
             "training s/step"]  # fmt: skip
     head += ["weights moved (bf16 grid)", "/ fp32's"] if base is not None else []

@@ -157,35 +157,17 @@ def test_colocated_samples_come_from_the_version_they_report(
     model's tokens are compared, the tool's are out of the loss. budget: under --max-memory-gb, planned with
     the thread's copy of the weights and its rollout counted (tests/test_estimate.py checks that estimate)."""
     import torch
-    from versions import logprob_error, version_model
+    from versions import assert_sampled_by, assert_tools_ran, train_recording, version_argv
 
-    import grpo_fast.trainer.train as T
     from grpo_fast.tasks import default_task, tools_task
     from grpo_fast.trainer.config import parse_config
 
-    made, real = [], T.rollout
     tools = task == "shop-tools"
-
-    def recording(run, rows, generator=None):
-        made.append(real(run, rows, generator))
-        return made[-1]
-
-    monkeypatch.setattr(T, "rollout", recording)
-    out = tmp_path / "run"
     # a high temperature: the embedded model's groups are often one answer 4 times (the tools model: one that
     # still writes well-formed calls)
-    G, steps, T_ = 4, 4, 1.5 if task == "shop-tools" else 3.0
-    reward = tmp_path / "rewards.py"  # a reward that varies within every group: every step moves the weights
-    reward.write_text(
-        "def spread(completions, completion_ids, **kw):\n"
-        "    return [float(sum(t * (k + 1) for k, t in enumerate(ids)) % 7) for ids in completion_ids]\n"
-    )
-    argv = [
-        "--task", task, "--output-dir", str(out), "--reward", f"{reward}:spread", "--num-generations", str(G),
-        "--prompts-per-step", "2", "--max-completion-length", "48" if tools else "10",
-        "--eval-max-samples", "0", "--save-steps", "1", "--save-total-limit", "10", "--max-steps", str(steps),
-        "--max-staleness", "1", "--learning-rate", "3e-3", "--warmup-ratio", "0", "--lr-scheduler-type",
-        "constant", "--time-budget-s", "0", "--temperature", str(T_),
+    G, steps, T_ = 4, 4, 1.5 if tools else 3.0
+    argv = version_argv(tmp_path, G, steps, T_) + [
+        "--task", task, "--max-completion-length", "48" if tools else "10", "--max-staleness", "1",
         "--rollout-dtype", rollout_dtype,
     ]  # fmt: skip
     if budget:  # room for the process growing during a test session
@@ -193,17 +175,14 @@ def test_colocated_samples_come_from_the_version_they_report(
 
         peak = Estimator(parse_config(argv)).estimate()["peak"]
         argv += ["--max-memory-gb", f"{(peak + 2**29) / PLAN_MARGIN / 2**30:.3f}"]
-    T.train(parse_config(argv))
+    records, made = train_recording(monkeypatch, argv)
+    out = tmp_path / "run"
     if budget:
         plan = json.loads((out / "config.json").read_text())["resolved"]["memory_plan"]
         assert plan["estimated_peak_mib"] > 0
-    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    records = [r for r in records if "loss" in r]
-    assert [r["step"] for r in records] == list(range(1, steps + 1)) and len(made) == steps
     assert all("loss/is_ratio_mean" in r for r in records)  # corrected
-    if tools:  # trajectories that called the tool, whose tokens are attended but not trained
-        assert sum(r["tools/call_frequency"] for r in records) > 0
-        assert sum(float((ro.completion_mask * (1 - ro.tool_mask)).sum()) for ro in made) > 0
+    if tools:
+        assert_tools_ran(records, made)
     staleness = [r["async/staleness"] for r in records]
     assert set(staleness) <= {0, 1} and 1 in staleness, staleness
 
@@ -212,15 +191,8 @@ def test_colocated_samples_come_from_the_version_they_report(
     same, apart = {"model": (1e-4, 1e-2), "bf16": (0.15, 0.5)}[rollout_dtype]
     base = tools_task.ASSET_DIR if tools else default_task.ASSET_DIR
     dtype = torch.bfloat16 if rollout_dtype == "bf16" else torch.float32
-    models = {v: version_model(base, out, v, dtype) for v in range(steps)}
-    for step, (ro, st) in enumerate(zip(made, staleness, strict=True), start=1):
-        version = step - 1 - st  # batches trained before this one was drawn
-        rows = range(ro.completion_ids.shape[0])
-        errors = [logprob_error(models[version], ro, r, G, T_) for r in rows]
-        later = models.get(version + 1)
-        others = [logprob_error(later, ro, r, G, T_) for r in rows] if later is not None else []
-        assert max(errors) < same, (step, st, errors)
-        assert not others or max(others) > apart, (step, st, others)  # the check tells versions apart
+    versions = [step - 1 - st for step, st in enumerate(staleness, start=1)]  # batches trained before
+    assert_sampled_by(made, versions, base, out, G, T_, same, apart, dtype)
 
 
 def test_every_rank_raises_the_same_kind():

@@ -334,3 +334,31 @@ def test_sigterm_during_a_push_stops_within_seconds_and_resumes(tmp_path, async_
         text, _ = resumed.communicate(timeout=300)
         assert resumed.returncode == 0, text[-3000:]
     assert _steps(out) == [1, 2, 3, 4], _steps(out)
+
+
+@pytest.mark.parametrize("async_", [False, True], ids=["sync", "async"])
+def test_multi_turn_rollouts_on_a_server_sample_the_version_they_report(tmp_path, monkeypatch, async_):
+    """--tools on a server, synchronous and --max-staleness 1: each trajectory's turns are requests from the
+    whole conversation so far (the tool's turns included) to the server, which holds the weights of the last
+    push. transformers, under the version each step reports (the initial model or that step's checkpoint),
+    gives the engine's log-probs of every model-written token, to fp32 rounding, and not the next version's;
+    the tool's tokens are attended but out of the loss."""
+    from transformers import AutoModelForCausalLM
+    from versions import assert_sampled_by, assert_tools_ran, train_recording, version_argv
+
+    from grpo_fast.tasks import tools_task
+
+    base = AutoModelForCausalLM.from_pretrained(tools_task.ASSET_DIR, dtype=torch.float32).eval()
+    G, steps, T_ = 4, 3, 1.5
+    with FakeServer(base, max_model_len=128) as url:
+        records, made = train_recording(monkeypatch, version_argv(tmp_path, G, steps, T_) + [
+            "--task", "shop-tools", "--rollout", "vllm", "--vllm-mode", "server", "--vllm-server-base-url",
+            url, "--vllm-weight-dir", str(tmp_path), "--max-completion-length", "48", "--max-staleness",
+            "1" if async_ else "0",
+        ])  # fmt: skip
+    out = tmp_path / "run"
+    assert_tools_ran(records, made)
+    staleness = [r["async/staleness"] for r in records]
+    assert set(staleness) <= ({0, 1} if async_ else {0}), staleness
+    versions = [step - 1 - st for step, st in enumerate(staleness, start=1)]
+    assert_sampled_by(made, versions, tools_task.ASSET_DIR, out, G, T_, same=1e-4)

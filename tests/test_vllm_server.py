@@ -431,3 +431,27 @@ def test_bf16_server_noop_transport_caught_within_3_pushes(tmp_path):
                     break
             assert caught is not None and "not verified" in caught[1], (scale, caught)
             print(f"bf16, step {scale:g}: a no-op transport caught at push {caught[0]}")
+
+
+def test_multi_turn_trajectories_on_a_real_server_sample_the_version_they_report(tmp_path, monkeypatch):
+    """--tools on a real vLLM server (the tools task's base model, which calls its calculator): every turn
+    after the first is a request from the whole conversation so far, tool turns included. Each model-written
+    token's log-prob from the server equals transformers' under the version the step reports (the initial
+    model, then each step's checkpoint) within vLLM's fp32 rounding, and not the next version's; the turns end
+    at the server's EOS, so the tool runs and its tokens are in the trajectories."""
+    from versions import assert_sampled_by, assert_tools_ran, train_recording, version_argv
+
+    from grpo_fast.tasks import tools_task
+
+    G, steps, T_ = 4, 3, 1.5
+    log = open(tmp_path / "server.log", "w")
+    model = str(tools_task.ASSET_DIR)
+    with serve.launch(model, port=free_port(), python=sys.executable, max_model_len=128, log=log) as url:
+        records, made = train_recording(monkeypatch, version_argv(tmp_path, G, steps, T_) + [
+            "--task", "shop-tools", "--rollout", "vllm", "--vllm-mode", "server", "--vllm-server-base-url",
+            url, "--max-completion-length", "48",
+        ])  # fmt: skip
+    out = tmp_path / "run"
+    assert_tools_ran(records, made)
+    # synchronous: each step samples the weights of the step before; vLLM's fp32 kernels round otherwise
+    assert_sampled_by(made, list(range(steps)), tools_task.ASSET_DIR, out, G, T_, same=1e-3)

@@ -458,8 +458,6 @@ def check_server_mode(cfg: GRPOConfig) -> None:
     for url in server_urls(cfg):
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"vllm_server_base_url: expected http(s)://host:port, got {url!r}")
-    if cfg.tools or cfg.environment:
-        raise ValueError("--vllm-mode server does not run multi-turn rollouts (--tools / --environment) yet")
     if cfg.rollout_dtype not in ("model", "auto"):
         raise ValueError(
             f"--vllm-mode server: the server's dtype is its own (grpo-fast serve --dtype), got "

@@ -125,16 +125,8 @@ def rollout(run, rows, generator=None) -> Rollout:
         return multi_turn_rollout(run, rows, generator)
     cfg = run.cfg
     texts, p_ids, p_mask = encode_prompts(rows, run.tokenizer, cfg.max_prompt_length, run.device)
-    if server_mode(cfg):  # a server's rollout never touches the model: it may train meanwhile, and (torchrun)
-        # no collective may run here, on the generation thread
-        def through(fn, *args, **kwargs):
-            return fn(run.model, *args, **kwargs)
-
-        finished = None
-    else:
-        run.policy.eval()
-        through = run.policy
-        finished = (lambda done: all_done(done, run.dist)) if run.dist.on else None
+    through = sampler_of(run)
+    finished = (lambda done: all_done(done, run.dist)) if run.dist.on and not server_mode(cfg) else None
     with torch.no_grad():
         c_ids, c_mask, c_logp = through(
             generate_groups,
@@ -148,6 +140,16 @@ def rollout(run, rows, generator=None) -> Rollout:
             **engine_options(cfg),
         )
     return Rollout(texts, p_ids, p_mask, c_ids, c_mask, c_logp, *engine_that_ran(run))
+
+
+def sampler_of(run):
+    """What a rollout runs through: `fn(model, ...)`. The policy (DDP / FSDP hooks see the parameters' use),
+    in eval mode; on vLLM servers the bare model, never its parameters: it may train meanwhile, and (torchrun)
+    no collective may run on the generation thread."""
+    if server_mode(run.cfg):
+        return lambda fn, *args, **kwargs: fn(run.model, *args, **kwargs)
+    run.policy.eval()
+    return run.policy
 
 
 def server_mode(cfg: GRPOConfig) -> bool:
@@ -181,9 +183,8 @@ def multi_turn_rollout(run, rows, generator=None) -> Rollout:
     trajectories): one completion per trajectory, model and tool turns interleaved, `tool_mask` telling them
     apart."""
     cfg = run.cfg
-    run.policy.eval()
     with torch.no_grad():
-        tr = run.policy(
+        tr = sampler_of(run)(
             generate_trajectories,
             run.tokenizer,
             [r["prompt"] for r in rows],
