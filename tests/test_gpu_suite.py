@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from pythons import bare_python, both_pythons
 
 from bench import gpu_suite
 
@@ -25,16 +26,6 @@ TIER2 = ["atomics", "tiles", "prefix", "memory", "decode"]
 # in both environments
 WITH_PACKAGES = ["speed", "precision", "e2e"]
 MAX_FILES = 8  # what the device returns of $OUT
-
-
-def _bare():
-    bare = os.environ.get("GRPO_FAST_BARE_PYTHON")
-    return bare if bare and Path(bare).is_file() else None
-
-
-def _pythons():
-    no_bare = pytest.mark.skipif(not _bare(), reason="no bare environment (make test builds .venv-bare)")
-    return [pytest.param(sys.executable, id="ours"), pytest.param(_bare(), id="bare", marks=no_bare)]
 
 
 def _command(python, out, *args):
@@ -108,11 +99,11 @@ def _missing(python):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("python", _pythons())
+@pytest.mark.parametrize("python", both_pythons())
 def test_gpu_suite_dry_run(tmp_path, python):
     """Bare: the two documented calls, every tier-1 and tier-2 section. Ours (beside a bare one): the
     sections with package-dependent rows. Each section within its plan, in the plan's order."""
-    subset = python == sys.executable and _bare()
+    subset = python == sys.executable and bare_python()
     if subset:
         sections = _check_run(
             _dry_run(python, tmp_path, "--sections", ",".join(WITH_PACKAGES)), tmp_path, WITH_PACKAGES
@@ -179,7 +170,7 @@ def test_gpu_suite_forced_timeout(tmp_path):
     """The shell's time-out (SIGTERM to `timeout`, as when --budget's limit passes) in the middle of a
     section: the finished section's rows and the ones of the section in flight are in gpu_suite.json and
     report.md, the section says it was killed, the suite exits 124."""
-    python = _bare() or sys.executable
+    python = bare_python() or sys.executable
     cmd, env = _command(python, tmp_path, "--sections", "prefix,atomics")
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)  # fmt: skip
