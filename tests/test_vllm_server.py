@@ -446,7 +446,7 @@ def test_multi_turn_trajectories_on_a_real_server_sample_the_version_they_report
     G, steps, T_ = 4, 3, 1.5
     log = open(tmp_path / "server.log", "w")
     model = str(tools_task.ASSET_DIR)
-    with serve.launch(model, port=free_port(), python=sys.executable, max_model_len=128, log=log) as url:
+    with serve.launch(model, port=free_port(), python=sys.executable, max_model_len=96, log=log) as url:
         records, made = train_recording(monkeypatch, version_argv(tmp_path, G, steps, T_) + [
             "--task", "shop-tools", "--rollout", "vllm", "--vllm-mode", "server", "--vllm-server-base-url",
             url, "--max-completion-length", "48",
