@@ -407,7 +407,7 @@ def test_train_multi_turn_trains_on_the_model_tokens_only(smollm2, tmp_path, mon
     monkeypatch.setattr(
         step_mod,
         "multi_turn_rollout",
-        lambda run, rows: rollouts.append(real_rollout(run, rows)) or rollouts[-1],
+        lambda run, rows, generator=None: rollouts.append(real_rollout(run, rows, generator)) or rollouts[-1],
     )
     which = ["--tools", f"{tools}:multiply"] if how == "tools" else ["--environment", f"{tools}:Shop"]
     argv = [
