@@ -60,10 +60,15 @@ def _completion_tokens(groups, P, C):  # a packed micro-batch's cost here: its c
     return sum(sum(lens) for _, lens in groups)
 
 
-def _worker(rank, world, port, cfg, pack=None):
+def _join(rank, world, port):
+    """This spawned process as rank `rank` of a `world`-rank torchrun job on `port`, one thread."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world))
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
+
+
+def _worker(rank, world, port, cfg, pack=None):
+    _join(rank, world, port)
     import grpo_fast.trainer.step as S
     import grpo_fast.trainer.train as T
     from grpo_fast.trainer.batching import Packer
@@ -77,9 +82,7 @@ def _worker(rank, world, port, cfg, pack=None):
 
 def _recording_worker(rank, world, port, cfg, pack=None):
     """A rank that trains on real rollouts and keeps what each of its steps sampled (rollouts-rank<r>.pt)."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world))
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
+    _join(rank, world, port)
     import grpo_fast.trainer.train as T
     from grpo_fast.trainer.config import GRPOConfig
 

@@ -125,7 +125,7 @@ def rollout(run, rows, generator=None) -> Rollout:
         return multi_turn_rollout(run, rows, generator)
     cfg = run.cfg
     texts, p_ids, p_mask = encode_prompts(rows, run.tokenizer, cfg.max_prompt_length, run.device)
-    through = sampler_of(run)
+    through = generating_through(run)
     finished = (lambda done: all_done(done, run.dist)) if run.dist.on and not server_mode(cfg) else None
     with torch.no_grad():
         c_ids, c_mask, c_logp = through(
@@ -142,7 +142,7 @@ def rollout(run, rows, generator=None) -> Rollout:
     return Rollout(texts, p_ids, p_mask, c_ids, c_mask, c_logp, *engine_that_ran(run))
 
 
-def sampler_of(run):
+def generating_through(run):
     """What a rollout runs through: `fn(model, ...)`. The policy (DDP / FSDP hooks see the parameters' use),
     in eval mode; on vLLM servers the bare model, never its parameters: it may train meanwhile, and (torchrun)
     no collective may run on the generation thread."""
@@ -184,7 +184,7 @@ def multi_turn_rollout(run, rows, generator=None) -> Rollout:
     apart."""
     cfg = run.cfg
     with torch.no_grad():
-        tr = sampler_of(run)(
+        tr = generating_through(run)(
             generate_trajectories,
             run.tokenizer,
             [r["prompt"] for r in rows],
