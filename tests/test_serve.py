@@ -277,6 +277,26 @@ def test_serve_prints_the_token_and_serve_train_passes_it(fake_python, monkeypat
     assert seen["env"][TOKEN_ENV] == "abc" and seen["cmd"][-2:] == ["--max-steps", "1"]
 
 
+@pytest.mark.parametrize("argv,rank", [(["--train", "--lora-r", "4"], "8"), (["--lora-rank", "16"], "16"),
+                                       (["--train", "--lora-r=0"], None)])  # fmt: skip
+def test_serve_for_a_lora_run_loads_adapters_at_run_time(monkeypatch, capsys, argv, rank):
+    """A server for a LoRA run (--train's --lora-r, or --lora-rank) takes adapters at run time, of the rank
+    vLLM accepts at or above the adapter's; without LoRA, none of that."""
+
+    def launch(*args, **kwargs):
+        raise ServerError("not started in this test")
+
+    monkeypatch.setattr(serve, "launch", launch)
+    with pytest.raises(SystemExit):
+        serve.main(["model", *argv])
+    said = capsys.readouterr().out
+    if rank is None:
+        assert "--enable-lora" not in said and "VLLM_ALLOW_RUNTIME_LORA_UPDATING" not in said
+    else:
+        assert f"--enable-lora --max-lora-rank {rank} --max-loras 2" in said, said
+        assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1" in said
+
+
 # 2. a second Ctrl-C during stop()'s grace still kills the group
 
 

@@ -455,3 +455,81 @@ def test_multi_turn_trajectories_on_a_real_server_sample_the_version_they_report
     assert_tools_ran(records, made)
     # synchronous: each step samples the weights of the step before; vLLM's fp32 kernels round otherwise
     assert_sampled_by(made, list(range(steps)), tools_task.ASSET_DIR, out, G, T_, same=1e-3)
+
+
+def test_lora_adapter_pushed_alone_to_a_real_server(tmp_path, monkeypatch):
+    """A server started for LoRA (grpo-fast serve --lora-rank 8): the base goes once, then each push carries
+    the adapter alone (its bytes), under a new name; after each of 3 steps the server's log-probs through it
+    of a random sequence (not the probe) equal the PEFT model's forward within vLLM's fp32 rounding and differ
+    from the base model's; its samples' log-probs too; an adapter transport that leaves the files of the
+    version before is caught. Then `grpo-fast train --lora-r 8 --max-staleness 1` on that server samples the
+    versions it reports (PEFT merging each step's saved adapter), pushing adapters only."""
+    from peft import LoraConfig, get_peft_model
+    from versions import assert_sampled_by, train_recording, version_argv
+
+    from grpo_fast.rollout import lora_adapters
+
+    model = get_peft_model(policy(), LoraConfig(r=8, lora_alpha=16, target_modules="all-linear")).eval()
+    ids = random_ids(model)
+    adapter_bytes = sum(p.numel() * 4 for n, p in model.named_parameters() if "lora_" in n)
+    log = open(tmp_path / "server.log", "w")
+    with serve.launch(str(MODEL), port=free_port(), python=sys.executable, max_model_len=64, log=log,
+                      lora_rank=8) as url:  # fmt: skip
+        engine = ServerEngine(model, [url], auto_push=False, weight_dir=str(tmp_path))
+        assert engine.stats["push"] == "adapter"
+        engine.push(model, 0)
+        s = engine.servers[0]
+        for step in (1, 2, 3):
+            g = torch.Generator().manual_seed(step)
+            with torch.no_grad():
+                for n, p in model.named_parameters():
+                    if "lora_" in n:
+                        p.add_(torch.randn(p.shape, generator=g) * 0.05)
+            engine.push(model, step)
+            assert engine.stats["sync_bytes"] == adapter_bytes
+            theirs, mine = engine.server_logprobs(s, ids, "test"), trainer_logprobs(model, ids)
+            base = engine.server_logprobs(s, ids, "test", model=s.model_name)
+            err, moved = float((theirs - mine).abs().max()), float((theirs - base).abs().max())
+            print(f"LoRA step {step}: |server - PEFT| {err:.2e}, adapter moved the log-probs {moved:.3g}")
+            assert err < 1e-3 < moved, (step, err, moved)
+        prompt = ids[:6]
+        out = engine.generate(model, torch.tensor([prompt]), torch.ones(1, 6, dtype=torch.long), 2, 6,
+                              eos_token_id=1, return_logprobs=True)  # fmt: skip
+        for r in range(2):
+            k = int(out[1][r].sum())
+            written = trainer_logprobs(model, prompt + out[0][r, :k].tolist())[5:]
+            assert float((out[-1][r, :k].double() - written).abs().max()) < 1e-3
+        # a transport that leaves the files of the version before: caught at the push
+        stale = {}
+        real = lora_adapters.write_adapter
+
+        def write_stale(directory, tensors, config):
+            stale.setdefault("tensors", {n: t.clone() for n, t in tensors.items()})
+            return real(directory, stale["tensors"], config)
+
+        monkeypatch.setattr(lora_adapters, "write_adapter", write_stale)
+        caught = None
+        for step in (4, 5, 6):
+            with torch.no_grad():
+                for n, p in model.named_parameters():
+                    if "lora_B" in n:
+                        p.mul_(1.0 + 1e-3)
+            try:
+                engine.push(model, step)
+            except ServerError as exc:
+                caught = (step, str(exc))
+                break
+        assert caught and "not verified" in caught[1], caught
+        monkeypatch.undo()
+        engine.release()
+        G, steps, T_ = 4, 3, 1.5
+        records, made = train_recording(monkeypatch, version_argv(tmp_path, G, steps, T_) + [
+            "--rollout", "vllm", "--vllm-mode", "server", "--vllm-server-base-url", url,
+            "--max-completion-length", "8", "--lora-r", "8", "--lora-alpha", "16", "--learning-rate", "3e-2",
+            "--max-staleness", "1",
+        ])  # fmt: skip
+    pushed = [r["sync/bytes"] for r in records if r.get("sync/bytes")]
+    assert pushed and max(pushed) == adapter_bytes, pushed
+    staleness = [r["async/staleness"] for r in records]
+    versions = [step - 1 - st for step, st in enumerate(staleness, start=1)]
+    assert_sampled_by(made, versions, MODEL, tmp_path / "run", G, T_, same=1e-3)

@@ -11,10 +11,16 @@ from transformers import AutoModelForCausalLM
 
 
 def version_model(base, out, version: int, dtype=torch.float32):
-    """The model `base` as trained for `version` steps by the run in `out` (its checkpoint-<version>)."""
+    """The model `base` as trained for `version` steps by the run in `out` (its checkpoint-<version>; a LoRA
+    run's adapter merged by PEFT)."""
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    ckpt = Path(out) / f"checkpoint-{version}"
+    if version and (ckpt / "adapter_model.safetensors").is_file():  # LoRA: PEFT's own loading and merge
+        from peft import PeftModel
+
+        return PeftModel.from_pretrained(model, ckpt).merge_and_unload().eval().to(dtype)
     if version:
-        state = load_file(Path(out) / f"checkpoint-{version}" / "model.safetensors")
+        state = load_file(ckpt / "model.safetensors")
         missing, unexpected = model.load_state_dict(state, strict=False)
         assert not unexpected and set(missing) <= {"lm_head.weight"}
     return model.to(dtype)

@@ -86,9 +86,16 @@ def recomputes_attention_safely(model) -> bool:
 
 
 def merged_lora_weight(layer) -> torch.Tensor:
-    """W + scale * B A of a PEFT LoRA layer, from its active adapters (fp32 math), in W's dtype."""
+    """W + scale * B A of a PEFT LoRA layer, from its active adapters (fp32 math), in W's dtype; an adapter
+    of another variant (DoRA: a magnitude vector too) merged by that variant's own rule (PEFT's)."""
     w = layer.get_base_layer().weight.detach()
     if getattr(layer, "merged", False):
         return w
-    delta = sum(layer.get_delta_weight(a).float() for a in layer.active_adapters if a in layer.lora_A)
-    return (w.float() + delta).to(w.dtype) if torch.is_tensor(delta) else w
+    active = [a for a in layer.active_adapters if a in layer.lora_A]
+    variants = getattr(layer, "lora_variant", {})
+    delta = sum(layer.get_delta_weight(a).float() for a in active if a not in variants)
+    out = (w.float() + delta).to(w.dtype) if torch.is_tensor(delta) else w
+    for a in active:
+        if a in variants:
+            out = variants[a].merge_safe(layer, a, out)
+    return out

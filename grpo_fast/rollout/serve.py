@@ -34,6 +34,7 @@ import subprocess
 import sys
 import time
 
+from .lora_adapters import served_rank
 from .vllm_server import EXTENSION, TOKEN_ENV, Server, ServerError
 from .vllm_worker import LAUNCH_TOKEN_ENV
 
@@ -47,6 +48,7 @@ def command(
     dtype: str,
     max_model_len: int | None,
     cpu: bool,
+    lora_rank: int = 0,
     extra=(),
 ) -> list[str]:
     cmd = [
@@ -77,11 +79,15 @@ def command(
         cmd += ["--max-model-len", str(max_model_len)]
     if cpu:
         cmd += ["--enforce-eager"]  # compiling costs minutes on a CPU and bought nothing there
+    if lora_rank:  # LoRA adapters pushed alone: two loaded at once (the one served, the next being checked)
+        cmd += ["--enable-lora", "--max-lora-rank", str(served_rank(lora_rank)), "--max-loras", "2"]
     return cmd + list(extra)
 
 
-def environment(cpu: bool, kv_cache_gb: float, cores: str | None) -> dict:
+def environment(cpu: bool, kv_cache_gb: float, cores: str | None, lora_rank: int = 0) -> dict:
     env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CONFIGURE_LOGGING": "1"}
+    if lora_rank:  # /v1/load_lora_adapter and /v1/unload_lora_adapter
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
     if cpu:
         env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, round(kv_cache_gb)))
         env["VLLM_CPU_OMP_THREADS_BIND"] = cores or "nobind"
@@ -115,6 +121,7 @@ def launch(
     kv_cache_gb: float = 2.0,
     cores: str | None = None,
     gpus: str | None = None,
+    lora_rank: int = 0,
     wait_s: float = 600.0,
     grace_s: float = 15.0,
     log=None,
@@ -139,10 +146,11 @@ def launch(
         dtype=dtype,
         max_model_len=max_model_len,
         cpu=cpu,
+        lora_rank=lora_rank,
         extra=extra,
     )
     token = secrets.token_hex(16)
-    env = {**os.environ, **environment(cpu, kv_cache_gb, cores), LAUNCH_TOKEN_ENV: token}
+    env = {**os.environ, **environment(cpu, kv_cache_gb, cores, lora_rank), LAUNCH_TOKEN_ENV: token}
     if gpus is not None:  # the server's own GPU(s); the trainer keeps the others
         env["CUDA_VISIBLE_DEVICES"] = gpus
     if cpu and cores:  # the server's own cores: vLLM binds its OpenMP threads; the API process follows
@@ -406,6 +414,16 @@ def train_against(url: str, train_argv: list, cores: str | None, token: str | No
         return proc.wait()
 
 
+def _train_flag(argv: list, flag: str) -> int:
+    """The integer value of `flag` among training flags (`--flag N` or `--flag=N`), else 0."""
+    for i, a in enumerate(argv):
+        if a == flag and i + 1 < len(argv):
+            return int(argv[i + 1])
+        if a.startswith(flag + "="):
+            return int(a.split("=", 1)[1])
+    return 0
+
+
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
     train_argv = None
@@ -429,7 +447,14 @@ def main(argv=None) -> None:
     p.add_argument("--cores", default=None, help="CPU: the cores the server may use, e.g. 1 or 2-3")
     p.add_argument("--wait-s", type=float, default=600.0, help="seconds to wait for /health")
     p.add_argument("--gpus", default=None, help="GPU: the server's CUDA_VISIBLE_DEVICES, e.g. 1")
+    p.add_argument(
+        "--lora-rank", type=int, default=None,
+        help="serve LoRA adapters up to this rank, loaded at run time: a LoRA run pushes its adapter alone "
+        "(default: the --lora-r of --train's flags, else no LoRA)",
+    )  # fmt: skip
     args, extra = p.parse_known_args(argv)
+    if args.lora_rank is None:
+        args.lora_rank = _train_flag(train_argv or [], "--lora-r")
     if args.model == "default":
         from ..tasks import default_task
 
@@ -446,9 +471,10 @@ def main(argv=None) -> None:
         dtype=args.dtype,
         max_model_len=args.max_model_len,
         cpu=cpu,
+        lora_rank=args.lora_rank,
         extra=extra,
     )
-    env = environment(cpu, args.kv_cache_gb, args.cores)
+    env = environment(cpu, args.kv_cache_gb, args.cores, args.lora_rank)
     signal.signal(signal.SIGTERM, _interrupt)  # killed politely: the trainer saves, the server goes with us
     print(
         "grpo-fast serve: " + " ".join(f"{k}={v}" for k, v in env.items()) + " " + shlex.join(cmd), flush=True
@@ -465,6 +491,7 @@ def main(argv=None) -> None:
             kv_cache_gb=args.kv_cache_gb,
             cores=args.cores,
             gpus=args.gpus,
+            lora_rank=args.lora_rank,
             wait_s=args.wait_s,
             extra=extra,
         ) as url:

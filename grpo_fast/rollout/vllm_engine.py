@@ -72,26 +72,36 @@ def _lora_layers(lm):
     return {name: m for name, m in lm.named_modules() if isinstance(m, LoraLayer)}
 
 
-def checkpoint_weights(model) -> dict:
+def checkpoint_weights(model, adapters_apart: bool = False) -> dict:
     """{checkpoint name: (version key, producer)} for every weight of the causal LM under `model` (plain or
     PEFT): the names transformers saves (tied weights once), LoRA layers merged. `producer()` makes the
-    tensor; the version key changes whenever any parameter it depends on is updated in place."""
+    tensor; the version key changes whenever any parameter it depends on is updated in place.
+    `adapters_apart`: LoRA layers give their base weight, and their adapter tensors come as entries of their
+    own, named ADAPTER + the name PEFT saves them under (grpo_fast.rollout.lora_adapters)."""
     lm = causal_lm(model)
     lora = _lora_layers(lm)
     entries = {}
     for name, layer in lora.items():
-        key = tuple(version_of(p) for p in layer.parameters())
-        entries[f"{name}.weight"] = (key, lambda layer=layer: merged_lora_weight(layer))
+        if adapters_apart:
+            from .lora_adapters import adapter_entries
+
+            base = layer.get_base_layer().weight
+            entries[f"{name}.weight"] = (version_of(base), lambda w=base: w.detach())
+            entries.update(adapter_entries(name, layer))
+        else:
+            key = tuple(version_of(p) for p in layer.parameters())
+            entries[f"{name}.weight"] = (key, lambda layer=layer: merged_lora_weight(layer))
         bias = getattr(layer.get_base_layer(), "bias", None)
         if bias is not None:
-            entries[f"{name}.bias"] = (key, lambda b=bias: b.detach())
+            entries[f"{name}.bias"] = (version_of(bias), lambda b=bias: b.detach())
     inside = tuple(f"{n}." for n in lora)
     for name, p in lm.named_parameters():
         if name.startswith(inside):
             continue
         entries[name] = (version_of(p), lambda p=p: p.detach())
     head = lm.get_output_embeddings()
-    if head is not None and head.weight is lm.get_input_embeddings().weight:  # tied: vLLM's copy is untied
+    adapted = any(head is m for m in lora.values())  # a LoRA head: its merged weight is above
+    if head is not None and not adapted and head.weight is lm.get_input_embeddings().weight:  # vLLM unties
         name = next(n for n, m in lm.named_modules() if m is head) + ".weight"
         entries[name] = (version_of(head.weight), lambda: head.weight.detach())
     return entries

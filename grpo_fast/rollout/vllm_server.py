@@ -29,6 +29,7 @@ import json
 import math
 import os
 import queue
+import secrets
 import shutil
 import socket
 import tempfile
@@ -43,6 +44,8 @@ import zlib
 import torch
 
 from ..models.model_parts import causal_lm
+from . import lora_adapters
+from .lora_adapters import ADAPTER
 from .sampling import eos_and_pad
 from .vllm_engine import _siblings, check_logprobs_mode, checkpoint_weights, pad_rows
 
@@ -100,8 +103,9 @@ class Server:
     def local(self) -> bool:
         return urllib.parse.urlparse(self.url).hostname in ("localhost", "127.0.0.1", "::1")
 
-    def call(self, path: str, payload=None, *, timeout=None, what: str = "") -> dict:
-        """POST `payload` as JSON (GET without one); the decoded answer, or ServerError naming this server."""
+    def call(self, path: str, payload=None, *, timeout=None, what: str = "", text: bool = False) -> dict:
+        """POST `payload` as JSON (GET without one); the decoded answer, or ServerError naming this server.
+        `text`: an endpoint that answers in plain text (vLLM's LoRA endpoints): {"text": the answer}."""
         data = None if payload is None else json.dumps(payload).encode()
         req = urllib.request.Request(
             self.url + path,
@@ -127,6 +131,8 @@ class Server:
             raise ServerError(
                 f"vLLM server {self.url}: {what or path} {kind} (time-out {limit:.0f}s): {reason}"
             ) from exc
+        if text:
+            return {"text": body.decode(errors="replace")}
         try:
             return json.loads(body) if body else {}
         except ValueError as exc:
@@ -321,6 +327,8 @@ def sweep_weight_files(directory: str) -> None:
     for path in glob.glob(os.path.join(glob.escape(directory), glob.escape(prefix) + "*")):
         pid = os.path.basename(path)[len(prefix) :].split("-", 1)[0]
         if pid.isdigit() and not _process_alive(int(pid)):
+            if os.path.isdir(path):  # a LoRA adapter's directory
+                shutil.rmtree(path, ignore_errors=True)
             with contextlib.suppress(OSError):
                 os.unlink(path)
 
@@ -341,11 +349,13 @@ class ServerEngine:
     against the server's; `auto_push`: push before each generation (False: the caller pushes); `run`: this
     run's name (the trainer: its host and output directory): each server is claimed for it, refused while
     another live run holds it, and checked after every generation to have loaded no weights but this
-    engine's; `context`: the longest prompt + completion, which every server must hold."""
+    engine's; `context`: the longest prompt + completion, which every server must hold; `push_adapters`: a
+    LoRA policy's adapter pushed alone (True), merged into the weights (False), or alone where every server
+    takes it (None, the default; lora_adapters says when it cannot)."""
 
     def __init__(
         self, model, urls, *, wait_s=240.0, timeout=600.0, weight_dir=None, auto_push=True, tokenizer=None,
-        run=None, context=None,
+        run=None, context=None, push_adapters=None,
     ):  # fmt: skip
         self.servers = [Server(u, timeout) for u in urls]
         if not self.servers:
@@ -393,6 +403,42 @@ class ServerEngine:
         }
         self._next = 0
         self.closed = False  # set by `close`: requests not yet sent are cancelled
+        # LoRA: the adapter pushed alone (a new served name per version) where every server can take it
+        self.lora = lora_adapters.lora_config(model)
+        self.adapters = self.lora is not None and push_adapters is not False and self._adapters_servable()
+        if push_adapters and not self.adapters:
+            raise ValueError("push_adapters=True: the LoRA adapter cannot be pushed alone (said above)")
+        self.adapter_tag = secrets.token_hex(4)  # this engine's served names: grpo-fast-<tag>-v<N>
+        self.adapter_version = 0
+        self.adapter = None  # (served name, directory) of the adapter loaded at the last push
+        self.stats["push"] = "adapter" if self.adapters else "merged" if self.lora is not None else "full"
+
+    def _adapters_servable(self) -> bool:
+        """Whether every server takes this run's LoRA adapter alone; if not, says why once (the pushes then
+        merge it), and a server set up too small for it is an error. Adapters a previous owner left loaded
+        are unloaded (this run owns the servers now)."""
+        reason = lora_adapters.unservable(self.lora)
+        for s in self.servers:
+            reason = reason or lora_adapters.server_refusal(s.info, s.url, self.lora)
+        if reason:
+            print(f"grpo-fast: LoRA pushed merged into the vLLM servers' weights: {reason}", flush=True)
+            return False
+        for s in self.servers:
+            models = s.call("/v1/models", what="model list", timeout=CHECK_TIMEOUT_S).get("data", [])
+            for m in models:
+                if str(m.get("id", "")).startswith(lora_adapters.NAME_PREFIX):
+                    self._unload(s, m["id"])
+        print(f"grpo-fast: LoRA adapter (rank {self.lora.r}) pushed alone to the vLLM servers, the base once",
+              flush=True)  # fmt: skip
+        return True
+
+    def served_name(self, server: "Server") -> str:
+        """The model name requests to `server` carry: the adapter of the last push, else the base model."""
+        return self.adapter[0] if self.adapter else server.model_name
+
+    def _unload(self, s: "Server", name: str) -> None:
+        s.call("/v1/unload_lora_adapter", {"lora_name": name}, what=f"unload of adapter {name}",
+               timeout=CHECK_TIMEOUT_S, text=True)  # fmt: skip
 
     def close(self) -> None:
         """Cancel the requests not yet sent (a stopping run does not wait for a whole batch), and give the
@@ -407,6 +453,8 @@ class ServerEngine:
             if s.alive:
                 with contextlib.suppress(ServerError):
                     s.rpc("grpo_fast_release", self.run, what="release", timeout=LEAVING_TIMEOUT_S)
+        if self.adapter:  # the next owner unloads it; its files go now
+            shutil.rmtree(self.adapter[1], ignore_errors=True)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -427,8 +475,12 @@ class ServerEngine:
         with self.lock:
             return self._push(model, step)
 
+    def weights(self, model) -> dict:
+        """What a push draws from: checkpoint_weights, the LoRA adapter apart when it is pushed alone."""
+        return checkpoint_weights(model, adapters_apart=self.adapters)
+
     def _push(self, model, step):
-        entries = checkpoint_weights(model)
+        entries = self.weights(model)
         names = self.to_send(entries)
         if not names:
             return 0
@@ -444,37 +496,99 @@ class ServerEngine:
 
     def to_send(self, entries: dict, changed=None) -> list:
         """The names to push: those changed since the last push (or `changed`), with the rest of their fused
-        layers (vLLM loads q/k/v and gate/up as one)."""
+        layers (vLLM loads q/k/v and gate/up as one), and the whole adapter when any of it changed (it loads
+        as one)."""
         changed = self.changed(entries) if changed is None else set(changed)
+        if any(n.startswith(ADAPTER) for n in changed):
+            changed |= {n for n in entries if n.startswith(ADAPTER)}
         return sorted({s for n in changed for s in _siblings(n) if s in entries} | changed)
 
-    def send(self, tensors: dict, keys: dict, mine: torch.Tensor, step, t0: float) -> None:
+    def send(self, tensors: dict, keys: dict, mine, step, t0: float) -> None:
         """Load `tensors` (whole, by checkpoint name, on the CPU in `torch_dtype`: the callers cast them one
         at a time) on every live server and verify against `mine`, the trainer's probe log-probs under the
-        same weights (`trainer_probe`); `keys`: their version keys, remembered once they are loaded."""
+        same weights (`trainer_probe`); `keys`: their version keys, remembered once they are loaded. The
+        adapter's tensors (LoRA pushed alone) go as an adapter under a new name, checked through it; base
+        weights sent with them are checked against the trainer's base model."""
+        mine, base = mine if isinstance(mine, tuple) else (mine, None)
+        adapter = {n: t for n, t in tensors.items() if n.startswith(ADAPTER)}
         out, seen = {}, set()
         for n, t in tensors.items():
+            if n in adapter:
+                continue
             t = t.contiguous()
             if t.data_ptr() in seen:  # a tied tensor twice: safetensors stores each storage once
                 t = t.clone()
             seen.add(t.data_ptr())
             out[n] = t
-        sums = {n: _checksum(t) for n, t in out.items()}
+        sums = {n: _checksum(t) for n, t in {**out, **adapter}.items()}
         bytes_changed = any(self.sent.get(n) != c for n, c in sums.items())
-        path = self._write(out, step)
         at = f" at step {step}" if step is not None else ""
-        try:
-            for s in self.alive:
-                self._load(s, path, at)
-        finally:
-            os.unlink(path)
+        if out:
+            path = self._write(out, step)
+            try:
+                for s in self.alive:
+                    self._load(s, path, at)
+            finally:
+                os.unlink(path)
+            if base is not None:
+                self._check_base(base, at)
+        previous = self.adapter
+        if adapter:
+            self._load_adapter(adapter, step, at)
         self.versions.update(keys)
         self.sent.update(sums)
         self._verify(mine, at, bytes_changed)
+        if adapter and previous:  # nothing names it any more: generation holds the lock a push takes
+            self._retire(previous)
         self.stats["pushes"] += 1
-        self.stats["pushed_tensors"] += len(out)
-        self.stats["sync_bytes"] = sum(t.numel() * t.element_size() for t in out.values())
+        self.stats["pushed_tensors"] += len(out) + len(adapter)
+        sent = [*out.values(), *adapter.values()]
+        self.stats["sync_bytes"] = sum(t.numel() * t.element_size() for t in sent)
         self.stats["sync_s"] = time.monotonic() - t0
+
+    def _load_adapter(self, tensors: dict, step, at: str) -> None:
+        """Write the adapter `tensors` as a new version and load it on every live server under its own
+        name; the requests that follow name it."""
+        self.adapter_version += 1
+        name = f"{lora_adapters.NAME_PREFIX}{self.adapter_tag}-v{self.adapter_version}"
+        mine = WEIGHT_FILE.format(host=socket.gethostname()) + f"{os.getpid()}-{id(self)}"
+        directory = os.path.join(self.weight_dir, f"{mine}-adapter-v{self.adapter_version}")
+        try:
+            lora_adapters.write_adapter(directory, tensors, self.lora)
+        except (OSError, RuntimeError) as exc:
+            raise ServerError(f"adapter push{at}: could not write it into vllm_weight_dir={self.weight_dir}: "
+                              f"{exc}") from exc  # fmt: skip
+        try:
+            for s in self.alive:
+                s.call("/v1/load_lora_adapter", {"lora_name": name, "lora_path": directory},
+                       what=f"adapter load{at}", timeout=CHECK_TIMEOUT_S, text=True)  # fmt: skip
+        except BaseException:
+            shutil.rmtree(directory, ignore_errors=True)
+            raise
+        self.adapter = (name, directory)
+
+    def _retire(self, adapter: tuple) -> None:
+        """Unload a superseded adapter version from the servers and remove its files (best effort: a server
+        that fails here fails its next request)."""
+        for s in self.alive:
+            with contextlib.suppress(ServerError):
+                self._unload(s, adapter[0])
+        shutil.rmtree(adapter[1], ignore_errors=True)
+
+    def _check_base(self, mine: torch.Tensor, at: str) -> None:
+        """The servers' base model (adapters off) gives the trainer's base log-probs `mine` on the probe
+        (the base weights, pushed once when LoRA adapters travel alone)."""
+        tol = PROBE_TOLERANCE.get(self.dtype, 0.25)
+        ids = self.probe_ids(self.vocab)
+        for s in self.alive:
+            theirs = self.server_logprobs(s, ids, f"verification probe{at}", model=s.model_name)
+            err = float((theirs - mine).abs().max())
+            if not math.isfinite(err) or not err <= tol:
+                raise ServerError(
+                    f"vLLM server {s.url}: base weight push{at} not verified: its base model's log-probs of "
+                    f"the probe do not equal the trainer's base model's ({self.dtype}): max |server - "
+                    f"trainer| {err:.3g} > {tol:g}"
+                )
 
     def _write(self, tensors: dict, step) -> str:
         from safetensors.torch import save_file
@@ -523,13 +637,11 @@ class ServerEngine:
         g = torch.Generator().manual_seed(20_251_202)
         return torch.randint(vocab, (n,), generator=g).tolist()
 
-    def server_logprobs(self, s: Server, ids: list, what: str) -> torch.Tensor:
-        """The server's log-probs of ids[1:] given their prefix (temperature 1, whole vocabulary)."""
-        out = s.call(
-            "/v1/completions",
-            {"model": s.model_name, "prompt": ids, "max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0},
-            what=what,
-        )
+    def server_logprobs(self, s: Server, ids: list, what: str, model: str | None = None) -> torch.Tensor:
+        """The server's log-probs of ids[1:] given their prefix (temperature 1, whole vocabulary), from the
+        served model `model` (default: what generation samples from, `served_name`)."""
+        body = {"prompt": ids, "max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0}
+        out = s.call("/v1/completions", {"model": model or self.served_name(s), **body}, what=what)
         try:
             rows = out["choices"][0]["prompt_logprobs"][1:]
             return torch.tensor([row[str(t)]["logprob"] for row, t in zip(rows, ids[1:], strict=True)],
@@ -539,8 +651,16 @@ class ServerEngine:
                 f"vLLM server {s.url}: {what}: an answer without the probe's log-probs ({exc!r})"
             ) from exc
 
-    def trainer_probe(self, model) -> torch.Tensor:
-        """The trainer's log-probs of the probe (fp64, CPU), from `model`'s own forward in eval mode."""
+    def trainer_probe(self, model):
+        """The trainer's log-probs of the probe (fp64, CPU), from `model`'s own forward in eval mode; when
+        LoRA adapters are pushed alone, (those, the base model's)."""
+        if self.adapters:
+            with lora_adapters.without_adapters(model):
+                base = self._probe(model)
+            return self._probe(model), base
+        return self._probe(model)
+
+    def _probe(self, model) -> torch.Tensor:
         lm = causal_lm(model)
         x = torch.tensor([self.probe_ids(self.vocab)], device=next(lm.parameters()).device)
         was_training = lm.training
@@ -621,6 +741,15 @@ class ServerEngine:
                     f"{self.loads.get(s.url)} (another run pushed to it, or it restarted): its samples are "
                     "not this policy's"
                 )
+            if self.adapter:
+                name, directory = self.adapter
+                models = s.call("/v1/models", what="adapter check", timeout=CHECK_TIMEOUT_S).get("data", [])
+                if not any(m.get("id") == name and m.get("root") == directory for m in models):
+                    served = [m.get("id") for m in models]
+                    raise ServerError(
+                        f"vLLM server {s.url}: the adapter {name} this run loaded is gone or was replaced "
+                        f"(served: {served}): its samples are not this policy's"
+                    )
 
     # ---- generation -------------------------------------------------------------------------------------
     def generate(
@@ -722,7 +851,8 @@ class ServerEngine:
             if not server.alive:
                 server = self.alive[0]
             try:
-                out = server.call("/v1/completions", {**body, "model": server.model_name}, what="generation")
+                out = server.call("/v1/completions", {**body, "model": self.served_name(server)},
+                                  what="generation")  # fmt: skip
                 return _choices(out, server, G, base["logprobs"] is not None)
             except ServerError as exc:
                 if exc.bad_request:  # the request's fault (too long a prompt, ...): no server does better

@@ -32,6 +32,10 @@ class WeightReceiver:
 
         mc = self.vllm_config.model_config
         hf = mc.hf_config
+        lora = self.vllm_config.lora_config  # None unless started with --enable-lora
+        if lora is not None:
+            lora = {"max_lora_rank": int(lora.max_lora_rank), "max_loras": int(lora.max_loras)}
+        parallel = self.vllm_config.parallel_config
         return {
             "vllm": vllm.__version__,
             "dtype": str(mc.dtype).removeprefix("torch."),
@@ -49,6 +53,11 @@ class WeightReceiver:
             # launcher and `grpo-fast serve --train`'s trainer refuse a server answering on the port that is
             # not the one they started
             "launch_token": os.environ.get(LAUNCH_TOKEN_ENV),
+            # LoRA adapters pushed alone need these: adapters enabled, loaded at run time, one replica
+            "lora": lora,
+            "runtime_lora_updating": os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower()
+            in ("1", "true"),
+            "data_parallel_size": int(getattr(parallel, "data_parallel_size", 1) or 1),
         }
 
     def grpo_fast_claim(self, owner: str, lease_s: str) -> dict:

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from ..rollout import vllm_server
-from ..rollout.vllm_engine import checkpoint_weights, version_of
+from ..rollout.vllm_engine import version_of
 from ..rollout.vllm_server import ServerError
 from .distributed import DistInfo, Policy, device_of, full_tensor
 from .stopping import NEVER, Stopping
@@ -284,7 +284,7 @@ def push_weights(engine, run, step) -> int:
     for s in engine.servers:
         s.alive = s.alive and not any(s.url in d for d in dead)
     engine.alive  # no server left: a ServerError here, on every rank alike (they share the set now)
-    entries = checkpoint_weights(run.model)
+    entries = engine.weights(run.model)
     order, changed = sorted(entries), engine.changed(entries)
     flags = torch.tensor([n in changed for n in order], dtype=torch.int32, device=device_of(info))
     dist.all_reduce(flags, op=dist.ReduceOp.MAX)
