@@ -294,3 +294,51 @@ def test_colocated_async_ranks_sample_the_versions_they_report(tmp_path, kind):
                 assert version == step - 1 - staleness[step - 1], (step, errors, staleness)
             if version + 1 < steps:  # the check tells versions apart
                 assert max(logprob_error(models[version + 1], ro, r, G, T_) for r in rows) > 1e-2
+
+
+def test_multi_turn_ranks_under_ddp_sample_the_versions_they_report(tmp_path):
+    """--tools under torchrun (DDP, colocated, synchronous): each rank runs its own prompts' trajectories,
+    which take different numbers of turns and tokens on each rank (DDP's no-grad forwards are rank-local;
+    FSDP2 is refused at start). transformers, under each step's checkpoint, reads every rank's samples: every
+    model-written token's engine log-prob equals that of the version before the step, to fp32 rounding, and
+    not the next version's; the tool ran and its turns are out of the loss."""
+    from types import SimpleNamespace
+
+    from versions import logprob_error, version_model
+
+    from grpo_fast.tasks import tools_task
+    from grpo_fast.trainer.config import TOOLS_TASK_PRESET
+
+    steps, G, T_ = 3, 4, 1.5
+    preset = {k: TOOLS_TASK_PRESET[k] for k in ("tools", "max_tool_calling_iterations", "max_prompt_length")}
+    out = _run(
+        tmp_path, "tools-ddp", 2, "ddp", worker=_recording_worker, max_steps=steps, task="shop-tools",
+        learning_rate=3e-3, temperature=T_, beta=0.0, scale_rewards="group", max_completion_length=48,
+        **preset,
+    )  # fmt: skip
+    records = _metrics(out)
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    assert sum(r["tools/call_frequency"] for r in records) > 0
+    models = {v: version_model(tools_task.ASSET_DIR, out, v) for v in range(steps)}
+    tool_tokens = 0
+    for rank in range(2):
+        made = torch.load(out / f"rollouts-rank{rank}.pt")
+        assert len(made) == steps
+        for step, fields in enumerate(made, start=1):
+            ro, rows = SimpleNamespace(**fields), range(fields["completion_ids"].shape[0])
+            tool_tokens += int((ro.completion_mask * (1 - ro.model_mask)).sum())
+            assert max(logprob_error(models[step - 1], ro, r, G, T_) for r in rows) < 1e-4, (rank, step)
+            if step < steps:
+                assert max(logprob_error(models[step], ro, r, G, T_) for r in rows) > 1e-2, (rank, step)
+    assert tool_tokens > 0
+
+
+def test_multi_turn_under_fsdp_is_refused_with_its_reason():
+    from grpo_fast.trainer.config import GRPOConfig
+    from grpo_fast.trainer.distributed import DistInfo
+    from grpo_fast.trainer.train import check_distributed
+
+    cfg = GRPOConfig(task="shop-tools", tools=["tools.py:x"], prompts_per_step=4)
+    with pytest.raises(ValueError, match="--distributed fsdp: FSDP2 gathers the shards in every forward"):
+        check_distributed(cfg, DistInfo(rank=0, world=2, local_rank=0, kind="fsdp"))
+    check_distributed(cfg, DistInfo(rank=0, world=2, local_rank=0, kind="ddp"))

@@ -193,3 +193,51 @@ def test_lora_training_on_a_server_samples_the_version_it_reports(tmp_path, monk
     staleness = [r.get("async/staleness", 0) for r in records]
     versions = [step - 1 - st for step, st in enumerate(staleness, start=1)]
     assert_sampled_by(made, versions, MODEL, tmp_path / "run", G, T_, same=1e-4)
+
+
+def test_torchrun_ranks_push_the_adapter(tmp_path, kind="ddp"):
+    """Two gloo ranks (DDP: FSDP2 with LoRA is refused at start) train --lora-r 8 against one server with
+    --max-staleness 1: each push after the first carries the adapter alone (rank 0 writes it, every rank
+    agrees on the verdict), and at the end the server's adapter answers as PEFT's merge of the final
+    checkpoint does."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from peft import PeftModel
+    from test_server_engine import free_port
+
+    out, reward = tmp_path / "run", tmp_path / "rewards.py"
+    reward.write_text(
+        "def spread(completions, completion_ids, **kw):\n"
+        "    return [float(sum(t * (k + 1) for k, t in enumerate(ids)) % 7) for ids in completion_ids]\n"
+    )
+    model = lora_policy()
+    with FakeServer(policy(), lora_rank=8) as url:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+               str(free_port()), "-m", "grpo_fast.train", "--distributed", kind, "--output-dir", str(out),
+               "--rollout", "vllm", "--vllm-mode", "server", "--vllm-server-base-url", url,
+               "--vllm-weight-dir", str(tmp_path), "--lora-r", "8", "--lora-alpha", "16", "--temperature",
+               "1.5", "--max-staleness", "1", "--max-steps", "3", "--save-steps", "3", "--eval-max-samples",
+               "0", "--time-budget-s", "0", "--learning-rate", "3e-2", "--max-completion-length", "8",
+               "--dist-timeout-s", "120", "--reward", f"{reward}:spread"]  # fmt: skip
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+        fake = _fake_of(url)
+        (name,) = fake.adapters
+        g = torch.Generator().manual_seed(5)
+        ids = torch.randint(model.config.vocab_size, (40,), generator=g).tolist()
+        theirs = fake.served(name)(input_ids=torch.tensor([ids])).logits[0, :-1].double()
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    pushes = [r["sync/bytes"] for r in records if r.get("sync/bytes")]
+    assert pushes and set(pushes) == {adapter_bytes(model)}, pushes
+    trained = PeftModel.from_pretrained(policy(), out / "checkpoint-3").merge_and_unload().eval()
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        mine = trained(input_ids=x).logits[0, :-1].double()
+    gather = x[0, 1:, None]
+    err = (theirs.log_softmax(-1).gather(-1, gather) - mine.log_softmax(-1).gather(-1, gather)).abs().max()
+    moved = (mine.log_softmax(-1).gather(-1, gather) - peft_logprobs(model, ids)[:, None]).abs().max()
+    assert err < 1e-4 < moved, (err, moved)

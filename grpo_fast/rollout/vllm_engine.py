@@ -86,14 +86,15 @@ def checkpoint_weights(model, adapters_apart: bool = False) -> dict:
             from .lora_adapters import adapter_entries
 
             base = layer.get_base_layer().weight
-            entries[f"{name}.weight"] = (version_of(base), lambda w=base: w.detach())
+            key = version_of(base)
+            entries[f"{name}.weight"] = (key, lambda w=base: w.detach())
             entries.update(adapter_entries(name, layer))
         else:
             key = tuple(version_of(p) for p in layer.parameters())
             entries[f"{name}.weight"] = (key, lambda layer=layer: merged_lora_weight(layer))
         bias = getattr(layer.get_base_layer(), "bias", None)
-        if bias is not None:
-            entries[f"{name}.bias"] = (version_of(bias), lambda b=bias: b.detach())
+        if bias is not None:  # travels with its weight
+            entries[f"{name}.bias"] = ((key, version_of(bias)), lambda b=bias: b.detach())
     inside = tuple(f"{n}." for n in lora)
     for name, p in lm.named_parameters():
         if name.startswith(inside):

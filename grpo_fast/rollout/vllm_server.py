@@ -487,7 +487,7 @@ class ServerEngine:
         t0 = time.monotonic()
         # one tensor at a time on the device (LoRA: each merged weight made, then moved off)
         tensors = {n: entries[n][1]().to("cpu", self.torch_dtype) for n in names}
-        self.send(tensors, {n: entries[n][0] for n in names}, self.trainer_probe(model), step, t0)
+        self.send(tensors, {n: entries[n][0] for n in names}, self.trainer_probe(model, names), step, t0)
         return len(names)
 
     def changed(self, entries: dict) -> set:
@@ -523,6 +523,7 @@ class ServerEngine:
         sums = {n: _checksum(t) for n, t in {**out, **adapter}.items()}
         bytes_changed = any(self.sent.get(n) != c for n, c in sums.items())
         at = f" at step {step}" if step is not None else ""
+        t_load = time.monotonic()
         if out:
             path = self._write(out, step)
             try:
@@ -537,7 +538,10 @@ class ServerEngine:
             self._load_adapter(adapter, step, at)
         self.versions.update(keys)
         self.sent.update(sums)
+        t_verify = time.monotonic()
         self._verify(mine, at, bytes_changed)
+        self.stats["sync_load_s"] = t_verify - t_load  # written, loaded (the servers' time included)
+        self.stats["sync_verify_s"] = time.monotonic() - t_verify
         if adapter and previous:  # nothing names it any more: generation holds the lock a push takes
             self._retire(previous)
         self.stats["pushes"] += 1
@@ -651,10 +655,11 @@ class ServerEngine:
                 f"vLLM server {s.url}: {what}: an answer without the probe's log-probs ({exc!r})"
             ) from exc
 
-    def trainer_probe(self, model):
+    def trainer_probe(self, model, names=()):
         """The trainer's log-probs of the probe (fp64, CPU), from `model`'s own forward in eval mode; when
-        LoRA adapters are pushed alone, (those, the base model's)."""
-        if self.adapters:
+        LoRA adapters are pushed alone and `names` (the push's) hold base weights, (those, the base
+        model's)."""
+        if self.adapters and any(not n.startswith(ADAPTER) for n in names):
             with lora_adapters.without_adapters(model):
                 base = self._probe(model)
             return self._probe(model), base

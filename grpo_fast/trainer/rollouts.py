@@ -297,7 +297,7 @@ def push_weights(engine, run, step) -> int:
         whole = full_tensor(entries[n][1]())
         if info.main:
             tensors[n] = whole.to("cpu", dtype)  # one at a time: no second copy of the model on the device
-    mine = run.policy(engine.trainer_probe)
+    mine = run.policy(engine.trainer_probe, names)
     keys = {n: entries[n][0] for n in names}
     err = None
     if info.main:

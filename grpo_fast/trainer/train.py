@@ -450,10 +450,12 @@ def check_distributed(cfg: GRPOConfig, dist: DistInfo) -> None:
         raise ValueError(
             "--distributed fsdp with --lora-r > 0 is not supported: use --distributed ddp for LoRA"
         )
-    if dist.on and (cfg.tools or cfg.environment):
+    if dist.on and dist.kind == "fsdp" and (cfg.tools or cfg.environment):
         raise ValueError(
-            "--tools / --environment under torchrun are not supported yet (ranks would run different numbers "
-            "of turns): train multi-turn in one process"
+            "--tools / --environment with --distributed fsdp: FSDP2 gathers the shards in every forward, so "
+            "its ranks must run the same forwards, and trajectories take data-dependent numbers of turns "
+            "(held-out evaluation runs them on the trainer's weights): use --distributed ddp, whose "
+            "no-grad forwards are rank-local"
         )
     if dist.on and cfg.rollout == "vllm" and cfg.vllm_mode != "server":
         raise ValueError(
