@@ -76,6 +76,7 @@ class FakeServer:
             self.model.config.tie_word_embeddings = False
         self.worker = Worker(self.model, dtype, lora_rank)
         self.adapters: dict = {}  # served name -> (path, the model with that adapter merged in)
+        self.sampled_from: list = []  # the model name of every generation request
         self.noop_adapter = False
         self.max_model_len, self.port = max_model_len, port
         self.fail: dict = {}
@@ -118,7 +119,10 @@ class FakeServer:
                 self.end_headers()
                 self.wfile.write(data)
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
+        class Listener(ThreadingHTTPServer):
+            request_queue_size = 256  # the trainer's bursts of concurrent requests (5 by default: resets)
+
+        self.httpd = Listener(("127.0.0.1", self.port), Handler)
         self.httpd.daemon_threads = True
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
         return f"http://127.0.0.1:{self.httpd.server_address[1]}"
@@ -197,6 +201,7 @@ class FakeServer:
                     {str(t): {"logprob": float(v)}} for t, v in zip(ids[1:], lp.tolist(), strict=True)
                 ]
                 return {"choices": [{"index": 0, "prompt_logprobs": rows}]}
+            self.sampled_from.append(body.get("model", "fake"))
             prompts = body["prompt"] if isinstance(body["prompt"][0], list) else [body["prompt"]] * body["n"]
             g = torch.Generator().manual_seed(body.get("seed") or 0)
             choices = []

@@ -221,12 +221,16 @@ def test_torchrun_ranks_push_the_adapter(tmp_path, kind="ddp"):
                "--vllm-weight-dir", str(tmp_path), "--lora-r", "8", "--lora-alpha", "16", "--temperature",
                "1.5", "--max-staleness", "1", "--max-steps", "3", "--save-steps", "3", "--eval-max-samples",
                "0", "--time-budget-s", "0", "--learning-rate", "3e-2", "--max-completion-length", "8",
-               "--dist-timeout-s", "120", "--reward", f"{reward}:spread"]  # fmt: skip
+               "--dist-timeout-s", "120", "--reward", f"{reward}:spread", "--prompts-per-step", "4",
+               "--num-generations", "4"]  # fmt: skip
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
         fake = _fake_of(url)
         (name,) = fake.adapters
+        # every rank's requests named the adapter version of the last push (rank 0 loads it, all use it)
+        named = fake.sampled_from
+        assert named and all(m.startswith("grpo-fast-") for m in named), named
         g = torch.Generator().manual_seed(5)
         ids = torch.randint(model.config.vocab_size, (40,), generator=g).tolist()
         theirs = fake.served(name)(input_ids=torch.tensor([ids])).logits[0, :-1].double()

@@ -306,11 +306,12 @@ def push_weights(engine, run, step) -> int:
                 engine.send(tensors, keys, mine, step, t0)
         except Exception as exc:
             err = exc
-    box = [_said(err), engine.loads]
+    box = [_said(err), engine.loads, engine.adapter]
     dist.broadcast_object_list(box, src=0)
     raise_agreed(err, box[:1])
     engine.versions.update(keys)
     engine.loads.update(box[1])  # what every server's load count is after rank 0's load: checked by all
+    engine.adapter = box[2]  # LoRA pushed alone: the version every rank's requests name
     return len(names)
 
 
