@@ -18,17 +18,12 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the --max-lora-rank 
 NAME_PREFIX = "grpo-fast-"  # the served names of grpo-fast's adapters: a new owner unloads its predecessors'
 
 
-def adapter_entries(name: str, layer) -> dict:
-    """The adapter tensors of the PEFT LoRA layer `name` (relative to the causal LM), as checkpoint_weights
-    entries: {ADAPTER + PEFT's saved name: (version key, producer)}."""
-    from .vllm_engine import version_of
-
+def adapter_parameters(name: str, layer) -> dict:
+    """The adapter tensors of the PEFT LoRA layer `name` (relative to the causal LM): {ADAPTER + the name
+    PEFT saves it under: parameter}."""
     (active,) = [a for a in layer.active_adapters if a in layer.lora_A]
-    out = {}
-    for part in ("lora_A", "lora_B"):
-        w = getattr(layer, part)[active].weight
-        out[f"{ADAPTER}base_model.model.{name}.{part}.weight"] = (version_of(w), lambda w=w: w.detach())
-    return out
+    return {f"{ADAPTER}base_model.model.{name}.{part}.weight": getattr(layer, part)[active].weight
+            for part in ("lora_A", "lora_B")}  # fmt: skip
 
 
 def lora_config(model):

@@ -83,12 +83,13 @@ def checkpoint_weights(model, adapters_apart: bool = False) -> dict:
     entries = {}
     for name, layer in lora.items():
         if adapters_apart:
-            from .lora_adapters import adapter_entries
+            from .lora_adapters import adapter_parameters
 
             base = layer.get_base_layer().weight
             key = version_of(base)
             entries[f"{name}.weight"] = (key, lambda w=base: w.detach())
-            entries.update(adapter_entries(name, layer))
+            for n, p in adapter_parameters(name, layer).items():
+                entries[n] = (version_of(p), lambda p=p: p.detach())
         else:
             key = tuple(version_of(p) for p in layer.parameters())
             entries[f"{name}.weight"] = (key, lambda layer=layer: merged_lora_weight(layer))
