@@ -233,17 +233,20 @@ class Plan:
     micro_batch_bytes: float | None = None  # micro-batches packed up to this (None: the configured layout)
 
 
-def _runtime_bytes(device: str) -> float:
+def _runtime_bytes(device: str, cfg: GRPOConfig) -> float:
     if device == "cuda":
         return 0.0
     import importlib
 
     from .memory import current_mib
 
-    # the process as the trainer has it: its modules imported, no more (datasets, pandas and peft, which
-    # the trainer imports only when a run needs them, are ~150 MiB). A measurement, not a dependency:
-    # train imports this module, so it is imported by name here.
+    # the process as the trainer has it: its modules imported, and what this run imports later (peft under
+    # LoRA: 63 MiB resident on an Intel Xeon with transformers 5.25, most of a LoRA estimate's shortfall
+    # there), no more (datasets and pandas, which a file of another format needs, are ~90 MiB). A
+    # measurement, not a dependency: train imports this module, so it is imported by name here.
     importlib.import_module(__package__ + ".train")
+    if cfg.lora_r:
+        importlib.import_module("peft")
 
     return current_mib("cpu") * MIB
 
@@ -256,7 +259,7 @@ class Estimator:
             raise ValueError(f"--device must be cpu or cuda, got {device!r}")
         self.cfg, self.precision = resolve(cfg, torch.device(device))
         self.device = device
-        self.runtime = _runtime_bytes(device)
+        self.runtime = _runtime_bytes(device, cfg)
         self.config = model_config(cfg)
         self.params = parameter_bytes(self.config, cfg)
         self._probes = {}
