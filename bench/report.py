@@ -3,9 +3,9 @@
     python -m bench.report [--dir bench/results/<machine>]
 
 Reads bench_e2e.json, bench_e2e_real.json, bench_generate.json, bench_loss.json, bench_logprobs.json,
-bench_prefix.json, bench_frontier.json, bench_memory[_mapped].json and bench_memory_creep_4gb.json
-(whichever exist), writes report.md (a table and a paragraph per benchmark, the plots linked) and
-summary.json (headline ratios, the git commit, package versions and the machine).
+bench_prefix.json, bench_frontier.json, bench_memory[_mapped].json, bench_memory_creep_4gb.json and
+learning_vs_trl.json (whichever exist), writes report.md (a table and a paragraph per benchmark, the plots
+linked) and summary.json (headline ratios, the git commit, package versions and the machine).
 """
 
 import argparse
@@ -392,6 +392,13 @@ def main(argv=None) -> None:
         parts.append(creep_section(results["bench_memory_creep_4gb"], summary))
     if results["profile_train"]:
         parts.append(profile_train_section(results["profile_train"], summary))
+    learning = _load(d, "learning_vs_trl")  # python -m bench.learning_vs_trl (not part of make bench: ~1 h)
+    if learning:
+        summary.update(learning["summary"])
+        parts.append(
+            "## Learning against TRL\n\nSmolLM2-135M-Instruct on the real-model task, 3 seeds each, same "
+            "everything: [learning_vs_trl.md](learning_vs_trl.md) (`" + learning["command"] + "`).\n"
+        )
     if (d / "full-sweep").is_dir():
         parts.append(
             "Whole grids (N = 512, 1024, 2048; more shared-prefix points), from the full sweeps on an "

@@ -77,9 +77,10 @@ class GRPOConfig:
     )
     task: str = _f(
         "shop",
-        "the embedded task, when --model and --dataset are empty: shop (make demo), or shop-tools (make "
-        "demo-tools: multi-turn, a calculator tool, its own base model)",
-        choices=("shop", "shop-tools"),
+        "the embedded task, when --model and --dataset are empty: shop (make demo), shop-tools (make "
+        "demo-tools: multi-turn, a calculator tool, its own base model), or smollm2 (make demo-smollm2: "
+        "SmolLM2-135M-Instruct, built offline, on additions and two-step word problems)",
+        choices=("shop", "shop-tools", "smollm2"),
     )
     # --- multi-turn: tools and environments (TRL's names) ---
     tools: list = _f(
@@ -285,7 +286,23 @@ TOOLS_TASK_PRESET = dict(
     max_prompt_length=40,
     max_tool_calling_iterations=2,
 )
-TASK_PRESETS = {"shop": DEFAULT_TASK_PRESET, "shop-tools": TOOLS_TASK_PRESET}
+# make demo-smollm2: a real pretrained model (grpo_fast/tasks/smollm2.py) on grpo_fast/tasks/arithmetic.py,
+# math-verify's accuracy the reward; held-out greedy accuracy rises by >= 0.10 within 10 minutes on 2 cores
+SMOLLM2_TASK_PRESET = dict(
+    reward=["accuracy"],
+    num_generations=8,
+    prompts_per_step=4,
+    max_completion_length=32,
+    max_prompt_length=96,
+    learning_rate=2e-5,
+    lr_scheduler_type="constant",
+    max_steps=80,
+    eval_steps=10,
+    eval_max_samples=128,
+    save_steps=30,
+    time_budget_s=600.0,
+)
+TASK_PRESETS = {"shop": DEFAULT_TASK_PRESET, "shop-tools": TOOLS_TASK_PRESET, "smollm2": SMOLLM2_TASK_PRESET}
 
 
 def _field_type(f):

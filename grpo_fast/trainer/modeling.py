@@ -16,7 +16,7 @@ from ..models.model_parts import (
     position_ids_from_mask,
 )
 from ..models.shared_prefix import shared_prefix_forward
-from ..tasks import default_task, tools_task
+from ..tasks import default_task, smollm2, tools_task
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -37,7 +37,10 @@ def load_tokenizer(path: str):
 
 
 def model_path(cfg) -> str:
-    """--model, or the embedded default; a local path must be a model directory."""
+    """--model, or the embedded task's (smollm2: built offline on first use); a local path must be a model
+    directory."""
+    if not cfg.model and cfg.task == "smollm2":
+        return str(smollm2.build())
     path = cfg.model or str(tools_task.ASSET_DIR if cfg.task == "shop-tools" else default_task.ASSET_DIR)
     local = Path(path)
     if (local.exists() or path.startswith((".", "/"))) and not (local / "config.json").is_file():

@@ -1,0 +1,378 @@
+"""Learning against TRL, same everything: TRL 1.16's `GRPOTrainer` and `grpo-fast train` on
+SmolLM2-135M-Instruct and the real-model task (`--task smollm2`: grpo_fast/tasks/arithmetic.py, math-verify's
+`accuracy` reward), with the same G, prompts per step, completion length, learning rate and schedule, loss
+type, temperature and seeds; each run in its own process, one at a time.
+
+    python -m bench.learning_vs_trl [--seeds 1,2,3] [--steps 30] [--eval-every 15]
+        [--rows trl,ours,ours_fastest] [--set num_generations=8 prompts_per_step=4 ...]
+        [--out bench/results/cpu/<machine>]
+
+Rows: `trl` (TRL at its defaults for what is not shared: bf16=True, HF generate), `ours` (`grpo-fast train` at
+its defaults: the precision this machine measured faster), `ours_fastest` (plus `--max-staleness 1
+--rollout-dtype bf16`: both corrected by TRL's rollout-mismatch correction).
+
+Per step: the mean reward of the step's own samples (fresh training prompts) and the step's seconds
+(generation, reward, training; no evaluation or checkpoint). Every --eval-every steps each run saves its
+weights; one evaluator (transformers' `generate`, greedy, fp32, outside every trainer) scores them on the
+held-out split with the same reward, so both trainers are judged by the same code. Writes
+learning_vs_trl.{md,json,png} and merges the summary keys into summary.json of --out:
+  learning_heldout_gain          ours: held-out accuracy at the last step minus at step 0, mean over seeds
+  learning_per_step_gap_vs_trl   mean over steps of |ours - TRL| in the step's mean reward, each the mean over
+                                 seeds
+  learning_seed_spread           the same statistic between TRL's own seeds (mean over pairs of seeds)
+  learning_pair_gap_vs_trl       the like-for-like figure: the step-mean |ours seed i - TRL seed j| over all
+                                 pairs, against learning_seed_spread
+  learning_wall_speedup_vs_trl   TRL's seconds per step over ours' (medians over all steps of all seeds), and
+                                 *_fastest for the fastest row
+"""
+
+import argparse
+import itertools
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+FASTEST = ["--max-staleness", "1", "--rollout-dtype", "bf16"]
+ROW_TITLES = {
+    "trl": "TRL 1.16 GRPOTrainer (its defaults: bf16=True)",
+    "ours": "grpo-fast (its defaults)",
+    "ours_fastest": "grpo-fast, fastest (--max-staleness 1 --rollout-dtype bf16)",
+}
+SHARED = (
+    "num_generations", "prompts_per_step", "max_completion_length", "learning_rate", "lr_scheduler_type"
+)  # fmt: skip
+
+
+def shared_settings(steps: int, overrides: dict) -> dict:
+    """What both trainers run with: the demo's preset, the loss and sampling settings TRL and we default to,
+    and --set overrides (strings, as flags)."""
+    from grpo_fast.trainer.config import SMOLLM2_TASK_PRESET
+
+    s = {k: SMOLLM2_TASK_PRESET[k] for k in SHARED}
+    s.update(loss_type="dapo", beta=0.0, temperature=1.0, max_grad_norm=1.0, max_steps=steps)
+    for k, v in overrides.items():
+        s[k] = type(s[k])(v) if k in s else v
+    return s
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The runs, each in its own process
+# ---------------------------------------------------------------------------------------------------------
+def run_ours(extra: list, s: dict, seed: int, eval_every: int, out: Path) -> dict:
+    flags = ["--task", "smollm2", "--seed", str(seed), "--eval-steps", "0", "--eval-max-samples", "0",
+             "--save-steps", str(eval_every), "--save-total-limit", "1000", "--time-budget-s", "0",
+             "--output-dir", str(out), "--overwrite-output-dir"]  # fmt: skip
+    flags += [f"--{k.replace('_', '-')}={v}" for k, v in s.items()] + extra
+    proc = subprocess.run([sys.executable, "-m", "grpo_fast.train", *flags], cwd=ROOT, capture_output=True,
+                          text=True)  # fmt: skip
+    if proc.returncode:
+        raise RuntimeError(f"grpo-fast train {' '.join(flags)} failed:\n{proc.stderr[-3000:]}")
+    recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [
+        dict(step=r["step"], reward=r["reward_mean"], seconds=r["time_generate_s"] + r["time_reward_s"]
+             + r["time_train_s"] + r.get("time_sync_s", 0.0))
+        for r in recs if "loss" in r
+    ]  # fmt: skip
+    config = json.loads((out / "config.json").read_text())
+    weights = {int(d.name.split("-")[1]): str(d) for d in out.glob("checkpoint-*")}
+    return dict(steps=steps, weights=weights, flags=flags,
+                precision=dict(bf16=config["bf16"], rollout_dtype=config["rollout_dtype"]))  # fmt: skip
+
+
+def run_trl(s: dict, seed: int, eval_every: int, out: Path) -> dict:
+    args = json.dumps(dict(settings=s, seed=seed, eval_every=eval_every, out=str(out)))
+    proc = subprocess.run([sys.executable, "-m", "bench.learning_vs_trl", "--trl-worker", args], cwd=ROOT,
+                          capture_output=True, text=True)  # fmt: skip
+    if proc.returncode:
+        raise RuntimeError(f"the TRL run failed:\n{proc.stderr[-3000:]}")
+    r = json.loads((out / "trl_run.json").read_text())
+    r["weights"] = {int(k): v for k, v in r["weights"].items()}  # JSON's keys are strings
+    return r
+
+
+def trl_worker(a: dict) -> None:
+    """One TRL run (in its own process): the same rows and reward as ours, its step clock, weights saved every
+    eval_every steps."""
+    import warnings
+
+    import torch
+    import trl
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, TrainerCallback
+
+    from grpo_fast.rewards import accuracy_reward
+    from grpo_fast.tasks import arithmetic, smollm2
+    from grpo_fast.trainer.modeling import load_tokenizer
+
+    warnings.simplefilter("ignore", FutureWarning)
+    s, out, every = a["settings"], Path(a["out"]), a["eval_every"]
+    model_dir = str(smollm2.build())
+    steps = []
+
+    class Clock(TrainerCallback):  # first in the list: the clock stops before the weights are saved
+        def on_step_begin(self, args, state, control, **kw):
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            steps.append(dict(step=state.global_step, seconds=time.perf_counter() - self.t0))
+
+    class Saver(TrainerCallback):
+        def on_step_end(self, args, state, control, model=None, **kw):
+            if state.global_step % every == 0 or state.global_step == s["max_steps"]:
+                model.save_pretrained(out / f"checkpoint-{state.global_step}", safe_serialization=True)
+
+    torch.manual_seed(a["seed"])
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    batch = s["num_generations"] * s["prompts_per_step"]
+    config = trl.GRPOConfig(
+        output_dir=str(out), per_device_train_batch_size=batch, gradient_accumulation_steps=1,
+        num_generations=s["num_generations"], max_completion_length=s["max_completion_length"],
+        learning_rate=s["learning_rate"], lr_scheduler_type=s["lr_scheduler_type"],
+        max_grad_norm=s["max_grad_norm"], loss_type=s["loss_type"],
+        beta=s["beta"], temperature=s["temperature"], max_steps=s["max_steps"], seed=a["seed"],
+        logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, disable_tqdm=True,
+    )  # fmt: skip
+    trainer = trl.GRPOTrainer(
+        model=model, reward_funcs=accuracy_reward, args=config,
+        train_dataset=Dataset.from_list(arithmetic.dataset_rows("train")),
+        processing_class=load_tokenizer(model_dir), callbacks=[Clock(), Saver()],
+    )  # fmt: skip
+    trainer.train()
+    rewards = {r["step"]: r["reward"] for r in trainer.state.log_history if "reward" in r}
+    for st in steps:
+        st["reward"] = rewards[st["step"]]
+    weights = {int(d.name.split("-")[1]): str(d) for d in out.glob("checkpoint-*")}
+    (out / "trl_run.json").write_text(json.dumps(dict(steps=steps, weights=weights, precision=dict(
+        bf16=config.bf16, rollout="HF generate, the training model"))))  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------------------
+# One evaluator for every run
+# ---------------------------------------------------------------------------------------------------------
+class Evaluator:
+    """Greedy held-out accuracy of saved weights: transformers' `generate` (fp32, left-padded batches), the
+    run's completion length, math-verify's accuracy reward; per kind too."""
+
+    def __init__(self, max_new_tokens: int, n_eval: int):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from grpo_fast.tasks import arithmetic, smollm2
+        from grpo_fast.trainer.modeling import load_tokenizer
+
+        self.dir = str(smollm2.build())
+        self.tok = load_tokenizer(self.dir)
+        self.tok.padding_side = "left"
+        self.model = AutoModelForCausalLM.from_pretrained(self.dir, dtype=torch.float32).eval()
+        self.base = {k: v.clone() for k, v in self.model.state_dict().items()}
+        rows = arithmetic.dataset_rows("eval")
+        kinds = sorted({r["kind"] for r in rows})
+        self.rows = [r for k in kinds for r in [x for x in rows if x["kind"] == k][: n_eval // len(kinds)]]
+        self.max_new_tokens = max_new_tokens
+
+    def __call__(self, weights: str | None) -> dict:
+        import torch
+        from safetensors.torch import load_file
+
+        from grpo_fast.rewards import accuracy_reward
+
+        saved = load_file(str(Path(weights) / "model.safetensors")) if weights else {}
+        state = {**self.base, **saved}
+        if self.model.config.tie_word_embeddings and "lm_head.weight" not in saved:
+            state["lm_head.weight"] = state["model.embed_tokens.weight"]  # tied: saved once, as the embedding
+        self.model.load_state_dict(state)
+        texts = []
+        for i in range(0, len(self.rows), 32):
+            chunk = self.rows[i : i + 32]
+            prompts = [self.tok.apply_chat_template(r["prompt"], tokenize=False, add_generation_prompt=True)
+                       for r in chunk]  # fmt: skip
+            enc = self.tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+            with torch.no_grad():
+                pad = self.tok.pad_token_id or self.tok.eos_token_id
+                ids = self.model.generate(
+                    **enc, max_new_tokens=self.max_new_tokens, do_sample=False, pad_token_id=pad
+                )
+            texts += self.tok.batch_decode(ids[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
+        hits = accuracy_reward(None, texts, [r["answer"] for r in self.rows])
+        out = {"accuracy": statistics.mean(hits)}
+        for kind in sorted({r["kind"] for r in self.rows}):
+            out[kind] = statistics.mean(h for h, r in zip(hits, self.rows) if r["kind"] == kind)
+        return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Statistics, table, plot
+# ---------------------------------------------------------------------------------------------------------
+def mean_curve(runs: list[dict]) -> list[float]:
+    n = min(len(r["steps"]) for r in runs)
+    return [statistics.mean(r["steps"][i]["reward"] for r in runs) for i in range(n)]
+
+
+def curve_gap(a: list[float], b: list[float]) -> float:
+    return statistics.mean(abs(x - y) for x, y in zip(a, b))
+
+
+def summarize(results: dict) -> dict:
+    trl, ours = results["trl"], results["ours"]
+    pairs = list(itertools.combinations(trl, 2))
+    single = lambda r: [s["reward"] for s in r["steps"]]  # noqa: E731
+    step_s = lambda runs: statistics.median(s["seconds"] for r in runs for s in r["steps"])  # noqa: E731
+    summary = {
+        "learning_heldout_gain": statistics.mean(r["heldout"][-1][1] - r["heldout"][0][1] for r in ours),
+        "learning_per_step_gap_vs_trl": curve_gap(mean_curve(ours), mean_curve(trl)),
+        "learning_seed_spread": statistics.mean(curve_gap(single(a), single(b)) for a, b in pairs)
+        if pairs
+        else float("nan"),  # one seed: no spread to compare with
+        "learning_pair_gap_vs_trl": statistics.mean(
+            curve_gap(single(a), single(b)) for a in ours for b in trl
+        ),
+        "learning_wall_speedup_vs_trl": step_s(trl) / step_s(ours),
+        "learning_heldout_gain_trl": statistics.mean(r["heldout"][-1][1] - r["heldout"][0][1] for r in trl),
+    }
+    if results.get("ours_fastest"):
+        fast = results["ours_fastest"]
+        summary["learning_wall_speedup_vs_trl_fastest"] = step_s(trl) / step_s(fast)
+        summary["learning_per_step_gap_vs_trl_fastest"] = curve_gap(mean_curve(fast), mean_curve(trl))
+        summary["learning_heldout_gain_fastest"] = statistics.mean(
+            r["heldout"][-1][1] - r["heldout"][0][1] for r in fast
+        )
+    return summary
+
+
+def plot(results: dict, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    for i, (row, runs) in enumerate(results.items()):
+        color = f"C{i}"
+        for j, r in enumerate(runs):
+            steps = [s["step"] for s in r["steps"]]
+            reward = [s["reward"] for s in r["steps"]]
+            wall = list(itertools.accumulate(s["seconds"] for s in r["steps"]))
+            label = ROW_TITLES[row] if j == 0 else None
+            axes[0].plot(steps, reward, color=color, alpha=0.35, lw=1)
+            axes[1].plot(wall, reward, color=color, alpha=0.35, lw=1, label=label)
+            at, acc = zip(*r["heldout"])
+            axes[2].plot(at, acc, color=color, alpha=0.6, marker="o", label=label)
+        curve = mean_curve(runs)
+        axes[0].plot(range(1, len(curve) + 1), curve, color=color, lw=2.5, label=f"{ROW_TITLES[row]}: mean")
+    axes[0].set(xlabel="optimizer step", ylabel="mean reward of the step's samples", title="per step")
+    axes[1].set(xlabel="seconds (generation + reward + training)", ylabel="mean reward", title="per second")
+    axes[2].set(xlabel="optimizer step", ylabel="held-out greedy accuracy", title="held-out (one evaluator)")
+    for ax in axes:
+        ax.legend(fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def render(payload: dict) -> str:
+    from bench._utils import cpu_line
+
+    s, summary = payload["settings"], payload["summary"]
+    lines = ["| row | seed | held-out step 0 | held-out last | add | two-step | reward, first quarter | "
+             "reward, last quarter | s/step (median) | precision |", "|" + "---|" * 10]  # fmt: skip
+    for row, runs in payload["results"].items():
+        for r in runs:
+            rew = [x["reward"] for x in r["steps"]]
+            q = max(1, len(rew) // 4)
+            last = r["heldout_detail"][-1]
+            step_s = statistics.median(x["seconds"] for x in r["steps"])
+            lines.append(
+                f"| {ROW_TITLES[row]} | {r['seed']} | {r['heldout'][0][1]:.3f} | {r['heldout'][-1][1]:.3f} | "
+                f"{last['add']:.3f} | {last['two-step']:.3f} | {statistics.mean(rew[:q]):.3f} | "
+                f"{statistics.mean(rew[-q:]):.3f} | {step_s:.2f} | "
+                f"{json.dumps(r['precision'])} |"
+            )
+    keys = "\n".join(f"- `{k}`: {v:.4g}" for k, v in summary.items())
+    return (
+        "# Learning against TRL: SmolLM2-135M-Instruct on the real-model task\n\n"
+        f"`{payload['command']}`. Shared: `{json.dumps(s)}`; {len(payload['seeds'])} seeds each, runs one "
+        "at a time, interleaved by seed. Held-out: "
+        f"{payload['n_eval']} problems of grpo_fast/tasks/arithmetic.py's eval split, greedy, scored by one "
+        "evaluator (transformers' generate, fp32) on each run's saved weights.\n\n"
+        + "\n".join(lines)
+        + f"\n\nSummary (summary.json):\n{keys}\n\n![curves](learning_vs_trl.png)\n\n"
+        f"Machine: {cpu_line(payload['machine'])}, commit {payload['machine'].get('git_commit')}.\n"
+    )
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seeds", default="1,2,3")
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--eval-every", type=int, default=15)
+    ap.add_argument("--n-eval", type=int, default=64, help="held-out problems (half of each kind)")
+    ap.add_argument("--rows", default="trl,ours,ours_fastest")
+    ap.add_argument("--set", nargs="*", default=[], help="shared settings to override, name=value")
+    ap.add_argument("--out", default="", help="results folder (default bench/results/<machine>)")
+    ap.add_argument("--work", default="/tmp/learning-vs-trl")
+    ap.add_argument("--reuse", action="store_true", help="take runs already scored in --work (same settings)")
+    ap.add_argument("--trl-worker", default="", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.trl_worker:
+        return trl_worker(json.loads(args.trl_worker))
+    from bench._utils import RESULTS, machine_info, machine_name
+
+    s = shared_settings(args.steps, dict(kv.split("=", 1) for kv in args.set))
+    rows, seeds = args.rows.split(","), [int(x) for x in args.seeds.split(",")]
+    if "trl" not in rows or "ours" not in rows:
+        raise SystemExit("--rows: trl and ours are needed (the summary compares them)")
+    work, out = Path(args.work), Path(args.out) if args.out else RESULTS / machine_name()
+    work.mkdir(parents=True, exist_ok=True)
+    evaluator = Evaluator(s["max_completion_length"], args.n_eval)
+    base = evaluator(None)
+    results = {row: [] for row in rows}
+    for seed in seeds:
+        for row in rows:
+            d, record = work / f"{row}-{seed}", work / f"{row}-{seed}.json"
+            if args.reuse and record.is_file() and json.loads(record.read_text())["settings"] == s:
+                results[row].append(json.loads(record.read_text())["run"])
+                continue
+            shutil.rmtree(d, ignore_errors=True)
+            t0 = time.perf_counter()
+            if row == "trl":
+                r = run_trl(s, seed, args.eval_every, d)
+            else:
+                r = run_ours(FASTEST if row == "ours_fastest" else [], s, seed, args.eval_every, d)
+            r["process_s"] = time.perf_counter() - t0
+            scored = {step: evaluator(w) for step, w in sorted(r.pop("weights").items())}
+            r["heldout"] = [(0, base["accuracy"])] + [(k, v["accuracy"]) for k, v in scored.items()]
+            r["heldout_detail"] = [base] + list(scored.values())
+            r["seed"] = seed
+            shutil.rmtree(d, ignore_errors=True)  # checkpoints: gigabytes a run
+            record.write_text(json.dumps(dict(settings=s, run=r)))  # a later --reuse takes it
+            results[row].append(r)
+            step_s = statistics.median(x["seconds"] for x in r["steps"])
+            print(row, seed, r["heldout"], f"{step_s:.2f} s/step", flush=True)
+    command = "python -m bench.learning_vs_trl " + " ".join(sys.argv[1:] if argv is None else argv)
+    payload = dict(command=command, settings=s, seeds=seeds, n_eval=len(evaluator.rows),
+                   machine=machine_info(), results=results)  # fmt: skip
+    payload["summary"] = summarize(results)
+    out.mkdir(parents=True, exist_ok=True)
+    plot(results, out / "learning_vs_trl.png", "SmolLM2-135M-Instruct, real-model task: TRL vs grpo-fast")
+    (out / "learning_vs_trl.json").write_text(json.dumps(payload, indent=1))
+    md = render(payload)
+    (out / "learning_vs_trl.md").write_text(md)
+    summary_file = out / "summary.json"
+    merged = {"machine": payload["machine"]}
+    if summary_file.is_file():
+        merged = json.loads(summary_file.read_text())
+    merged.update(payload["summary"])
+    summary_file.write_text(json.dumps(merged, indent=2))
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
