@@ -224,8 +224,9 @@ def summarize(results: dict) -> dict:
     pairs = list(itertools.combinations(trl, 2))
     single = lambda r: [s["reward"] for s in r["steps"]]  # noqa: E731
     step_s = lambda runs: statistics.median(s["seconds"] for r in runs for s in r["steps"])  # noqa: E731
+    gain = lambda runs: statistics.mean(r["heldout"][-1][1] - r["heldout"][0][1] for r in runs)  # noqa: E731
     summary = {
-        "learning_heldout_gain": statistics.mean(r["heldout"][-1][1] - r["heldout"][0][1] for r in ours),
+        "learning_heldout_gain": gain(ours),
         "learning_per_step_gap_vs_trl": curve_gap(mean_curve(ours), mean_curve(trl)),
         "learning_seed_spread": statistics.mean(curve_gap(single(a), single(b)) for a, b in pairs)
         if pairs
@@ -234,15 +235,13 @@ def summarize(results: dict) -> dict:
             curve_gap(single(a), single(b)) for a in ours for b in trl
         ),
         "learning_wall_speedup_vs_trl": step_s(trl) / step_s(ours),
-        "learning_heldout_gain_trl": statistics.mean(r["heldout"][-1][1] - r["heldout"][0][1] for r in trl),
+        "learning_heldout_gain_trl": gain(trl),
     }
     if results.get("ours_fastest"):
         fast = results["ours_fastest"]
         summary["learning_wall_speedup_vs_trl_fastest"] = step_s(trl) / step_s(fast)
         summary["learning_per_step_gap_vs_trl_fastest"] = curve_gap(mean_curve(fast), mean_curve(trl))
-        summary["learning_heldout_gain_fastest"] = statistics.mean(
-            r["heldout"][-1][1] - r["heldout"][0][1] for r in fast
-        )
+        summary["learning_heldout_gain_fastest"] = gain(fast)
     return summary
 
 
