@@ -3,20 +3,27 @@ SmolLM2-135M-Instruct and the real-model task (`--task smollm2`: grpo_fast/tasks
 `accuracy` reward), with the same G, prompts per step, completion length, learning rate and schedule, loss
 type, temperature and seeds; each run in its own process, one at a time.
 
-    python -m bench.learning_vs_trl [--seeds 1,2,3] [--steps 30] [--eval-every 15]
+    python -m bench.learning_vs_trl [--seeds 1,2,3] [--steps 30] [--eval-every 5]
         [--rows trl,ours,ours_fastest] [--set num_generations=8 prompts_per_step=4 ...]
         [--out bench/results/cpu/<machine>]
 
 Rows: `trl` (TRL at its defaults for what is not shared: bf16=True, HF generate), `ours` (`grpo-fast train` at
 its defaults: the precision this machine measured faster), `ours_fastest` (plus `--max-staleness 1
---rollout-dtype bf16`: both corrected by TRL's rollout-mismatch correction).
+--rollout-dtype bf16`: both corrected by TRL's rollout-mismatch correction), and for a diagnosis
+`ours_uncorrected` (the defaults without the mismatch correction, as TRL's HF-generate path runs).
 
 Per step: the mean reward of the step's own samples (fresh training prompts) and the step's seconds
 (generation, reward, training; no evaluation or checkpoint). Every --eval-every steps each run saves its
 weights; one evaluator (transformers' `generate`, greedy, fp32, outside every trainer) scores them on the
-held-out split with the same reward, so both trainers are judged by the same code. Writes
+held-out split with the same reward, so both trainers are judged by the same code. One checkpoint's greedy
+accuracy swings by +-0.1 between evaluations a few steps apart (the demo's run: 0.289 at step 20, 0.109 at
+step 40), so a run's held-out figure is the mean of its evaluations after the first half of the steps
+("late").
+Our rows also report the rollout mismatch the trainer measured (median over steps of the mean |log-prob
+difference| per token and of the sequence-level correction's extreme ratios). Writes
 learning_vs_trl.{md,json,png} and merges the summary keys into summary.json of --out:
-  learning_heldout_gain          ours: held-out accuracy at the last step minus at step 0, mean over seeds
+  learning_heldout_gain          ours: late held-out accuracy minus at step 0, mean over seeds (and
+                                 *_trl, *_fastest; *_se: the standard error over seeds)
   learning_per_step_gap_vs_trl   mean over steps of |ours - TRL| in the step's mean reward, each the mean over
                                  seeds
   learning_seed_spread           the same statistic between TRL's own seeds (mean over pairs of seeds)
@@ -39,11 +46,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-FASTEST = ["--max-staleness", "1", "--rollout-dtype", "bf16"]
+# our rows: the flags each adds to the shared settings
+OUR_ROWS = {
+    "ours": [],
+    "ours_fastest": ["--max-staleness", "1", "--rollout-dtype", "bf16"],
+    "ours_uncorrected": ["--no-vllm-importance-sampling-correction"],  # a diagnosis: TRL's HF generate path
+}
 ROW_TITLES = {
     "trl": "TRL 1.16 GRPOTrainer (its defaults: bf16=True)",
     "ours": "grpo-fast (its defaults)",
     "ours_fastest": "grpo-fast, fastest (--max-staleness 1 --rollout-dtype bf16)",
+    "ours_uncorrected": "grpo-fast, no mismatch correction (--no-vllm-importance-sampling-correction)",
 }
 SHARED = (
     "num_generations", "prompts_per_step", "max_completion_length", "learning_rate", "lr_scheduler_type"
@@ -82,7 +95,10 @@ def run_ours(extra: list, s: dict, seed: int, eval_every: int, out: Path) -> dic
     ]  # fmt: skip
     config = json.loads((out / "config.json").read_text())
     weights = {int(d.name.split("-")[1]): str(d) for d in out.glob("checkpoint-*")}
-    return dict(steps=steps, weights=weights, flags=flags,
+    mismatch = {k: statistics.median(r[f"loss/{k}"] for r in recs if f"loss/{k}" in r)
+                for k in ("sampling_logp_diff_mean", "is_ratio_min", "is_ratio_max")
+                if any(f"loss/{k}" in r for r in recs)}  # fmt: skip
+    return dict(steps=steps, weights=weights, flags=flags, mismatch=mismatch,
                 precision=dict(bf16=config["bf16"], rollout_dtype=config["rollout_dtype"]))  # fmt: skip
 
 
@@ -219,14 +235,26 @@ def curve_gap(a: list[float], b: list[float]) -> float:
     return statistics.mean(abs(x - y) for x, y in zip(a, b))
 
 
+def late_heldout(run: dict) -> float:
+    """The mean held-out accuracy of a run's evaluations after the first half of its steps."""
+    last = run["heldout"][-1][0]
+    return statistics.mean(acc for step, acc in run["heldout"] if step > last / 2)
+
+
+def heldout_gain(runs: list[dict]) -> tuple[float, float]:
+    """(mean over seeds of late held-out minus step 0, its standard error over seeds)."""
+    gains = [late_heldout(r) - r["heldout"][0][1] for r in runs]
+    se = statistics.stdev(gains) / len(gains) ** 0.5 if len(gains) > 1 else float("nan")
+    return statistics.mean(gains), se
+
+
 def summarize(results: dict) -> dict:
     trl, ours = results["trl"], results["ours"]
     pairs = list(itertools.combinations(trl, 2))
     single = lambda r: [s["reward"] for s in r["steps"]]  # noqa: E731
     step_s = lambda runs: statistics.median(s["seconds"] for r in runs for s in r["steps"])  # noqa: E731
-    gain = lambda runs: statistics.mean(r["heldout"][-1][1] - r["heldout"][0][1] for r in runs)  # noqa: E731
     summary = {
-        "learning_heldout_gain": gain(ours),
+        "learning_heldout_gain": heldout_gain(ours)[0],
         "learning_per_step_gap_vs_trl": curve_gap(mean_curve(ours), mean_curve(trl)),
         "learning_seed_spread": statistics.mean(curve_gap(single(a), single(b)) for a, b in pairs)
         if pairs
@@ -235,13 +263,18 @@ def summarize(results: dict) -> dict:
             curve_gap(single(a), single(b)) for a in ours for b in trl
         ),
         "learning_wall_speedup_vs_trl": step_s(trl) / step_s(ours),
-        "learning_heldout_gain_trl": gain(trl),
+        "learning_heldout_gain_se": heldout_gain(ours)[1],
+        "learning_heldout_gain_trl": heldout_gain(trl)[0],
+        "learning_heldout_gain_trl_se": heldout_gain(trl)[1],
     }
-    if results.get("ours_fastest"):
-        fast = results["ours_fastest"]
-        summary["learning_wall_speedup_vs_trl_fastest"] = step_s(trl) / step_s(fast)
-        summary["learning_per_step_gap_vs_trl_fastest"] = curve_gap(mean_curve(fast), mean_curve(trl))
-        summary["learning_heldout_gain_fastest"] = gain(fast)
+    for row, runs in results.items():  # the other rows of ours: the same keys, suffixed (_fastest, ...)
+        if row in ("trl", "ours") or not runs:
+            continue
+        tail = row.removeprefix("ours")
+        summary[f"learning_wall_speedup_vs_trl{tail}"] = step_s(trl) / step_s(runs)
+        summary[f"learning_per_step_gap_vs_trl{tail}"] = curve_gap(mean_curve(runs), mean_curve(trl))
+        gain, se = heldout_gain(runs)
+        summary[f"learning_heldout_gain{tail}"], summary[f"learning_heldout_gain{tail}_se"] = gain, se
     return summary
 
 
@@ -280,19 +313,24 @@ def render(payload: dict) -> str:
     from bench._utils import cpu_line
 
     s, summary = payload["settings"], payload["summary"]
-    lines = ["| row | seed | held-out step 0 | held-out last | add | two-step | reward, first quarter | "
-             "reward, last quarter | s/step (median) | precision |", "|" + "---|" * 10]  # fmt: skip
+    head = ["row", "seed", "held-out step 0", "held-out late", "held-out last", "add (last)",
+            "two-step (last)", "reward, first quarter", "reward, last quarter", "s/step (median)",
+            "precision", "rollout mismatch"]  # fmt: skip
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row, runs in payload["results"].items():
         for r in runs:
             rew = [x["reward"] for x in r["steps"]]
             q = max(1, len(rew) // 4)
             last = r["heldout_detail"][-1]
             step_s = statistics.median(x["seconds"] for x in r["steps"])
+            mm = r.get("mismatch") or {}
+            mismatch = (f"{mm['sampling_logp_diff_mean']:.3f}/token, ratio {mm['is_ratio_min']:.2f}-"
+                        f"{mm['is_ratio_max']:.2f}" if "is_ratio_min" in mm else "-")  # fmt: skip
             lines.append(
-                f"| {ROW_TITLES[row]} | {r['seed']} | {r['heldout'][0][1]:.3f} | {r['heldout'][-1][1]:.3f} | "
-                f"{last['add']:.3f} | {last['two-step']:.3f} | {statistics.mean(rew[:q]):.3f} | "
-                f"{statistics.mean(rew[-q:]):.3f} | {step_s:.2f} | "
-                f"{json.dumps(r['precision'])} |"
+                f"| {ROW_TITLES[row]} | {r['seed']} | {r['heldout'][0][1]:.3f} | {late_heldout(r):.3f} | "
+                f"{r['heldout'][-1][1]:.3f} | {last['add']:.3f} | {last['two-step']:.3f} | "
+                f"{statistics.mean(rew[:q]):.3f} | {statistics.mean(rew[-q:]):.3f} | {step_s:.2f} | "
+                f"{json.dumps(r['precision'])} | {mismatch} |"
             )
     keys = "\n".join(f"- `{k}`: {v:.4g}" for k, v in summary.items())
     return (
@@ -300,7 +338,10 @@ def render(payload: dict) -> str:
         f"`{payload['command']}`. Shared: `{json.dumps(s)}`; {len(payload['seeds'])} seeds each, runs one "
         "at a time, interleaved by seed. Held-out: "
         f"{payload['n_eval']} problems of grpo_fast/tasks/arithmetic.py's eval split, greedy, scored by one "
-        "evaluator (transformers' generate, fp32) on each run's saved weights.\n\n"
+        "evaluator (transformers' generate, fp32) on each run's saved weights; late: the mean of a run's "
+        "evaluations after the first half of the steps. Rollout mismatch (ours): the trainer's median over "
+        "steps of the mean |log-prob difference| per token between the rollout and the training forward, and "
+        "of the smallest and largest sequence-level correction ratio.\n\n"
         + "\n".join(lines)
         + f"\n\nSummary (summary.json):\n{keys}\n\n![curves](learning_vs_trl.png)\n\n"
         f"Machine: {cpu_line(payload['machine'])}, commit {payload['machine'].get('git_commit')}.\n"
@@ -311,8 +352,8 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seeds", default="1,2,3")
     ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--eval-every", type=int, default=15)
-    ap.add_argument("--n-eval", type=int, default=64, help="held-out problems (half of each kind)")
+    ap.add_argument("--eval-every", type=int, default=5)
+    ap.add_argument("--n-eval", type=int, default=128, help="held-out problems (half of each kind)")
     ap.add_argument("--rows", default="trl,ours,ours_fastest")
     ap.add_argument("--set", nargs="*", default=[], help="shared settings to override, name=value")
     ap.add_argument("--out", default="", help="results folder (default bench/results/<machine>)")
@@ -344,7 +385,7 @@ def main(argv=None) -> None:
             if row == "trl":
                 r = run_trl(s, seed, args.eval_every, d)
             else:
-                r = run_ours(FASTEST if row == "ours_fastest" else [], s, seed, args.eval_every, d)
+                r = run_ours(OUR_ROWS[row], s, seed, args.eval_every, d)
             r["process_s"] = time.perf_counter() - t0
             scored = {step: evaluator(w) for step, w in sorted(r.pop("weights").items())}
             r["heldout"] = [(0, base["accuracy"])] + [(k, v["accuracy"]) for k, v in scored.items()]
