@@ -95,3 +95,19 @@ def test_train_task_smollm2_end_to_end(tmp_path):
     assert [r["step"] for r in recs if "loss" in r] == [1, 2]
     assert all(r["completion_len_max"] <= 6 for r in recs if "loss" in r)
     AutoModelForCausalLM.from_pretrained(out / "checkpoint-2")
+
+
+def test_every_task_choice_has_its_rows_and_its_model():
+    """--task's choices are the task table's names: each gives train and eval rows (prompt, answer) and, with
+    no --model, the base model grpo-fast train loads."""
+    from grpo_fast.tasks import EMBEDDED, task_rows
+    from grpo_fast.trainer.config import GRPOConfig, parse_config
+    from grpo_fast.trainer.modeling import model_path
+
+    assert set(GRPOConfig.__dataclass_fields__["task"].metadata["choices"]) == set(EMBEDDED)
+    for name in ("shop", "shop-tools"):  # smollm2 is built on first use (test_train_task_smollm2_end_to_end)
+        train, evals = task_rows(name)
+        assert train and evals and {"prompt", "answer"} <= set(train[0]) & set(evals[0])
+        assert (Path(model_path(parse_config(["--task", name]))) / "config.json").is_file()
+    assert parse_config(["--task", "shop-tools"]).task == "shop-tools"
+    assert model_path(parse_config(["--task", "shop-tools"])) != model_path(parse_config(["--task", "shop"]))

@@ -10,7 +10,7 @@ import json
 import random
 from pathlib import Path
 
-from ..tasks import arithmetic, default_task
+from ..tasks import task_rows
 
 _FILE_TYPES = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
 
@@ -77,8 +77,7 @@ def _read_with_datasets(path: Path, what: str, spec: str) -> list[dict]:
 
 def train_and_eval_rows(cfg) -> tuple[list[dict], list[dict]]:
     if not cfg.dataset:
-        task = arithmetic if cfg.task == "smollm2" else default_task
-        return task.dataset_rows("train"), task.dataset_rows("eval")
+        return task_rows(cfg.task)
     train = load_rows(cfg.dataset, cfg.dataset_split)
     evals = load_rows(cfg.eval_dataset, cfg.eval_split, "--eval-dataset") if cfg.eval_dataset else []
     return train, evals

@@ -16,7 +16,7 @@ from ..models.model_parts import (
     position_ids_from_mask,
 )
 from ..models.shared_prefix import shared_prefix_forward
-from ..tasks import default_task, smollm2, tools_task
+from ..tasks import task_model
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -39,9 +39,7 @@ def load_tokenizer(path: str):
 def model_path(cfg) -> str:
     """--model, or the embedded task's (smollm2: built offline on first use); a local path must be a model
     directory."""
-    if not cfg.model and cfg.task == "smollm2":
-        return str(smollm2.build())
-    path = cfg.model or str(tools_task.ASSET_DIR if cfg.task == "shop-tools" else default_task.ASSET_DIR)
+    path = cfg.model or task_model(cfg.task)
     local = Path(path)
     if (local.exists() or path.startswith((".", "/"))) and not (local / "config.json").is_file():
         raise ValueError(f"--model {path!r}: not a model directory (no config.json there)")
