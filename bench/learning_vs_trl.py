@@ -9,8 +9,9 @@ type, temperature and seeds; each run in its own process, one at a time.
 
 Rows: `trl` (TRL at its defaults for what is not shared: bf16=True, HF generate), `ours` (`grpo-fast train` at
 its defaults: the precision this machine measured faster), `ours_fastest` (plus `--max-staleness 1
---rollout-dtype bf16`: both corrected by TRL's rollout-mismatch correction), and for a diagnosis
-`ours_uncorrected` (the defaults without the mismatch correction, as TRL's HF-generate path runs).
+--rollout-dtype bf16`: both corrected by TRL's rollout-mismatch correction), and for diagnoses
+`ours_uncorrected` (the defaults without the mismatch correction, as TRL's HF-generate path runs) and
+`ours_fp32` (`--no-bf16`: fp32 training and rollouts).
 
 Per step: the mean reward of the step's own samples (fresh training prompts) and the step's seconds
 (generation, reward, training; no evaluation or checkpoint). Every --eval-every steps each run saves its
@@ -50,13 +51,15 @@ sys.path.insert(0, str(ROOT))
 OUR_ROWS = {
     "ours": [],
     "ours_fastest": ["--max-staleness", "1", "--rollout-dtype", "bf16"],
-    "ours_uncorrected": ["--no-vllm-importance-sampling-correction"],  # a diagnosis: TRL's HF generate path
+    "ours_uncorrected": ["--no-vllm-importance-sampling-correction"],  # diagnoses: the correction off,
+    "ours_fp32": ["--no-bf16"],  # fp32 training and rollouts (exact: nothing to correct)
 }
 ROW_TITLES = {
     "trl": "TRL 1.16 GRPOTrainer (its defaults: bf16=True)",
     "ours": "grpo-fast (its defaults)",
     "ours_fastest": "grpo-fast, fastest (--max-staleness 1 --rollout-dtype bf16)",
     "ours_uncorrected": "grpo-fast, no mismatch correction (--no-vllm-importance-sampling-correction)",
+    "ours_fp32": "grpo-fast in fp32 (--no-bf16)",
 }
 SHARED = (
     "num_generations", "prompts_per_step", "max_completion_length", "learning_rate", "lr_scheduler_type"
@@ -249,32 +252,29 @@ def heldout_gain(runs: list[dict]) -> tuple[float, float]:
 
 
 def summarize(results: dict) -> dict:
-    trl, ours = results["trl"], results["ours"]
+    trl = results["trl"]
     pairs = list(itertools.combinations(trl, 2))
     single = lambda r: [s["reward"] for s in r["steps"]]  # noqa: E731
     step_s = lambda runs: statistics.median(s["seconds"] for r in runs for s in r["steps"])  # noqa: E731
     summary = {
-        "learning_heldout_gain": heldout_gain(ours)[0],
-        "learning_per_step_gap_vs_trl": curve_gap(mean_curve(ours), mean_curve(trl)),
         "learning_seed_spread": statistics.mean(curve_gap(single(a), single(b)) for a, b in pairs)
         if pairs
         else float("nan"),  # one seed: no spread to compare with
-        "learning_pair_gap_vs_trl": statistics.mean(
-            curve_gap(single(a), single(b)) for a in ours for b in trl
-        ),
-        "learning_wall_speedup_vs_trl": step_s(trl) / step_s(ours),
-        "learning_heldout_gain_se": heldout_gain(ours)[1],
         "learning_heldout_gain_trl": heldout_gain(trl)[0],
         "learning_heldout_gain_trl_se": heldout_gain(trl)[1],
     }
-    for row, runs in results.items():  # the other rows of ours: the same keys, suffixed (_fastest, ...)
-        if row in ("trl", "ours") or not runs:
+    for row, runs in results.items():  # ours: the keys as named; our other rows suffixed (_fastest, ...)
+        if row == "trl" or not runs:
             continue
         tail = row.removeprefix("ours")
-        summary[f"learning_wall_speedup_vs_trl{tail}"] = step_s(trl) / step_s(runs)
+        summary[f"learning_heldout_gain{tail}"], summary[f"learning_heldout_gain{tail}_se"] = heldout_gain(
+            runs
+        )
         summary[f"learning_per_step_gap_vs_trl{tail}"] = curve_gap(mean_curve(runs), mean_curve(trl))
-        gain, se = heldout_gain(runs)
-        summary[f"learning_heldout_gain{tail}"], summary[f"learning_heldout_gain{tail}_se"] = gain, se
+        summary[f"learning_pair_gap_vs_trl{tail}"] = statistics.mean(
+            curve_gap(single(a), single(b)) for a in runs for b in trl
+        )
+        summary[f"learning_wall_speedup_vs_trl{tail}"] = step_s(trl) / step_s(runs)
     return summary
 
 
@@ -367,8 +367,8 @@ def main(argv=None) -> None:
 
     s = shared_settings(args.steps, dict(kv.split("=", 1) for kv in args.set))
     rows, seeds = args.rows.split(","), [int(x) for x in args.seeds.split(",")]
-    if "trl" not in rows or "ours" not in rows:
-        raise SystemExit("--rows: trl and ours are needed (the summary compares them)")
+    if "trl" not in rows or not set(rows) & set(OUR_ROWS) or not set(rows) <= {"trl", *OUR_ROWS}:
+        raise SystemExit(f"--rows: trl and one or more of {', '.join(OUR_ROWS)} (the summary compares them)")
     work, out = Path(args.work), Path(args.out) if args.out else RESULTS / machine_name()
     work.mkdir(parents=True, exist_ok=True)
     evaluator = Evaluator(s["max_completion_length"], args.n_eval)
