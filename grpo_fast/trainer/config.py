@@ -12,6 +12,8 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..tasks import EMBEDDED
+
 
 def _f(default, help: str, **kw):
     return field(default=default, metadata={"help": help, **kw})
@@ -80,7 +82,7 @@ class GRPOConfig:
         "the embedded task, when --model and --dataset are empty: shop (make demo), shop-tools (make "
         "demo-tools: multi-turn, a calculator tool, its own base model), or smollm2 (make demo-smollm2: "
         "SmolLM2-135M-Instruct, built offline, on additions and two-step word problems)",
-        choices=("shop", "shop-tools", "smollm2"),
+        choices=tuple(EMBEDDED),
     )
     # --- multi-turn: tools and environments (TRL's names) ---
     tools: list = _f(
