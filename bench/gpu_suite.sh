@@ -32,7 +32,9 @@ cp -r "$repo/bench" "$site/bench"
 rm -rf "$site/bench/wheels" "$site/bench/results" "$site/bench/gpu_cache"
 cache=()
 [ -f "$repo/bench/gpu_cache/compile_cache.tar.gz" ] && cache=(--cache-from "$repo/bench/gpu_cache/compile_cache.tar.gz")
-case " $* " in *" --dry-run "*) export TRITON_INTERPRET=1 ;; esac
+# a dry run is on this CPU: the carried cache holds the GPU's compiled graphs (another torch, CUDA code), so
+# it starts cold
+case " $* " in *" --dry-run "*) export TRITON_INTERPRET=1; cache=() ;; esac
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 PYTHONUNBUFFERED=1
 export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
 cd "$site" || exit 1

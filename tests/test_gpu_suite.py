@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 from pythons import bare_python, both_pythons
 
-from bench import gpu_suite
+from bench import bench_memory, gpu_sections, gpu_suite
 
 ROOT = Path(__file__).resolve().parent.parent
 TIER1 = ["correctness", "speed", "backward", "precision", "generation", "e2e"]
-TIER2 = ["atomics", "tiles", "prefix", "memory", "decode"]
+TIER2 = ["atomics", "tiles", "prefix", "memory"]
 # the sections that read TRL (e2e, precision), Liger (speed) or matplotlib (e2e): the rest run the same code
 # in both environments
 WITH_PACKAGES = ["speed", "precision", "e2e"]
@@ -43,6 +43,8 @@ def test_plan_fits_the_loan():
     """Tier 1 is the value order and fits the default budget, which fits one 10-minute command; a section
     never takes the minimum that a later one needs."""
     assert gpu_suite.plan(1, None) == TIER1 and gpu_suite.plan(2, None) == TIER2
+    assert sum(gpu_suite.SECTIONS[n][2] for n in TIER2) <= 420 - gpu_suite.RESERVE_S  # a loan's second call
+    assert sorted(gpu_sections.GPU_MEMORY_ORDER) == sorted(bench_memory.CONFIGS)  # each once
     assert sum(gpu_suite.SECTIONS[n][2] for n in TIER1) <= gpu_suite.BUDGET_S - gpu_suite.RESERVE_S
     assert gpu_suite.BUDGET_S + gpu_suite.SHELL_MARGIN_S + 30 <= 600  # + copying the tree, installing wheels
     assert gpu_suite.budget_of([]) == gpu_suite.BUDGET_S
@@ -114,6 +116,8 @@ def test_gpu_suite_dry_run(tmp_path, python):
         sections = _check_run(proc, tmp_path / "first", TIER1)
         sections.update(_check_run(_dry_run(python, tmp_path / "second", "--tier", "2"), tmp_path / "second",
                                    TIER2))  # fmt: skip
+        sections.update(_check_run(_dry_run(python, tmp_path / "decode", "--sections", "decode"),
+                                   tmp_path / "decode", ["decode"]))  # fmt: skip
     if "correctness" in sections:  # every kernel variant checked against fp64, and each passed
         checks = sections["correctness"]["rows"]
         assert sections["correctness"]["triton_ok"] is True
