@@ -1,0 +1,217 @@
+"""Two `grpo-fast train` steps move the weights as two steps of TRL 1.16's GRPOTrainer do, on the same
+completions: the prompts' encoding (the chat template), the completions' decoding for the reward,
+math-verify's accuracy reward, group advantages, the loss over the step's tokens, gradient clipping, AdamW
+and the learning-rate schedule.
+
+The model is SmolLM2-135M-Instruct cut to its first two layers (its tokenizer, chat template and embeddings;
+seconds a step). Generation is one fixed function of the prompt's token ids in both trainers (TRL's
+`_generate_single_turn`, our `generate_groups`), so a prompt encoded differently finds no completions and
+fails the test. The completions per prompt: the answer then EOS (reward 1), a wrong sentence then EOS, a
+sample of the model cut at C tokens, and the answer followed by text cut at C (math-verify's reading of a
+truncated completion). fp32 in both (TRL `bf16=False`, ours `--no-bf16`): any difference in what is trained
+on shows at the size of the update, rounding at ~1e-6 of it.
+"""
+
+import warnings
+import zlib
+
+import pytest
+import torch
+from datasets import Dataset
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from transformers import AutoModelForCausalLM
+
+import grpo_fast.trainer.step as step_mod
+import grpo_fast.trainer.train as train_mod
+from grpo_fast.rewards import accuracy_reward
+from grpo_fast.tasks import arithmetic
+from grpo_fast.trainer.config import parse_config
+from grpo_fast.trainer.modeling import load_tokenizer
+
+trl = pytest.importorskip("trl")
+
+G, C, N_PROMPTS, STEPS, LR = 4, 16, 4, 2, 1e-4
+
+
+@pytest.fixture(scope="module")
+def two_layer_dir(smollm2, tmp_path_factory):
+    """SmolLM2-135M-Instruct's first two decoder layers, with its tokenizer, saved as a model directory."""
+    import copy
+
+    model, tok = smollm2
+    small = copy.deepcopy(model)
+    small.model.layers = small.model.layers[:2]
+    small.config.num_hidden_layers = 2
+    if getattr(small.config, "layer_types", None):
+        small.config.layer_types = small.config.layer_types[:2]
+    out = tmp_path_factory.mktemp("smollm2-2l")
+    small.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+class Completions:
+    """The fixed rollout: for each prompt (its token ids) and call, G completions as token-id lists."""
+
+    def __init__(self, model_dir, rows):
+        self.tok = load_tokenizer(str(model_dir))
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        self.eos = self.tok.eos_token_id
+        self.answer = {}
+        for r in rows:  # the prompt's ids as TRL tokenizes them (apply_chat_template, tokenize=True)
+            ids = self.tok.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=True)
+            ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+            self.answer[tuple(ids)] = r["answer"]
+        self.calls = {}
+
+    def _text(self, s):
+        return self.tok(s, add_special_tokens=False)["input_ids"]
+
+    @torch.no_grad()
+    def of(self, prompt_ids: tuple, call: int) -> list[list[int]]:
+        answer = self.answer[prompt_ids]  # KeyError: this trainer encoded the prompt differently
+        g = torch.Generator().manual_seed(zlib.crc32(repr((call, prompt_ids)).encode()))
+        ids = torch.tensor([prompt_ids])
+        for _ in range(C):
+            logits = self.model(input_ids=ids).logits[:, -1].float()
+            ids = torch.cat([ids, torch.multinomial(torch.softmax(logits, -1), 1, generator=g)], 1)
+        sample = ids[0, len(prompt_ids) :].tolist()
+        if self.eos in sample:
+            sample = sample[: sample.index(self.eos) + 1]
+        wrong = str(int(answer) + 1 + call)
+        return [
+            self._text(answer) + [self.eos],
+            self._text(f"The answer is {wrong}.") + [self.eos],
+            sample,
+            self._text(f"{answer}, since adding the tens and then the units gives it")[:C],
+        ]
+
+
+def _trl_rollout(completions):
+    def generate(prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        call = completions.calls["trl"] = completions.calls.get("trl", 0) + 1
+        out = []
+        for start in range(0, len(prompt_ids), num_generations):
+            out += completions.of(tuple(prompt_ids[start]), call)[:num_generations]
+        return out, None
+
+    return generate
+
+
+def _our_rollout(completions, pad):
+    def generate_groups(model, prompt_ids, prompt_mask, num_generations, max_new_tokens, **kw):
+        call = completions.calls["ours"] = completions.calls.get("ours", 0) + 1
+        rows = []
+        for ids, mask in zip(prompt_ids, prompt_mask):
+            rows += completions.of(tuple(ids[mask.bool()].tolist()), call)[:num_generations]
+        c_ids = torch.full((len(rows), max_new_tokens), pad, dtype=torch.long)
+        c_mask = torch.zeros_like(c_ids)
+        for i, r in enumerate(rows):
+            c_ids[i, : len(r)], c_mask[i, : len(r)] = torch.tensor(r), 1
+        logps = torch.zeros(c_ids.shape)  # unread: fp32 on the policy's own forward is exact, uncorrected
+        return c_ids, c_mask, logps if kw.get("return_logprobs") else None
+
+    return generate_groups
+
+
+class StepSpy:
+    """Every optimizer step's gradients (as the step sees them: after clipping) and hyperparameters."""
+
+    def __init__(self):
+        self.steps = []
+
+    def __enter__(self):
+        def hook(opt, args, kwargs):
+            groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+            grads = {id(p): p.grad.detach().clone() for g in opt.param_groups for p in g["params"]
+                     if p.grad is not None}  # fmt: skip
+            self.steps.append((groups, grads))
+
+        self.handle = register_optimizer_step_pre_hook(hook)
+        return self
+
+    def __exit__(self, *exc):
+        self.handle.remove()
+
+
+def _train_trl(model_dir, rows, completions):
+    tok = load_tokenizer(str(model_dir))
+    args = trl.GRPOConfig(
+        output_dir=str(model_dir / "trl"), per_device_train_batch_size=N_PROMPTS * G,
+        gradient_accumulation_steps=1, num_generations=G, max_completion_length=C, learning_rate=LR,
+        lr_scheduler_type="linear", max_grad_norm=1.0, loss_type="dapo", beta=0.0, max_steps=STEPS,
+        logging_steps=1, save_strategy="no", report_to="none", bf16=False, use_cpu=True, seed=0,
+        disable_tqdm=True,
+    )  # fmt: skip
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = trl.GRPOTrainer(model=model, reward_funcs=accuracy_reward, args=args,
+                                  train_dataset=Dataset.from_list(rows), processing_class=tok)  # fmt: skip
+    trainer._generate_single_turn = _trl_rollout(completions)
+    with StepSpy() as spy:
+        trainer.train()
+    names = {id(p): n for n, p in trainer.model.named_parameters()}
+    rewards = [r["reward"] for r in trainer.state.log_history if "reward" in r]
+    return spy, names, {n: p.detach().clone() for n, p in trainer.model.named_parameters()}, rewards
+
+
+def _train_ours(model_dir, rows, completions, tmp_path, monkeypatch):
+    import json
+
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = parse_config([
+        "--model", str(model_dir), "--dataset", str(data), "--reward", "accuracy", "--output-dir",
+        str(tmp_path / "ours"), "--num-generations", str(G), "--prompts-per-step", str(N_PROMPTS),
+        "--max-completion-length", str(C), "--learning-rate", str(LR), "--lr-scheduler-type", "linear",
+        "--max-grad-norm", "1.0", "--loss-type", "dapo", "--beta", "0", "--max-steps", str(STEPS),
+        "--no-bf16", "--rollout", "native", "--eval-max-samples", "0", "--save-steps", "0", "--seed", "0",
+    ])  # fmt: skip
+    tok = load_tokenizer(str(model_dir))
+    monkeypatch.setattr(step_mod, "generate_groups", _our_rollout(completions, tok.pad_token_id))
+    models, setup = [], train_mod.setup
+
+    def spied_setup(cfg):
+        run = setup(cfg)
+        models.append(run.model)  # the run releases it when it ends
+        return run
+
+    monkeypatch.setattr(train_mod, "setup", spied_setup)
+    with StepSpy() as spy:
+        train_mod.train(cfg)
+    model = models[0]
+    names = {id(p): n for n, p in model.named_parameters()}
+    records = [json.loads(x) for x in (tmp_path / "ours" / "metrics.jsonl").read_text().splitlines()]
+    rewards = [r["reward_mean"] for r in records if "loss" in r]
+    return spy, names, {n: p.detach().clone() for n, p in model.named_parameters()}, rewards
+
+
+def _by_name(grads, names):
+    return {names[i]: g for i, g in grads.items()}
+
+
+@pytest.mark.slow
+def test_two_steps_move_the_weights_as_trl(two_layer_dir, tmp_path, monkeypatch):
+    rows = [{k: r[k] for k in ("prompt", "answer")} for r in arithmetic.dataset_rows("train")[:N_PROMPTS]]
+    completions = Completions(two_layer_dir, rows)
+    base = {n: p.detach().clone() for n, p in completions.model.named_parameters()}
+    t_spy, t_names, t_after, t_rewards = _train_trl(two_layer_dir, rows, completions)
+    o_spy, o_names, o_after, o_rewards = _train_ours(two_layer_dir, rows, completions, tmp_path, monkeypatch)
+
+    assert completions.calls == {"trl": STEPS, "ours": STEPS}
+    # each step: the whole 4-row dataset, so both batches hold the same prompts and completions
+    assert o_rewards == pytest.approx(t_rewards, abs=1e-6) and 0 < t_rewards[0] < 1, (o_rewards, t_rewards)
+    assert len(o_spy.steps) == len(t_spy.steps) == STEPS
+    for k, ((t_groups, t_grads), (o_groups, o_grads)) in enumerate(zip(t_spy.steps, o_spy.steps)):
+        for key in ("lr", "betas", "eps", "weight_decay"):  # the schedule's lr at this step, AdamW's settings
+            assert {g[key] for g in o_groups} == {g[key] for g in t_groups}, (k, key, o_groups, t_groups)
+        t, o = _by_name(t_grads, t_names), _by_name(o_grads, o_names)
+        assert set(o) == set(t)
+        diff = sum(float((o[n] - t[n]).double().square().sum()) for n in t) ** 0.5
+        norm = sum(float(t[n].double().square().sum()) for n in t) ** 0.5
+        assert norm > 0 and diff <= 1e-4 * norm, (k, diff, norm)
+    moved = {n: t_after[n] - base[n] for n in base}
+    diff = sum(float((o_after[n] - base[n] - moved[n]).double().square().sum()) for n in base) ** 0.5
+    norm = sum(float(m.double().square().sum()) for m in moved.values()) ** 0.5
+    assert norm > 0 and diff <= 1e-3 * norm, (diff, norm)
