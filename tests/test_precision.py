@@ -24,7 +24,7 @@ from grpo_fast.trainer.train import train
 
 ASSET = default_task.ASSET_DIR
 QUICK = ["--num-generations", "4", "--prompts-per-step", "2", "--max-completion-length", "16",
-         "--eval-max-samples", "0", "--save-steps", "0", "--warmup-ratio", "0",
+         "--eval-max-samples", "0", "--save-steps", "0", "--warmup-steps", "0",
          "--lr-scheduler-type", "constant"]  # fmt: skip
 
 

@@ -215,3 +215,34 @@ def test_two_steps_move_the_weights_as_trl(two_layer_dir, tmp_path, monkeypatch)
     diff = sum(float((o_after[n] - base[n] - moved[n]).double().square().sum()) for n in base) ** 0.5
     norm = sum(float(m.double().square().sum()) for m in moved.values()) ** 0.5
     assert norm > 0 and diff <= 1e-3 * norm, (diff, norm)
+
+
+@pytest.mark.parametrize("kind", ["linear", "cosine", "constant", "constant_with_warmup"])
+@pytest.mark.parametrize("warmup", [0, 0.1, 0.25, 3])
+def test_learning_rate_schedules_are_transformers_own(kind, warmup, tmp_path):
+    """Our --lr-scheduler-type / --warmup-steps give the factors transformers' `get_scheduler` gives under
+    TRL's Trainer (its warmup count from TrainingArguments.get_warmup_steps), at every step."""
+    from transformers import TrainingArguments, get_scheduler
+
+    for max_steps in (1, 7, 40):
+        cfg = parse_config(["--output-dir", str(tmp_path), "--lr-scheduler-type", kind, "--warmup-steps",
+                            str(warmup), "--max-steps", str(max_steps)], require_reward=False)  # fmt: skip
+        ours = train_mod.lr_lambda(cfg)
+        args = TrainingArguments(output_dir=str(tmp_path), warmup_steps=warmup, lr_scheduler_type=kind)
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+        theirs = get_scheduler(kind, opt, num_warmup_steps=args.get_warmup_steps(max_steps),
+                               num_training_steps=max_steps)  # fmt: skip
+        for step in range(max_steps):
+            assert ours(step) == pytest.approx(theirs.get_last_lr()[0], abs=1e-12), (max_steps, step)
+            opt.step()
+            theirs.step()
+
+
+def test_warmup_steps_refuses_what_transformers_would_not_mean(tmp_path):
+    for bad in ("-1", "2.5"):
+        with pytest.raises(ValueError, match="warmup_steps must be a whole number"):
+            parse_config(["--output-dir", str(tmp_path), "--warmup-steps", bad], require_reward=False)
+    config = tmp_path / "c.json"
+    config.write_text('{"warmup_ratio": 0.1}')
+    with pytest.raises(ValueError, match="warmup_ratio is warmup_steps now"):
+        parse_config(["--config", str(config)], require_reward=False)

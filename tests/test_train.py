@@ -32,7 +32,7 @@ QUICK = [
     "0",
     "--save-steps",
     "0",
-    "--warmup-ratio",
+    "--warmup-steps",
     "0",
     "--lr-scheduler-type",
     "constant",

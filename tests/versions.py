@@ -80,7 +80,7 @@ def version_argv(tmp_path, G: int, steps: int, temperature: float) -> list:
     return [
         "--output-dir", str(tmp_path / "run"), "--reward", f"{reward}:spread", "--num-generations", str(G),
         "--prompts-per-step", "2", "--eval-max-samples", "0", "--save-steps", "1", "--save-total-limit",
-        str(steps + 1), "--max-steps", str(steps), "--learning-rate", "3e-3", "--warmup-ratio", "0",
+        str(steps + 1), "--max-steps", str(steps), "--learning-rate", "3e-3", "--warmup-steps", "0",
         "--lr-scheduler-type", "constant", "--time-budget-s", "0", "--temperature", str(temperature),
     ]  # fmt: skip
 

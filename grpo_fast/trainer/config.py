@@ -219,8 +219,15 @@ class GRPOConfig:
     adam_beta2: float = _f(0.999, "AdamW beta2")
     weight_decay: float = _f(0.0, "AdamW weight decay")
     max_grad_norm: float = _f(1.0, "gradient clipping norm")
-    warmup_ratio: float = _f(0.0, "fraction of max_steps with linear warmup")
-    lr_scheduler_type: str = _f("linear", "decay after warmup", choices=("linear", "cosine", "constant"))
+    warmup_steps: float = _f(
+        0.0, "linear warmup from 0 over this many steps (>= 1), or this fraction of max_steps (< 1), as TRL's"
+    )
+    lr_scheduler_type: str = _f(
+        "linear",
+        "transformers' schedule of that name: linear / cosine decay to 0 after the warmup, constant (no "
+        "warmup), constant_with_warmup",
+        choices=("linear", "cosine", "constant", "constant_with_warmup"),
+    )
     gradient_accumulation_steps: int = _f(
         1, "micro-batches per optimizer step (prompts_per_step splits evenly)"
     )
@@ -270,8 +277,8 @@ DEFAULT_TASK_PRESET = dict(
     max_completion_length=20,
     max_prompt_length=32,
     learning_rate=1e-4,
-    warmup_ratio=0.02,
-    lr_scheduler_type="constant",
+    warmup_steps=0.02,
+    lr_scheduler_type="constant_with_warmup",
     max_steps=400,
     eval_steps=25,
     eval_max_samples=128,
@@ -349,6 +356,8 @@ def load_config_file(path: str) -> dict:
         raise ValueError(f"--config {path}: expected a mapping of config fields, got {type(data).__name__}")
     names = {f.name for f in dataclasses.fields(GRPOConfig)}
     unknown = sorted(k for k in (k.replace("-", "_") for k in data) if k not in names)
+    if "warmup_ratio" in unknown:  # transformers 5 folded it into warmup_steps, as we do
+        raise ValueError(f"--config {path}: warmup_ratio is warmup_steps now (a value < 1 is a fraction)")
     if unknown:
         raise ValueError(f"--config {path}: unknown fields {unknown}")
     return {k.replace("-", "_"): v for k, v in data.items()}
@@ -391,6 +400,11 @@ def validate(cfg: GRPOConfig, require_reward: bool = True) -> GRPOConfig:
         )
     if cfg.max_memory_gb < 0:
         raise ValueError(f"max_memory_gb must be >= 0 (0 = no plan), got {cfg.max_memory_gb}")
+    if cfg.warmup_steps < 0 or (cfg.warmup_steps >= 1 and cfg.warmup_steps != int(cfg.warmup_steps)):
+        raise ValueError(
+            f"warmup_steps must be a whole number of steps (>= 1) or a fraction of max_steps in [0, 1), got "
+            f"{cfg.warmup_steps}"
+        )
     if cfg.temperature <= 0:
         raise ValueError(f"temperature must be > 0 for sampling, got {cfg.temperature}")
     if not 0 < cfg.top_p <= 1:

@@ -554,19 +554,23 @@ def sampler_state(run: Run) -> dict:
 # Helpers
 # --------------------------------------------------------------------------------------------------------
 def lr_lambda(cfg: GRPOConfig):
-    warm = int(cfg.warmup_ratio * cfg.max_steps)
+    """The learning-rate factor at each step: transformers' schedule named by lr_scheduler_type (what TRL's
+    Trainer runs), its warmup from 0 over warmup_steps (a fraction < 1 of max_steps, rounded up)."""
+    w = cfg.warmup_steps
+    warm = int(w) if w >= 1 else math.ceil(w * cfg.max_steps)
+    kind = cfg.lr_scheduler_type
 
     def f(step):
-        if step < warm:
-            return (step + 1) / (warm + 1)
-        if cfg.lr_scheduler_type == "constant":
+        if kind == "constant":
             return 1.0
+        if step < warm:
+            return step / max(1, warm)
+        if kind == "constant_with_warmup":
+            return 1.0
+        if kind == "linear":
+            return max(0.0, (cfg.max_steps - step) / max(1, cfg.max_steps - warm))
         progress = (step - warm) / max(1, cfg.max_steps - warm)
-        return (
-            max(0.0, 1 - progress)
-            if cfg.lr_scheduler_type == "linear"
-            else 0.5 * (1 + math.cos(math.pi * progress))
-        )
+        return max(0.0, 0.5 * (1 + math.cos(math.pi * progress)))
 
     return f
 
