@@ -15,7 +15,7 @@ from grpo_fast.models.model_parts import lm_head_of
 from grpo_fast.models.shared_prefix import shared_prefix_forward
 from grpo_fast.rollout import generate_groups
 from grpo_fast.rollout.reference import generate_plain
-from grpo_fast.rollout.sampling import draw, filtered
+from grpo_fast.rollout.sampling import BLOCK, draw, filtered, inverse_cdf
 
 pytestmark = pytest.mark.transformers_range
 V, EOS = 97, 1
@@ -90,6 +90,29 @@ def test_sampled_tokens_follow_the_softmax():
         assert chi2 < 80, chi2
         # the reported log-prob is the unfiltered softmax(logits / T)
         assert torch.allclose(logp, torch.log_softmax(logits[0] / T, 0)[tok], atol=1e-6)
+
+
+def test_the_two_level_inverse_cdf_draws_each_token_with_its_probability():
+    """Over a vocabulary of several blocks and a partial last one, tokens of mass 0 among them (what top-k /
+    top-p leave), `inverse_cdf` draws each token at its probability and never one of mass 0, also at u = 0
+    and u just below 1."""
+    torch.manual_seed(0)
+    V, N = 2 * BLOCK + 88, 200_000
+    probs = torch.softmax(torch.randn(V, dtype=torch.float64) * 2, 0)
+    probs[::7] = 0
+    probs[BLOCK : 2 * BLOCK] = 0  # a whole block without mass
+    probs /= probs.sum()
+    tok = inverse_cdf(probs.float().expand(N, -1).contiguous(), torch.rand(N))
+    freq = torch.bincount(tok, minlength=V).double() / N
+    keep = probs > 0
+    assert freq[~keep].sum() == 0
+    se = (probs * (1 - probs) / N).sqrt()
+    assert ((freq - probs).abs() <= 5 * se + 1e-9).all()
+    chi2 = (N * (freq - probs)[keep] ** 2 / probs[keep]).sum()
+    dof = int(keep.sum()) - 1
+    assert chi2 < dof + 5 * (2 * dof) ** 0.5, (chi2, dof)
+    edges = inverse_cdf(probs.float().expand(2, -1).contiguous(), torch.tensor([0.0, 1 - 2**-24]))
+    assert (probs[edges] > 0).all()
 
 
 @pytest.mark.parametrize(
