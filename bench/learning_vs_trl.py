@@ -260,16 +260,14 @@ def summarize(results: dict) -> dict:
         "learning_seed_spread": statistics.mean(curve_gap(single(a), single(b)) for a, b in pairs)
         if pairs
         else float("nan"),  # one seed: no spread to compare with
-        "learning_heldout_gain_trl": heldout_gain(trl)[0],
-        "learning_heldout_gain_trl_se": heldout_gain(trl)[1],
     }
+    summary["learning_heldout_gain_trl"], summary["learning_heldout_gain_trl_se"] = heldout_gain(trl)
     for row, runs in results.items():  # ours: the keys as named; our other rows suffixed (_fastest, ...)
         if row == "trl" or not runs:
             continue
         tail = row.removeprefix("ours")
-        summary[f"learning_heldout_gain{tail}"], summary[f"learning_heldout_gain{tail}_se"] = heldout_gain(
-            runs
-        )
+        gain, se = heldout_gain(runs)
+        summary[f"learning_heldout_gain{tail}"], summary[f"learning_heldout_gain{tail}_se"] = gain, se
         summary[f"learning_per_step_gap_vs_trl{tail}"] = curve_gap(mean_curve(runs), mean_curve(trl))
         summary[f"learning_pair_gap_vs_trl{tail}"] = statistics.mean(
             curve_gap(single(a), single(b)) for a in runs for b in trl

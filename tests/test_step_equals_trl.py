@@ -12,6 +12,8 @@ truncated completion). fp32 in both (TRL `bf16=False`, ours `--no-bf16`): any di
 on shows at the size of the update, rounding at ~1e-6 of it.
 """
 
+import copy
+import json
 import warnings
 import zlib
 
@@ -36,8 +38,6 @@ G, C, N_PROMPTS, STEPS, LR = 4, 16, 4, 2, 1e-4
 @pytest.fixture(scope="module")
 def two_layer_dir(smollm2, tmp_path_factory):
     """SmolLM2-135M-Instruct's first two decoder layers, with its tokenizer, saved as a model directory."""
-    import copy
-
     model, tok = smollm2
     small = copy.deepcopy(model)
     small.model.layers = small.model.layers[:2]
@@ -60,16 +60,22 @@ class Completions:
         self.answer = {}
         for r in rows:  # the prompt's ids as TRL tokenizes them (apply_chat_template, tokenize=True)
             ids = self.tok.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=True)
-            ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+            ids = ids["input_ids"] if hasattr(ids, "keys") else ids  # a BatchEncoding in transformers 5
             self.answer[tuple(ids)] = r["answer"]
-        self.calls = {}
+        self.calls, self.made = {}, {}
 
     def _text(self, s):
         return self.tok(s, add_special_tokens=False)["input_ids"]
 
-    @torch.no_grad()
     def of(self, prompt_ids: tuple, call: int) -> list[list[int]]:
+        """The same lists for both trainers: sampled once per (prompt, call)."""
         answer = self.answer[prompt_ids]  # KeyError: this trainer encoded the prompt differently
+        if (prompt_ids, call) not in self.made:
+            self.made[prompt_ids, call] = self._make(prompt_ids, call, answer)
+        return self.made[prompt_ids, call]
+
+    @torch.no_grad()
+    def _make(self, prompt_ids: tuple, call: int, answer: str) -> list[list[int]]:
         g = torch.Generator().manual_seed(zlib.crc32(repr((call, prompt_ids)).encode()))
         ids = torch.tensor([prompt_ids])
         for _ in range(C):
@@ -157,8 +163,6 @@ def _train_trl(model_dir, rows, completions):
 
 
 def _train_ours(model_dir, rows, completions, tmp_path, monkeypatch):
-    import json
-
     data = tmp_path / "rows.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     cfg = parse_config([

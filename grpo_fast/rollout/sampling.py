@@ -16,7 +16,8 @@ def eos_and_pad(eos_token_id) -> tuple[list, int]:
 
 
 def filtered(scaled, top_k: int, top_p: float):
-    """(rows, V) temperature-scaled logits with the tokens outside top-k, then outside top-p, at -inf."""
+    """(rows, V) temperature-scaled logits with the tokens outside top-k, then outside top-p, at -inf (the
+    same tensor when neither filters)."""
     if top_k and top_k < scaled.shape[-1]:
         kth = torch.topk(scaled, top_k, dim=-1).values[:, -1:]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
@@ -46,8 +47,8 @@ def draw(logits, u, temperature: float, top_k: int, top_p: float):
     if temperature == 0:
         tok = logits.argmax(-1)
     else:
-        unfiltered = not (top_k and top_k < scaled.shape[-1]) and top_p >= 1.0
-        probs = logp_all.exp() if unfiltered else torch.softmax(filtered(scaled, top_k, top_p), -1)
+        kept = filtered(scaled, top_k, top_p)  # `scaled` itself when nothing is filtered out
+        probs = logp_all.exp() if kept is scaled else torch.softmax(kept, -1)
         tok = inverse_cdf(probs, u)
     return tok, logp_all.gather(-1, tok[:, None]).squeeze(-1)
 
