@@ -11,6 +11,16 @@ if not torch.cuda.is_available():
 # differs between the machines CI lands on); subprocesses inherit it; test_precision checks the table itself
 os.environ.setdefault("GRPO_FAST_CPU_BF16", "0")
 
+# Inductor's cache keys miss ATen's CPU capability: a graph compiled under ATEN_CPU_CAPABILITY=avx512 and
+# reused under =avx2 on the same machine segfaulted (tests/test_rollout.py's compiled decode); one cache per
+# capability (subprocesses inherit it)
+os.environ.setdefault(
+    "TORCHINDUCTOR_CACHE_DIR",
+    os.path.join(
+        os.environ.get("TMPDIR", "/tmp"), f"torchinductor_{os.environ.get('ATEN_CPU_CAPABILITY', 'default')}"
+    ),
+)
+
 import pytest  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
