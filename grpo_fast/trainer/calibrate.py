@@ -210,7 +210,8 @@ def cache_path() -> Path:
 
 
 def cache_key(shapes: Shapes) -> str:
-    """CPU model name, a digest of its flags, torch version, threads, shapes: what a ratio depends on."""
+    """CPU model name, a digest of its flags, torch version and ATen capability, threads, shapes: what a ratio
+    depends on."""
     from ..rollout import native
 
     info = native._cpuinfo()
@@ -219,10 +220,22 @@ def cache_key(shapes: Shapes) -> str:
         info.get("model name", "unknown CPU"),
         f"flags {flags}",
         f"torch {torch.__version__}",
+        f"ATen {torch.backends.cpu.get_cpu_capability()}",  # ATEN_CPU_CAPABILITY picks other kernels
         f"threads {torch.get_num_threads()}",
         "shapes " + ",".join(f"{k}={v}" for k, v in asdict(shapes).items()),
     ]
     return " | ".join(parts)
+
+
+def _timed(timer, name: str, fn) -> float:
+    """timer(name, fn), or inf (never chosen) for a 16-bit recipe this torch cannot run here: bf16 SDPA under
+    ATEN_CPU_CAPABILITY=avx2 on an AMX CPU raises "pack_vnni2 is only supported when avx512 is supported"."""
+    try:
+        return timer(name, fn)
+    except RuntimeError:
+        if name.endswith("/fp32"):
+            raise
+        return math.inf
 
 
 def measure(shapes: Shapes, timer=None) -> Calibration:
@@ -235,7 +248,7 @@ def measure(shapes: Shapes, timer=None) -> Calibration:
     best: dict = {}
     for order in (list(steps), list(steps)[::-1]):  # two passes, the second reversed: each recipe's faster
         for name in order:  # one (other work that came or went meanwhile slows one pass, not both)
-            best[name] = min(best.get(name, math.inf), timer(name, steps[name]))
+            best[name] = min(best.get(name, math.inf), _timed(timer, name, steps[name]))
     train = {r: best[f"train/{r}"] for r in TRAIN_RECIPES}
     decode = {r: best[f"decode/{r}"] for r in DECODE_RECIPES}
     return Calibration(
