@@ -29,6 +29,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -284,11 +285,18 @@ def main(argv=None) -> int:
 
     if not args.dry_run and not torch.cuda.is_available():
         raise SystemExit("gpu_suite: no CUDA device (use --dry-run for the CPU smoke run)")
-    from bench._utils import machine_info
-
     start = time.time()
     deadline = start + args.budget - RESERVE_S
-    cache = Path(tempfile.mkdtemp(prefix="gpu_suite_cache_"))
+    cache = Path(tempfile.mkdtemp(prefix="gpu_suite_cache_"))  # removed at the end: packed into OUTDIR
+    try:
+        return _run(args, out, start, deadline, cache)
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
+
+
+def _run(args, out: Path, start: float, deadline: float, cache: Path) -> int:
+    from bench._utils import machine_info
+
     note = restore_cache(Path(args.cache_from) if args.cache_from else None, cache)
     os.environ.update(TRITON_CACHE_DIR=str(cache / "triton"), GRPO_FAST_SUITE_CACHE=str(cache))
     names = plan(args.tier, args.sections)

@@ -35,8 +35,13 @@ def _command(python, out, *args):
 
 
 def _dry_run(python, out, *args):
+    """The call, its temporary files in a folder of their own: the suite leaves nothing there."""
     cmd, env = _command(python, out, *args)
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    tmp = Path(f"{out}.tmp")
+    tmp.mkdir(parents=True)
+    proc = subprocess.run(cmd, env=dict(env, TMPDIR=str(tmp)), capture_output=True, text=True, timeout=900)
+    assert not list(tmp.glob("gpu_suite_cache_*")), "the suite left its compile cache folder behind"
+    return proc
 
 
 def test_plan_fits_the_loan():
