@@ -115,6 +115,37 @@ def test_the_two_level_inverse_cdf_draws_each_token_with_its_probability():
     assert (probs[edges] > 0).all()
 
 
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("products", [False, True])
+def test_decode_attention_equals_one_softmax_over_prompt_and_own_keys(dtype, tol, products):
+    """A decoding row's attention (the CPU's two flash calls merged by log-sum-exp, and the products other
+    devices run) equals fp64 attention written here over [its group's real prompt keys; its own keys up to
+    its position], with GQA heads, left padding and unwritten slots holding garbage."""
+    torch.manual_seed(0)
+    n, G, kvh, rep, d, P, cap = 3, 4, 2, 3, 16, 9, 8
+    R, h = n * G, kvh * rep
+    q = torch.randn(R, h, d)
+    pk, pv = torch.randn(n, kvh, P, d), torch.randn(n, kvh, P, d)
+    ck, cv = torch.randn(R, kvh, cap, d) * 3, torch.randn(R, kvh, cap, d)
+    pad = torch.tensor([0, 4, 8])  # left padding per prompt (the last has one real token)
+    t = torch.randint(0, cap, (R,))
+    prompt_real = torch.arange(P)[None, :] >= pad[:, None]
+    own_real = torch.arange(cap)[None, :] <= t[:, None]
+    bias = lambda real: torch.where(real, 0.0, float("-inf"))  # noqa: E731
+    attention = native._merge_attention_products if products else native._merge_attention
+    out = attention(
+        *(x.to(dtype) for x in (q, pk, pv, ck, cv)),
+        bias(prompt_real).to(dtype).view(n, 1, 1, P), bias(own_real).to(dtype).view(R, 1, 1, cap), 0.25,
+    ).double()
+    for r in range(R):
+        g = r // G
+        for j in range(h):
+            keys = torch.cat([pk[g, j // rep][prompt_real[g]], ck[r, j // rep][own_real[r]]]).double()
+            vals = torch.cat([pv[g, j // rep][prompt_real[g]], cv[r, j // rep][own_real[r]]]).double()
+            want = torch.softmax(keys @ q[r, j].double() * 0.25, 0) @ vals
+            torch.testing.assert_close(out[r, j * d : (j + 1) * d], want, atol=tol, rtol=tol)
+
+
 @pytest.mark.parametrize(
     "engine,share_prefix,top_p,top_k",
     [

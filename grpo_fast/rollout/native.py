@@ -246,26 +246,49 @@ def _rope(x, cos, sin):
     return x * cos + rotated * sin
 
 
-def _merge_attention(q, pk, pv, ck, cv, bias, scaling):
-    """q (R, h, d) over its group's prompt KV (n, kvh, P, d) and its own completion KV (R, kvh, Cap, d), one
-    softmax over both (fp32); `bias` (n, G, 1, 1, P + Cap) holds 0 / -inf for padding and unwritten slots."""
+def _merge_attention(q, pk, pv, ck, cv, prompt_bias, own_bias, scaling):
+    """q (R, h, d) over its group's prompt KV (n, kvh, P, d) and its own completion KV (R, kvh, Cap, d): one
+    softmax over both. `prompt_bias` (n, 1, 1, P) and `own_bias` (R, 1, 1, Cap) hold 0 / -inf (padding,
+    unwritten slots) in q's dtype. On a CPU: one flash-attention call each (the group's G rows x rep heads as
+    the rows of the prompt's, so its KV is read once per group) merged by their log-sum-exps (fp32): 1.7x
+    faster than the products below at SmolLM2's decode shapes in bf16, 1.2x in fp32, where ~15 small ops
+    cost more than their arithmetic."""
+    R, h, d = q.shape
+    n, kvh = pk.shape[0], pk.shape[1]
+    G, rep = R // n, h // kvh
+    if q.device.type != "cpu":
+        return _merge_attention_products(q, pk, pv, ck, cv, prompt_bias, own_bias, scaling)
+    qg = q.view(n, G, kvh, rep, d).transpose(1, 2).reshape(n, kvh, G * rep, d)
+    o_p, lse_p = _cpu_flash(qg, pk, pv, attn_mask=prompt_bias, scale=scaling)
+    o_o, lse_o = _cpu_flash(q.view(R, kvh, rep, d), ck, cv, attn_mask=own_bias, scale=scaling)
+    o_p = o_p.view(n, kvh, G, rep, d).transpose(1, 2).reshape(R, kvh, rep, d)
+    lse_p = lse_p.view(n, kvh, G, rep).transpose(1, 2).reshape(R, kvh, rep, 1)
+    w = torch.sigmoid(lse_p - lse_o.unsqueeze(-1))  # the prompt's share of the merged softmax's mass
+    return torch.lerp(o_o.float(), o_p.float(), w).to(q.dtype).reshape(R, h * d)
+
+
+def _merge_attention_products(q, pk, pv, ck, cv, prompt_bias, own_bias, scaling):
+    """`_merge_attention` as batched products and one fp32 softmax over the concatenated scores (any
+    device)."""
     R, h, d = q.shape
     n, kvh, P = pk.shape[0], pk.shape[1], pk.shape[2]
     G, rep, cap = R // n, h // kvh, ck.shape[2]
     q = q * scaling
-    # 1. scores over the prompt: the group's G rows x rep heads are the rows of one product with its keys,
-    #    so the prompt KV is read once per group and never copied per sample
     qg = q.view(n, G, kvh, rep, d).permute(0, 2, 1, 3, 4).reshape(n, kvh, G * rep, d)
     s_p = torch.matmul(qg, pk.transpose(-1, -2)).view(n, kvh, G, rep, P).permute(0, 2, 1, 3, 4)
-    # 2. scores over its own completion, then one softmax over both
     q5 = q.view(n, G, kvh, rep, d)
     s_o = torch.matmul(q5, ck.view(n, G, kvh, cap, d).transpose(-1, -2))
-    p = torch.softmax(torch.cat([s_p, s_o], dim=-1).float() + bias, dim=-1).to(pv.dtype)
-    # 3. the two value products, summed
+    bias = torch.cat(
+        [prompt_bias.view(n, 1, 1, 1, P).expand(n, G, 1, 1, P), own_bias.view(n, G, 1, 1, cap)], dim=-1
+    )
+    p = torch.softmax(torch.cat([s_p, s_o], dim=-1).float() + bias.float(), dim=-1).to(pv.dtype)
     p_p = p[..., :P].permute(0, 2, 1, 3, 4).reshape(n, kvh, G * rep, P)
     o = torch.matmul(p_p, pv).view(n, kvh, G, rep, d).permute(0, 2, 1, 3, 4)
     o = o + torch.matmul(p[..., P:], cv.view(n, G, kvh, cap, d))
     return o.reshape(R, h * d)
+
+
+_cpu_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu  # (out, log-sum-exp)
 
 
 class NativeEngine:
@@ -322,22 +345,19 @@ class NativeEngine:
         tok = b.out.gather(1, t[:, None]).squeeze(1)
         x = self.base.embed_tokens(tok)  # (R, H)
         cos, sin = self.base.rotary_emb(x[:, None, :], (b.plen + t).unsqueeze(1))  # (R, 1, d)
-        own_bias = torch.where(torch.arange(cap, device=x.device)[None, :] <= t[:, None], 0.0, float("-inf"))
-        n, P = b.prompt_bias.shape[0], b.prompt_bias.shape[-1]
-        bias = torch.cat(
-            [
-                b.prompt_bias.view(n, 1, 1, 1, P).expand(n, R // n, 1, 1, P),
-                own_bias.view(n, R // n, 1, 1, cap),
-            ],
-            dim=-1,
-        )
-        slot = t.view(R, 1, 1, 1).expand(R, kvh, 1, d)
+        own = torch.arange(cap, device=x.device)[None, :] <= t[:, None]
+        own_bias = torch.where(own, 0.0, float("-inf")).to(b.comp_k[0].dtype).view(R, 1, 1, cap)
+        prompt_bias = b.prompt_bias.to(b.comp_k[0].dtype)
+        # where each row's new key / value goes in a layer's (R, kvh, Cap, d) buffer, as rows of its (-1, d)
+        # view: an index copy of R * kvh rows (a scatter_ along Cap ran 7x slower in bf16 at decode shapes)
+        slot = ((torch.arange(R, device=t.device) * kvh)[:, None] + torch.arange(kvh, device=t.device)) * cap
+        slot = (slot + t[:, None]).view(-1)
 
         def attend(i, q, k, v):
-            b.comp_k[i].scatter_(2, slot, k.unsqueeze(2))
-            b.comp_v[i].scatter_(2, slot, v.unsqueeze(2))
+            b.comp_k[i].view(-1, d).index_copy_(0, slot, k.reshape(-1, d))
+            b.comp_v[i].view(-1, d).index_copy_(0, slot, v.reshape(-1, d))
             return _merge_attention(
-                q, b.prompt_k[i], b.prompt_v[i], b.comp_k[i], b.comp_v[i], bias, self.scaling
+                q, b.prompt_k[i], b.prompt_v[i], b.comp_k[i], b.comp_v[i], prompt_bias, own_bias, self.scaling
             )
 
         logits = head(self.final_norm(self._decoder(x, cos, sin, layers, attend)))
@@ -360,23 +380,22 @@ class NativeEngine:
         e, L = int(b.lengths[r]) - 1, len(tokens)
         b.out[r, e + 1 : e + 1 + L] = torch.tensor(tokens, dtype=b.out.dtype, device=b.out.device)
         b.logp[r, e + 1 : e + 1 + L] = 0.0
-        n, P = b.prompt_bias.shape[0], b.prompt_bias.shape[-1]
+        n = b.prompt_bias.shape[0]
         g, cap, kvh, d = r // (b.out.shape[0] // n), b.comp_k[0].shape[2], self.n_kv, self.head_dim
         slots = torch.arange(e, e + L, device=b.out.device)
         x = self.base.embed_tokens(b.out[r, e : e + L])  # (L, H)
         cos, sin = self.base.rotary_emb(x[:, None, :], (b.plen[r] + slots)[:, None])
-        own = torch.where(torch.arange(cap, device=x.device)[None, :] <= slots[:, None], 0.0, float("-inf"))
-        bias = torch.cat(
-            [b.prompt_bias[g].view(1, 1, 1, 1, P).expand(1, L, 1, 1, P), own.view(1, L, 1, 1, cap)], -1
-        )
+        dtype = b.comp_k[0].dtype
+        own = torch.arange(cap, device=x.device)[None, :] <= slots[:, None]
+        own_bias = torch.where(own, 0.0, float("-inf")).to(dtype).view(L, 1, 1, cap)
+        prompt_bias = b.prompt_bias[g : g + 1].to(dtype)
 
         def attend(i, q, k, v):
             b.comp_k[i][r, :, e : e + L] = k.transpose(0, 1)
             b.comp_v[i][r, :, e : e + L] = v.transpose(0, 1)
             ck, cv = (c[i][r : r + 1].expand(L, kvh, cap, d) for c in (b.comp_k, b.comp_v))
-            return _merge_attention(
-                q, b.prompt_k[i][g : g + 1], b.prompt_v[i][g : g + 1], ck, cv, bias, self.scaling
-            )
+            pk, pv = b.prompt_k[i][g : g + 1], b.prompt_v[i][g : g + 1]
+            return _merge_attention(q, pk, pv, ck, cv, prompt_bias, own_bias, self.scaling)
 
         self._decoder(x, cos, sin, layers, attend)
         b.t[r] = e + L
