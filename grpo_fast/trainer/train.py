@@ -138,14 +138,16 @@ def train(cfg: GRPOConfig) -> dict:
                 stopped = True
                 break
             rollout_peak = peak_mib(run.device)
-            release_free_memory(run.device)  # CPU: what the rollout freed (packed weights, buffers) goes back
+            # CPU: what the rollout freed (packed weights, buffers) goes back under a memory budget, or when
+            # the machine runs short (else it is the next step's working set: grpo_fast.trainer.memory)
+            release_free_memory(run.device, under_pressure_only=not cfg.max_memory_gb)
             t1 = clock(run.device)
             reset_peak(run.device)
             sc = score_rollout(run, rows, ro)  # 2. rewards, group advantages over the global batch
             t2 = clock(run.device)
             metrics, grad_norm, micro = optimize(run, ro, sc)  # 3. the clipped loss through the fused kernels
             peaks = (rollout_peak, peak_mib(run.device))
-            release_free_memory(run.device)  # CPU: the heap's free pages back, so no step inherits them
+            release_free_memory(run.device, under_pressure_only=not cfg.max_memory_gb)  # the same
             t3 = clock(run.device)
             try:
                 extra.update(run.rollouts.after_update(run.step))  # servers: the new weights pushed, verified
