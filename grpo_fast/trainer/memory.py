@@ -17,14 +17,19 @@ from pathlib import Path
 import torch
 
 
-def _status_kib(field: str) -> int | None:
+def _proc_kib(file: str, field: str) -> int | None:
+    """A field of /proc/self/status or /proc/meminfo, in KiB (None where unreadable)."""
     try:
-        for line in Path("/proc/self/status").read_text().splitlines():
+        for line in Path(file).read_text().splitlines():
             if line.startswith(field + ":"):
                 return int(line.split()[1])
     except OSError:
         pass
     return None
+
+
+def _status_kib(field: str) -> int | None:
+    return _proc_kib("/proc/self/status", field)
 
 
 def current_mib(device) -> float:
@@ -131,13 +136,8 @@ def available_mib() -> float:
 
 
 def _meminfo_kib(field: str) -> float:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith(field + ":"):
-                return float(line.split()[1])
-    except OSError:
-        pass
-    return float("inf")  # unknown: never short of memory
+    kib = _proc_kib("/proc/meminfo", field)
+    return float("inf") if kib is None else float(kib)  # unknown: never short of memory
 
 
 MMAP_ABOVE_MIB = 0.125  # glibc's initial mmap threshold, held there under a budget (map_large_allocations)
