@@ -89,7 +89,10 @@ LABELS = {
     "grpo_fast_async": "grpo-fast, colocated async --max-staleness 1 (a thread samples a weight copy)",
     "grpo_fast_async_bf16": "grpo-fast, colocated async --max-staleness 1, --rollout-dtype bf16 (corrected)",
     "grpo_fast_async_mp": "grpo-fast, colocated async --max-staleness 1, --bf16 (autocast, corrected)",
+    "grpo_fast_default": "grpo-fast at its defaults (--bf16 and --rollout-dtype unset: this machine decides)",
+    "grpo_fast_default_async": "grpo-fast at its defaults, colocated async --max-staleness 1",
 }
+STEADY_STEPS = 4  # an async row's measured steps after its first (the head start), for a steady-state figure
 # the training settings both trainers get, under the names both use
 SAME_FOR_BOTH = dict(temperature=1.0, beta=0.0, loss_type="dapo", learning_rate=1e-6)
 MIN_WORKER_S = 20  # a provider is not started with less time than this before --deadline
@@ -323,7 +326,9 @@ def run_grpo_fast(a: dict) -> dict:
         rollout="vllm" if a["provider"].startswith(("grpo_fast_vllm", "grpo_fast_server")) else "auto",
         **server_options(a),
         rollout_dtype="bf16" if a["provider"].endswith("_bf16") else "model",
-        bf16=a["provider"].endswith("_mp"),  # the others fp32, as TRL's bf16=False row
+        # the default rows leave bf16 unset, as `grpo-fast train` does (the calibration decides); the others
+        # fp32, as TRL's bf16=False row
+        bf16=None if a["provider"].startswith("grpo_fast_default") else a["provider"].endswith("_mp"),
         output_dir=a["out"],
         overwrite_output_dir=True,
         max_memory_gb=(base_mib / 1024 + above) if above else 0.0,
@@ -340,12 +345,15 @@ def run_grpo_fast(a: dict) -> dict:
                           gen_idle_s=r.get("async/generate_idle_s", 0.0),
                           trainer_wait_s=r.get("async/trainer_wait_s", 0.0),
                           tokens=round(r["tokens_per_s"] * step_s)))  # fmt: skip
+    resolved = json.loads((Path(a["out"]) / "config.json").read_text())  # what the run decided
+    train = "bf16" if resolved.get("bf16") else "fp32"
+    sample = resolved.get("rollout_dtype") if resolved.get("rollout_dtype") != "model" else train
     return {"steps": steps, "peak_mem_mb": peak_at_end.get("mb", peak_mib(device)) - base_mib,
-            "max_staleness": cfg.max_staleness}  # fmt: skip
+            "max_staleness": cfg.max_staleness, "precision": f"{train} / {sample}"}  # fmt: skip
 
 
 def server_options(a: dict) -> dict:
-    if a["provider"].startswith("grpo_fast_async"):
+    if a["provider"].startswith("grpo_fast_async") or a["provider"] == "grpo_fast_default_async":
         return dict(max_staleness=1)
     if "server_url" not in a:
         return {}
@@ -412,6 +420,9 @@ def measure_one(a: dict) -> dict:
         res = run_grpo_fast(a) if a["provider"].startswith("grpo_fast") else run_trl(a)
     if "steps" in res:
         steps = res["steps"]
+        pipelined = res.get("max_staleness", 0) > 0
+        if pipelined and len(steps) > 1:  # the first measured step had a head start (rollouts made early)
+            steps = steps[1:]
         total = {
             k: sum(s.get(k, 0.0) for s in steps)
             for k in ("step_s", "generate_s", "score_s", "train_s", "tokens", *SERVER_KEYS)
@@ -426,7 +437,22 @@ def measure_one(a: dict) -> dict:
             tokens_per_s=total["tokens"] / total["step_s"],
             **{k: total[k] / n for k in SERVER_KEYS},
         )
+        if pipelined:
+            steady_figure(res, n)
     return res
+
+
+def steady_figure(res: dict, n: int) -> None:
+    """A pipelined row's headline at steady state: its measured steps after the head start when there are
+    STEADY_STEPS of them, else the step model's max(generate, train) + sync from its own parts."""
+    model_s = max(res["gen_busy_s"], res["score_s"] + res["train_s"]) + res["push_s"]
+    res["tokens_per_s_step_model"] = res["tokens_per_step"] / model_s
+    if n >= STEADY_STEPS:
+        res["steady"] = f"measured: {n} steps after the head start"
+        return
+    res["tokens_per_s_measured"] = res["tokens_per_s"]
+    res["tokens_per_s"], res["step_s"] = res["tokens_per_s_step_model"], model_s
+    res["steady"] = f"step model: {n} step(s) after the head start, < {STEADY_STEPS}"
 
 
 SERVER_KEYS = ("sync_s", "push_s", "gen_busy_s", "gen_idle_s", "trainer_wait_s")
@@ -444,8 +470,12 @@ COLUMNS = [
     ("sync_s", "sync s (push + wait)"),
     ("tokens_per_s", "tokens/s"),
     ("speedup_vs_trl", "tokens/s vs TRL"),
+    ("speedup_vs_trl_default", "vs TRL bf16=True (its default)"),
+    ("generation_share", "generation / step"),
     ("peak_mem_mb", "peak MiB"),
     ("mem_vs_trl", "peak vs TRL"),
+    ("precision", "precision (bf16 autocast / rollout)"),
+    ("steady", "pipelined figure from"),
     ("skipped", "note"),
 ]
 
@@ -609,10 +639,15 @@ def main(argv=None, on_row=None) -> None:
                 )
             print(f"  {p:<20} {shown}   ({time.time() - t0:.0f}s)", flush=True)
     trl_row = next((r for r in rows if r["provider"] == "trl" and "step_s" in r), None)
+    trl_default = next((r for r in rows if r["provider"] == "trl_bf16" and "step_s" in r), None)
     for r in rows:
         if trl_row and "step_s" in r:
             r["speedup_vs_trl"] = r["tokens_per_s"] / trl_row["tokens_per_s"]
             r["mem_vs_trl"] = r["peak_mem_mb"] / trl_row["peak_mem_mb"]
+        if trl_default and "step_s" in r:  # TRL at its own default, bf16=True
+            r["speedup_vs_trl_default"] = r["tokens_per_s"] / trl_default["tokens_per_s"]
+        if "step_s" in r and "generate_s" in r:
+            r["generation_share"] = r["generate_s"] / r["step_s"]  # async: the trainer's wait for it
         if "error" in r:
             r["skipped"] = "error: " + r["error"]
     name = "bench_e2e" + ("_real" if real else "_quick" if args.quick else "")
@@ -622,7 +657,10 @@ def main(argv=None, on_row=None) -> None:
     info = machine_info()
     payload = {"machine": info, "config": dict(shape, warmup=args.warmup, steps=args.steps), "rows": rows}
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    payload["our_default"] = "grpo_fast_mp" if auto_bf16(device)[0] else "grpo_fast"
+    if any(r["provider"] == "grpo_fast_default" and "step_s" in r for r in rows):
+        payload["our_default"] = "grpo_fast_default"  # what `grpo-fast train` picked for this workload
+    else:  # the hand table's pick (no calibration: this process has no run config)
+        payload["our_default"] = "grpo_fast_mp" if auto_bf16(device)[0] else "grpo_fast"
     payload["config"]["model_params"] = model_params
     payload["workload"] = args.workload
     md = render(payload)

@@ -255,6 +255,7 @@ def measure_one(a: dict) -> dict:
         return measure_tools(a)
     torch.set_num_threads(torch.get_num_threads())
     model, ids, mask, eos = _work(a["workload"], a)
+    eos = None if a.get("no_eos") else eos  # every row runs C tokens (profile_decode's fixed-length calls)
     G, C, p = a["G"], a["C"], a["provider"]
 
     def call(c, seed):

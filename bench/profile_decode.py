@@ -1,98 +1,254 @@
-"""Where a rollout's time goes, per operator: the native engine (each rollout dtype asked for) and HF
-`generate` on the real workload (SmolLM2-135M-Instruct, bench_generate's chat prompts, T=1), under
-torch.profiler. For finding why one machine's native lead differs from another's: run it on both.
+"""The rollout against this machine's floor, and where its time goes.
 
-    python -m bench.profile_decode [--dtypes model,bf16] [--C 64] [--top 12]
+    python -m bench.profile_decode [--dtypes model,bf16] [--C 256] [--repeats 3] [--vllm] [--ops]
+                                   [--out-dir DIR]
 
-Writes bench/results/<machine>/profile_decode.{json,md}: per provider the seconds, completion tokens, and
-the operators with the most self CPU time (their share of the call, calls, ms per call), with the CPU model
-and flags (a profile holds for that instruction set).
+The work: bench_generate's real workload (SmolLM2-135M-Instruct, 2 chat prompts x G=8 = 16 rows), C tokens
+per row, T=1, no EOS (every row decodes all C tokens, so every call does the same work). Per rollout dtype
+(`--dtypes`, the native engine's `rollout_dtype`), `--repeats` calls after a warm-up call, each right after a
+measurement of the machine's read bandwidth (a 512 MiB fp32 sum on all threads); the engine's own phase
+timers (`NativeEngine.last_call`) split each call into prefill, weight packing and decode.
+
+The floor of a decode step is what it must read and what it must compute:
+- bytes: every linear layer's weights in the rollout dtype's format and the LM head (read once per token
+  step, whatever the row count), plus the KV the step attends (each group's real prompt tokens, each row's
+  completion tokens so far; the KV is in the policy's dtype, fp32);
+- FLOPs: 2 x rows x those weights, plus the attention's products.
+`decode_bandwidth_fraction` = bytes x steps / (decode seconds x read bandwidth); `decode_roofline_fraction`
+= max(bytes / bandwidth, FLOPs / the dtype's GEMM peak) / seconds, the peak measured here on a 2048^3
+product in that dtype (on a 2-core CPU a 16-row step can be compute-bound: its floor is then the FLOPs'). The
+prefill is held against the fp32 peak (`prefill_gemm_fraction`: it runs the model's own forward). `--vllm`
+adds vLLM CPU (the `.venv-vllm` engine, `make setup-vllm`) on the same rows, C and dtype, no EOS, its time
+per token step (prefill included) against the same floor. `--ops` adds the per-operator profile
+(torch.profiler, self CPU time) of one call per dtype.
+
+Writes <out-dir, default bench/results/<machine>>/profile_decode.{json,md} with the CPU model and flags; the
+summary keys (`decode_bandwidth_fraction_fp32`, `_bf16`, ...) reach summary.json through bench.report.
 """
 
 import argparse
+import statistics
 import time
 
 import torch
 
-from bench._utils import cpu_line, machine_info, markdown_table, write_results
-from bench.bench_generate import _hf, _work
+from bench._utils import (
+    NO_VLLM,
+    cpu_line,
+    machine_info,
+    markdown_table,
+    run_worker,
+    vllm_python,
+    write_results,
+)
+from bench.bench_generate import _work
 
-COLUMNS = [
-    ("provider", "provider"),
-    ("op", "operator"),
-    ("share", "share of self CPU time"),
-    ("calls", "calls"),
-    ("ms_per_call", "ms per call"),
-]
+G = 8
+PROMPTS = 2
+DTYPE_BYTES = {"model": 4, "fp32": 4, "bf16": 2, "fp16": 2, "int8": 1, "fp8": 1}
+HEAD_BYTES = {"model": 4, "fp32": 4, "bf16": 2, "fp16": 2, "int8": 4, "fp8": 4}  # 8-bit: an fp32 head
+PEAK_DTYPE = {"model": torch.float32, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+              "int8": torch.float32, "fp8": torch.float32}  # fmt: skip
+OP_COLUMNS = [("provider", "provider"), ("op", "operator"), ("share", "share of self CPU time"),
+              ("calls", "calls"), ("ms_per_call", "ms per call")]  # fmt: skip
 
 
-def profile(fn) -> tuple[float, list]:
-    """(seconds, tokens, [(op, self CPU us, calls)]) of one call of fn under the profiler, after a warm-up."""
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as torch_profile
-
-    fn()
-    with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
+    """GB/s of a sum over `gib` GiB of fp32 on all threads (median of `repeats`, after one untimed pass)."""
+    # random values: pages of one repeated value can be merged by the host (KSM) and read from cache
+    x = torch.rand(int(gib * 2**30) // 4, generator=torch.Generator().manual_seed(0))
+    x.sum()
+    times = []
+    for _ in range(repeats):
         t0 = time.perf_counter()
-        tokens = fn()
-        secs = time.perf_counter() - t0
-    ops = [(e.key, e.self_cpu_time_total, e.count) for e in prof.key_averages()]
-    return secs, tokens, sorted(ops, key=lambda o: -o[1])
+        x.sum()
+        times.append(time.perf_counter() - t0)
+    return x.numel() * 4 / statistics.median(times) / 1e9
+
+
+def gemm_peak(dtype, n: int = 2048, repeats: int = 3) -> float:
+    """GFLOP/s of an n x n x n product in `dtype` (median of `repeats`, after one untimed)."""
+    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    a @ b
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        a @ b
+        times.append(time.perf_counter() - t0)
+    return 2 * n**3 / statistics.median(times) / 1e9
+
+
+def decode_work(model, prompt_tokens: int, groups: int, rows: int, steps: int, dtype: str) -> dict:
+    """Bytes and FLOPs that `steps` decode steps of `rows` rows in `groups` groups (`prompt_tokens` real
+    prompt tokens in all) must read and compute (module docstring), summed over the steps."""
+    cfg = model.config
+    layers = model.model.layers
+    linear = sum(m.weight.numel() for m in layers.modules() if isinstance(m, torch.nn.Linear))
+    head = cfg.vocab_size * cfg.hidden_size
+    weights = linear * DTYPE_BYTES[dtype] + head * HEAD_BYTES[dtype]
+    kvh, heads = cfg.num_key_value_heads, cfg.num_attention_heads
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    kv_elem = next(model.parameters()).element_size()
+    # step s attends each group's real prompt tokens once and each row's s + 1 completion slots
+    slots = steps * prompt_tokens + rows * steps * (steps + 1) // 2
+    kv_bytes = len(layers) * 2 * kvh * d * kv_elem * slots
+    # attention products per query head: scores and the weighted sum over the keys a row sees
+    seen = rows // groups * prompt_tokens * steps + rows * steps * (steps + 1) // 2
+    attn_flops = len(layers) * heads * 4 * d * seen
+    return dict(
+        weight_bytes=weights * steps, kv_bytes=kv_bytes, bytes=weights * steps + kv_bytes,
+        flops=2 * rows * (linear + head) * steps + attn_flops,
+    )  # fmt: skip
+
+
+def prefill_flops(model, prompt_tokens: int) -> int:
+    params = sum(m.weight.numel() for m in model.model.layers.modules() if isinstance(m, torch.nn.Linear))
+    return 2 * prompt_tokens * params + 2 * PROMPTS * model.config.vocab_size * model.config.hidden_size
+
+
+def measure_native(model, ids, mask, C, dtype, repeats) -> dict:
+    from grpo_fast.rollout import generate_groups
+    from grpo_fast.rollout.native import engine_for
+
+    eng = engine_for(model)
+
+    def call(seed):
+        generate_groups(
+            model, ids, mask, G, C, temperature=1.0, eos_token_id=None, engine="native", compile=False,
+            rollout_dtype=dtype, generator=torch.Generator().manual_seed(seed),
+        )  # fmt: skip
+        return dict(eng.last_call)
+
+    call(99)  # warm-up: allocator, oneDNN primitives for these shapes
+    calls = []
+    for seed in range(repeats):
+        bw = read_bandwidth()
+        calls.append(dict(call(seed), bandwidth_gbs=bw))
+    return calls
+
+
+def measure_vllm(dtype, C, repeats) -> dict:
+    python = vllm_python()
+    if python is None:
+        return {"error": NO_VLLM}
+    provider = "vllm" if dtype in ("model", "fp32") else f"vllm_{dtype}"
+    job = dict(workload="real", provider=provider, prompts=PROMPTS, G=G, C=C, no_eos=True, quick=False,
+               repeats=repeats)  # fmt: skip
+    return run_worker("bench_generate", job, timeout=1800, python=python)
+
+
+def fractions(work: dict, steps: int, decode_s: float, bw: float, peak: float) -> dict:
+    floor_bw = work["bytes"] / (bw * 1e9)
+    floor = max(floor_bw, work["flops"] / (peak * 1e9))
+    return dict(
+        ms_per_step=1e3 * decode_s / steps, floor_ms_per_step=1e3 * floor / steps,
+        bandwidth_fraction=floor_bw / decode_s, roofline_fraction=floor / decode_s,
+        bound="bandwidth" if floor == floor_bw else "compute",
+    )  # fmt: skip
+
+
+def op_profile(model, ids, mask, C, dtype, top) -> list:
+    """The operators with the most self CPU time in one call (after a warm-up call)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from grpo_fast.rollout import generate_groups
+
+    def run():
+        generate_groups(
+            model, ids, mask, G, C, temperature=1.0, eos_token_id=None, engine="native", compile=False,
+            rollout_dtype=dtype, generator=torch.Generator().manual_seed(0),
+        )  # fmt: skip
+
+    run()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        run()
+    ops = sorted(((e.key, e.self_cpu_time_total, e.count) for e in prof.key_averages()), key=lambda o: -o[1])
+    total = sum(o[1] for o in ops) or 1
+    return [dict(provider=f"native {dtype}", op=op, share=us / total, calls=n, ms_per_call=us / 1e3 / n)
+            for op, us, n in ops[:top]]  # fmt: skip
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dtypes", default="model,bf16", help="native engine rollout dtypes to profile")
-    ap.add_argument("--C", type=int, default=64, help="completion tokens per sample")
-    ap.add_argument("--top", type=int, default=12, help="operators shown per provider")
+    ap.add_argument("--dtypes", default="model,bf16", help="native engine rollout dtypes")
+    ap.add_argument("--C", type=int, default=256, help="tokens per row (no EOS)")
+    ap.add_argument("--repeats", type=int, default=3, help="timed calls per dtype (the median is reported)")
+    ap.add_argument("--vllm", action="store_true", help="vLLM CPU beside (its own environment)")
+    ap.add_argument("--ops", action="store_true", help="add the per-operator profile of one call per dtype")
+    ap.add_argument("--top", type=int, default=12, help="operators shown per dtype (--ops)")
+    ap.add_argument("--out-dir", default=None)
     args = ap.parse_args(argv)
-    from grpo_fast.rollout import generate_groups
+    from pathlib import Path
 
     torch.manual_seed(0)
-    model, ids, mask, eos = _work("real", dict(prompts=2, quick=False))
-    G, C = 8, args.C
-
-    def native(dtype):
-        def run():
-            out = generate_groups(
-                model, ids, mask, G, C, temperature=1.0, eos_token_id=eos, engine="native", compile=False,
-                rollout_dtype=dtype, generator=torch.Generator().manual_seed(0),
-            )  # fmt: skip
-            return int(out[1].sum())
-
-        return run
-
-    providers = {f"native {d}": native(d) for d in args.dtypes.split(",")}
-    providers["hf"] = lambda: _hf(model, ids, mask, G, C, eos, 0)  # completion tokens, as bench_generate
-    rows, summary = [], []
+    model, ids, mask, _ = _work("real", dict(prompts=PROMPTS, quick=False))
+    R, C, steps = PROMPTS * G, args.C, args.C - 1  # the first token comes from the prefill's logits
+    prompt_tokens = int(mask.sum())
+    rows, summary, ops = [], {}, []
     with torch.no_grad():
-        for name, fn in providers.items():
-            secs, tokens, ops = profile(fn)
-            total = sum(o[1] for o in ops) or 1
-            summary.append(dict(provider=name, seconds=secs, tokens=tokens, tokens_per_s=tokens / secs))
-            for op, us, calls in ops[: args.top]:
-                share, per_call = us / total, us / 1e3 / calls
-                rows.append(dict(provider=name, op=op, share=share, calls=calls, ms_per_call=per_call))
-            print(f"{name}: {secs:.2f} s, {tokens} tokens", flush=True)
+        for dtype in args.dtypes.split(","):
+            name = "fp32" if dtype == "model" else dtype
+            peak = gemm_peak(PEAK_DTYPE[dtype])
+            calls = measure_native(model, ids, mask, C, dtype, args.repeats)
+            assert all(c["decode_steps"] == steps for c in calls), calls
+            work = decode_work(model, prompt_tokens, PROMPTS, R, steps, dtype)
+            per = [fractions(work, steps, c["decode_s"], c["bandwidth_gbs"], peak) for c in calls]
+            mid = sorted(range(len(per)), key=lambda i: per[i]["ms_per_step"])[len(per) // 2]  # median call
+            c, f = calls[mid], per[mid]
+            pre = prefill_flops(model, prompt_tokens) / c["prefill_s"] / 1e9 / gemm_peak(torch.float32)
+            rows.append(dict(engine="native", dtype=name, **f, bandwidth_gbs=c["bandwidth_gbs"],
+                             gemm_peak_gflops=peak, gbytes_per_step=work["bytes"] / steps / 1e9,
+                             gflop_per_step=work["flops"] / steps / 1e9, prefill_ms=1e3 * c["prefill_s"],
+                             pack_ms=1e3 * c["pack_s"], prefill_gemm_fraction=pre,
+                             ms_per_step_all=[p["ms_per_step"] for p in per]))  # fmt: skip
+            summary[f"decode_bandwidth_fraction_{name}"] = f["bandwidth_fraction"]
+            summary[f"decode_roofline_fraction_{name}"] = f["roofline_fraction"]
+            summary[f"decode_ms_per_step_{name}"] = f["ms_per_step"]
+            summary[f"prefill_gemm_fraction_{name}"] = pre
+            print(f"native {name}: {f['ms_per_step']:.1f} ms/step (floor {f['floor_ms_per_step']:.1f}, "
+                  f"{f['bound']}-bound), bandwidth fraction {f['bandwidth_fraction']:.2f}, roofline "
+                  f"{f['roofline_fraction']:.2f}", flush=True)  # fmt: skip
+            if args.vllm:
+                res = measure_vllm(dtype, C, args.repeats)
+                if "error" in res:
+                    rows.append(dict(engine="vllm", dtype=name, error=res["error"]))
+                    print(f"vllm {name}: {res['error']}", flush=True)
+                else:
+                    ms = 1e3 * res["seconds"] / (res["tokens"] / R)  # per token step, prefill included
+                    rows.append(dict(engine="vllm", dtype=name, ms_per_step=ms, env=res.get("env")))
+                    summary[f"decode_ms_per_step_vllm_{name}"] = ms
+                    print(f"vllm {name}: {ms:.1f} ms/step", flush=True)
+            if args.ops:
+                ops += op_profile(model, ids, mask, min(C, 64), dtype, args.top)
+    for r in rows:  # vLLM's fractions: its seconds per step against the same floor (bytes and FLOPs)
+        if r["engine"] == "vllm" and "ms_per_step" in r:
+            native = next(x for x in rows if x["engine"] == "native" and x["dtype"] == r["dtype"])
+            r["floor_ms_per_step"], r["bound"] = native["floor_ms_per_step"], native["bound"]
+            r["roofline_fraction"] = native["floor_ms_per_step"] / r["ms_per_step"]
+            r["bandwidth_fraction"] = native["bandwidth_fraction"] * native["ms_per_step"] / r["ms_per_step"]
+            summary[f"decode_bandwidth_fraction_vllm_{r['dtype']}"] = r["bandwidth_fraction"]
     info = machine_info()
+    columns = [("engine", "engine"), ("dtype", "rollout dtype"), ("ms_per_step", "ms per token step"),
+               ("floor_ms_per_step", "floor ms"), ("bound", "floor bound by"),
+               ("bandwidth_fraction", "decode_bandwidth_fraction"),
+               ("roofline_fraction", "roofline fraction"),
+               ("gbytes_per_step", "GB per step"), ("gflop_per_step", "GFLOP per step"),
+               ("bandwidth_gbs", "read GB/s"), ("gemm_peak_gflops", "GEMM peak GFLOP/s"),
+               ("prefill_ms", "prefill ms"), ("prefill_gemm_fraction", "prefill GEMM fraction"),
+               ("pack_ms", "weight packing ms"), ("env", "environment"), ("error", "note")]  # fmt: skip
+    op_md = f"\n## Operators (one call, C={min(C, 64)})\n\n{markdown_table(ops, OP_COLUMNS)}\n" if ops else ""
     md = (
-        "# Rollout profile per operator (torch.profiler, self CPU time)\n\n"
+        "# The rollout against the machine's floor\n\n"
         f"Machine: {cpu_line(info)}, torch {info['versions']['torch']}, commit {info['git_commit']}; "
-        f"SmolLM2-135M-Instruct, 2 prompts x G={G}, C={C}, T=1, one profiled call after a warm-up call.\n\n"
-        + markdown_table(
-            summary,
-            [
-                ("provider", "provider"),
-                ("seconds", "seconds"),
-                ("tokens", "tokens"),
-                ("tokens_per_s", "tokens/s (profiled)"),
-            ],
-        )  # fmt: skip
-        + "\n\n"
-        + markdown_table(rows, COLUMNS)
+        f"SmolLM2-135M-Instruct, {PROMPTS} chat prompts x G={G} = {R} rows, C={C}, T=1, no EOS ({steps} "
+        f"decode steps a call); {args.repeats} calls per dtype after a warm-up, the median call shown "
+        "(`python -m bench.profile_decode`, module docstring for the floor).\n\n"
+        + markdown_table(rows, columns)
         + "\n"
+        + op_md
     )
-    out = write_results("profile_decode", {"machine": info, "summary": summary, "rows": rows}, md)
+    payload = {"machine": info, "summary": summary, "rows": rows, "ops": ops, "C": C, "rows_n": R}
+    out = write_results("profile_decode", payload, md, Path(args.out_dir) if args.out_dir else None)
     print(md)
     print(f"wrote {out}/profile_decode.{{json,md}}")
 

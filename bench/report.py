@@ -352,6 +352,26 @@ def profile_train_section(res: dict, summary: dict) -> str:
     )
 
 
+def profile_decode_section(res: dict, summary: dict) -> str:
+    """The rollout's decode against the floor (bench.profile_decode): its summary keys, one line per row."""
+    summary.update(res["summary"])
+    lines = []
+    for r in res["rows"]:
+        if "ms_per_step" not in r:
+            continue
+        lines.append(
+            f"- {r['engine']} {r['dtype']}: {r['ms_per_step']:.1f} ms per token step against a floor of "
+            f"{r['floor_ms_per_step']:.1f} ms ({r['bound']}-bound): `decode_bandwidth_fraction` "
+            f"{r['bandwidth_fraction']:.2f}, roofline fraction {r['roofline_fraction']:.2f}"
+        )
+    return (
+        f"## The rollout against the machine's floor (SmolLM2-135M-Instruct, {res['rows_n']} rows, "
+        f"C={res['C']})\n\n`python -m bench.profile_decode` ([profile_decode.md](profile_decode.md)):\n\n"
+        + "\n".join(lines)
+        + "\n"
+    )
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--dir", default=None, help="results folder (default bench/results/<this machine>)")
@@ -359,7 +379,7 @@ def main(argv=None) -> None:
     d = Path(args.dir) if args.dir else RESULTS / machine_name()
     names = ("bench_e2e", "bench_e2e_real", "bench_generate", "bench_loss", "bench_logprobs", "bench_prefix",
              "bench_frontier", "bench_memory", "bench_memory_mapped", "bench_memory_creep_4gb",
-             "profile_train")  # fmt: skip
+             "profile_train", "profile_decode")  # fmt: skip
     results = {n: _load(d, n) for n in names}
     # the machine, versions and commit the measurements were taken with (not those of this process)
     info = next((r["machine"] for r in results.values() if r), None) or machine_info()
@@ -392,6 +412,8 @@ def main(argv=None) -> None:
         parts.append(creep_section(results["bench_memory_creep_4gb"], summary))
     if results["profile_train"]:
         parts.append(profile_train_section(results["profile_train"], summary))
+    if results["profile_decode"] and "summary" in results["profile_decode"]:
+        parts.append(profile_decode_section(results["profile_decode"], summary))
     learning = _load(d, "learning_vs_trl")  # python -m bench.learning_vs_trl (not part of make bench: ~1 h)
     if learning:
         summary.update(learning["summary"])

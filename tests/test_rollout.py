@@ -115,6 +115,36 @@ def test_the_two_level_inverse_cdf_draws_each_token_with_its_probability():
     assert (probs[edges] > 0).all()
 
 
+def test_the_one_pass_draw_reports_the_log_softmax_over_a_real_vocabulary():
+    """At T=1 with nothing filtered, the draw takes its log-probs from the softmax it samples from (one pass
+    over the vocabulary's exponentials): they equal fp64 log_softmax for likely and for rare tokens."""
+    torch.manual_seed(0)
+    logits = torch.randn(64, 49152) * 6
+    u = torch.rand(64)
+    u[:4] = torch.tensor([0.0, 1e-7, 1 - 2**-24, 0.5])  # the first tokens with mass: rare ones
+    tok, logp = draw(logits, u, 1.0, 0, 1.0)
+    want = torch.log_softmax(logits.double(), -1).gather(-1, tok[:, None]).squeeze(-1)
+    assert torch.isfinite(logp).all() and want.min() < -15
+    torch.testing.assert_close(logp.double(), want, atol=2e-5, rtol=0)
+
+
+def test_the_engine_times_its_phases_and_decodes_every_step_without_eos():
+    """`last_call`: prefill, weight packing and decode seconds, and C - 1 decode steps when no row ends (the
+    first token comes from the prefill's logits): what profile_decode holds against the floor."""
+    model = _model("llama")
+    ids, mask = _prompts()
+    G, C = 3, 17
+    out = generate_groups(
+        model, ids, mask, G, C, temperature=1.0, eos_token_id=None, engine="native",
+        generator=torch.Generator().manual_seed(0),
+    )  # fmt: skip
+    assert out[1].sum() == ids.shape[0] * G * C
+    last = native.engine_for(model).last_call
+    assert last["decode_steps"] == C - 1 and last["rows"] == ids.shape[0] * G
+    assert last["prompt_tokens"] == int(mask.sum())
+    assert min(last["prefill_s"], last["pack_s"]) >= 0 and last["decode_s"] > 0
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("products", [False, True])
 def test_decode_attention_equals_one_softmax_over_prompt_and_own_keys(dtype, tol, products):

@@ -312,6 +312,9 @@ class NativeEngine:
         self._compiled = None
         self._module_weights = None
         self.stats = {"compile_s": 0.0, "compiled": False, "eager_reason": None, "calls": 0}
+        # the last call's phases in host seconds (prefill: the model's forward over the prompts; pack: the
+        # weights copied into the step's format; decode: the token steps), for profiles against the floor
+        self.last_call: dict = {}
 
     # ---------------------------------------------------------------------------------------------------
     # The decode step: one token per row, every shape fixed by the buffers
@@ -345,8 +348,12 @@ class NativeEngine:
         tok = b.out.gather(1, t[:, None]).squeeze(1)
         x = self.base.embed_tokens(tok)  # (R, H)
         cos, sin = self.base.rotary_emb(x[:, None, :], (b.plen + t).unsqueeze(1))  # (R, 1, d)
-        own = torch.arange(cap, device=x.device)[None, :] <= t[:, None]
-        own_bias = torch.where(own, 0.0, float("-inf")).to(b.comp_k[0].dtype).view(R, 1, 1, cap)
+        # the completion slots attended: eager on a CPU only those written so far (a host read costs nothing
+        # there, and the KV read shrinks to what the rows hold: 1.3x per layer over a 256-slot capacity at
+        # SmolLM2's shapes); a compiled or GPU step keeps the full capacity, its shapes fixed
+        hi = int(t.max()) + 1 if self._eager_cpu(x.device) else cap
+        own = torch.arange(hi, device=x.device)[None, :] <= t[:, None]
+        own_bias = torch.where(own, 0.0, float("-inf")).to(b.comp_k[0].dtype).view(R, 1, 1, hi)
         prompt_bias = b.prompt_bias.to(b.comp_k[0].dtype)
         # where each row's new key / value goes in a layer's (R, kvh, Cap, d) buffer, as rows of its (-1, d)
         # view: an index copy of R * kvh rows (a scatter_ along Cap ran 7x slower in bf16 at decode shapes)
@@ -356,9 +363,11 @@ class NativeEngine:
         def attend(i, q, k, v):
             b.comp_k[i].view(-1, d).index_copy_(0, slot, k.reshape(-1, d))
             b.comp_v[i].view(-1, d).index_copy_(0, slot, v.reshape(-1, d))
-            return _merge_attention(
-                q, b.prompt_k[i], b.prompt_v[i], b.comp_k[i], b.comp_v[i], prompt_bias, own_bias, self.scaling
-            )
+            ck, cv = b.comp_k[i], b.comp_v[i]
+            if hi < cap:
+                ck, cv = ck[:, :, :hi], cv[:, :, :hi]
+            pk, pv = b.prompt_k[i], b.prompt_v[i]
+            return _merge_attention(q, pk, pv, ck, cv, prompt_bias, own_bias, self.scaling)
 
         logits = head(self.final_norm(self._decoder(x, cos, sin, layers, attend)))
         nxt, logp = draw(logits, b.noise.gather(0, (t + 1)[None, :]).squeeze(0), temperature, top_k, top_p)
@@ -401,6 +410,9 @@ class NativeEngine:
         b.t[r] = e + L
         b.lengths[r] = e + L + 1
         b.done[r] = False
+
+    def _eager_cpu(self, device) -> bool:
+        return device.type == "cpu" and not self.compiles(device)
 
     def compiles(self, device) -> bool:
         if self.compile_mode == "auto":
@@ -473,6 +485,7 @@ class NativeEngine:
         R, C = n * G, max_new_tokens
         eos, pad = eos_and_pad(eos_token_id)
         eos = torch.tensor(eos, dtype=torch.long, device=device)
+        t_start = time.perf_counter()
         # 1. prefill: the model's own forward, once per prompt (per sample when not shared)
         pos = position_ids_from_mask(prompt_mask)
         res = self.lm(
@@ -509,8 +522,10 @@ class NativeEngine:
         tok, lp = draw(first, b.noise[0], temperature, top_k, top_p)
         b.out[:, 0], b.logp[:, 0] = tok, lp
         b.done |= torch.isin(tok, eos) | (b.lengths >= C)
+        t_prefill = time.perf_counter()
         layers, head = self._weights(R, device, dtype)
         args = (layers, head, eos, pad, float(temperature), int(top_k or 0), float(top_p))
+        t_pack, steps = time.perf_counter(), 0
         # 4. decode in windows: no host sync inside one; between them the turns, "all done?" and compaction
         final = _Final(R, C, pad, device)
         rows = torch.arange(R, device=device)  # original row of each buffer row (-1: filler)
@@ -533,8 +548,13 @@ class NativeEngine:
                 b, rows = _compact(b, rows, final, alive)
             for _ in range(window):
                 self._run_step(b, *args)
+            steps += window
         final.take(b, rows)
         self.stats["calls"] += 1
+        self.last_call = dict(
+            prefill_s=t_prefill - t_start, pack_s=t_pack - t_prefill, decode_s=time.perf_counter() - t_pack,
+            decode_steps=steps, rows=R, prompt_tokens=int(prompt_mask.sum()),
+        )  # fmt: skip
         return final.result(return_logprobs)
 
     def _turns(self, b: _Buffers, rows, pending, hook, eos, layers):

@@ -43,13 +43,13 @@ def draw(logits, u, temperature: float, top_k: int, top_p: float):
     log-prob is of softmax(logits / T) (T = 1 when greedy), before top-k / top-p, as training computes it."""
     logits = logits.float()
     scaled = logits / temperature if temperature not in (0, 1) else logits
+    kept = filtered(scaled, top_k, top_p) if temperature != 0 else None
+    if kept is scaled:  # nothing filtered: one pass over the vocabulary's exponentials serves both
+        probs = torch.softmax(scaled, dim=-1)
+        tok = inverse_cdf(probs, u)  # never a token of probability 0, so its log is finite
+        return tok, probs.gather(-1, tok[:, None]).squeeze(-1).log()
     logp_all = torch.log_softmax(scaled, dim=-1)
-    if temperature == 0:
-        tok = logits.argmax(-1)
-    else:
-        kept = filtered(scaled, top_k, top_p)  # `scaled` itself when nothing is filtered out
-        probs = logp_all.exp() if kept is scaled else torch.softmax(kept, -1)
-        tok = inverse_cdf(probs, u)
+    tok = logits.argmax(-1) if kept is None else inverse_cdf(torch.softmax(kept, -1), u)
     return tok, logp_all.gather(-1, tok[:, None]).squeeze(-1)
 
 

@@ -3,19 +3,26 @@
 One decoder layer at the run's shapes (hidden, intermediate, heads of its model; one micro-batch's tokens,
 capped at MAX_TOKENS) runs forward + backward in each training recipe (`TRAIN_RECIPES`: fp32; bf16 autocast
 on fp32 weights; bf16 weights, whose fp32 master and AdamW state live in the optimizer), and one decode step
-(a batch of single tokens against a KV cache) in fp32 and bf16, each twice (the second pass in reverse
-order; each recipe's faster pass counts, so that other work starting or ending meanwhile does not decide).
-Ratios are fp32's time over the recipe's (> 1: faster than fp32). The result is cached in
-$GRPO_FAST_CACHE/precision-calibration.json (default ~/.cache/grpo-fast), keyed by CPU model name, flags,
-torch version, threads and shapes, so that only a machine's first run of a shape pays the few seconds.
-GRPO_FAST_CALIBRATE=0 turns measuring off (precision.py then falls back to its table); GRPO_FAST_CPU_BF16
-pins the choice whatever was measured.
+(a batch of single tokens against a KV cache) in fp32 and bf16. Each recipe is warmed up (its first calls pay
+oneDNN's kernel creation), then the recipes of a kind are timed call by call in turn, round after round
+(MIN_CALLS to MAX_CALLS rounds, BUDGET_S of timed work per recipe), so that other work on the machine falls
+on all of them alike; a recipe's ratio is the median of its per-round ratios fp32 / recipe (> 1: faster than
+fp32), with a distribution-free 95% lower bound (the sign test's order statistic). A recipe is chosen only
+when that lower bound clears 1.0; a median outside PLAUSIBLE (what no CPU does between these recipes) is
+measured again, then recorded as noisy and never chosen. The result is cached in
+$GRPO_FAST_CACHE/precision-calibration.json (default ~/.cache/grpo-fast; versioned, written under a file
+lock, an unreadable entry measured again with a note), keyed by CPU model name, flags, the ISA settings
+that change kernels, torch version, threads and shapes, so that only a machine's first run of a shape pays
+the few seconds. GRPO_FAST_CALIBRATE=0 turns measuring off (precision.py then falls back to its table);
+GRPO_FAST_CPU_BF16 pins the choice whatever was measured.
 """
 
+import fcntl
 import hashlib
 import json
 import math
 import os
+import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -29,10 +36,16 @@ CALIBRATE_ENV = "GRPO_FAST_CALIBRATE"
 # SmolLM2-135M's widths where bf16 is emulated (AMD Zen 3, idle: 12x slower than fp32 there)
 MAX_TOKENS = 256
 DECODE_BATCH, DECODE_CONTEXT = 16, 256
-# a recipe is taken over fp32 only when it is this much faster: below it, timer noise on a shared machine
-# could flip the choice between runs
-MIN_GAIN = 1.05
-BUDGET_S = 0.3  # per recipe, after the warm-up call; at least one timed call whatever it costs
+# rounds of timed calls per kind of recipe: at least MIN_CALLS (one pre-empted call moves neither the median
+# nor its lower bound, the 2nd smallest of 10), then until every recipe has BUDGET_S of typical timed work
+# (rounds x its median call: a pre-empted call does not end the measuring early) or MAX_CALLS rounds
+MIN_CALLS, MAX_CALLS, BUDGET_S = 10, 30, 0.3
+WARMUP_CALLS = 2  # untimed calls per recipe first: oneDNN creates its kernels for a shape at its first call
+# ratios over fp32 that no CPU shows between these recipes (AMX bf16 GEMMs are ~10x AVX-512 fp32 at best;
+# emulated bf16 is ~12x slower): a median outside is another process's doing, measured again, then noisy
+PLAUSIBLE = (1 / 40, 8.0)
+SCHEMA = 2  # of the cache file: {"schema": SCHEMA, "entries": {key: Calibration as a dict}}
+ISA_ENV = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")  # settings that change kernels
 
 TRAIN_RECIPES = ("fp32", "bf16_autocast", "bf16_weights")
 DECODE_RECIPES = ("fp32", "bf16")
@@ -160,48 +173,71 @@ def _decode_step(s: Shapes, recipe: str):
 
 
 def time_call(name: str, fn) -> float:
-    """Seconds per call of `fn` (the median of the timed calls after one warm-up); `name` is the recipe's,
-    for a stub that times by name."""
+    """Seconds of one call of `fn`; `name` is the recipe's, for a stub that times by name."""
     t0 = time.perf_counter()
     fn()
-    first = time.perf_counter() - t0
-    if first > 2 * BUDGET_S:  # a recipe this slow is decided by one call (its one-time costs are noise)
-        return first
-    times, spent = [], 0.0
-    while not times or (spent < BUDGET_S and len(times) < 9):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-        spent += times[-1]
-    return sorted(times)[len(times) // 2]
+    return time.perf_counter() - t0
+
+
+def lower_bound_index(n: int, alpha: float = 0.05) -> int:
+    """k such that the k-th smallest of n samples (0-based) is a one-sided (1 - alpha) lower confidence bound
+    of their median: the largest k with P(Binomial(n, 1/2) < k + 1) <= alpha, i.e. P(at most k of n fall
+    below the median) (0 when n is too small for any bound but the minimum)."""
+    k, below = 0, 0.0
+    while k < n:
+        below += math.comb(n, k) / 2**n
+        if below > alpha:
+            break
+        k += 1
+    return max(0, k - 1) if k else 0
+
+
+def summarize(ratios: list) -> dict:
+    """The median of paired ratios and its 95% lower and upper confidence bounds (sign test order stats)."""
+    r = sorted(ratios)
+    n, k = len(r), lower_bound_index(len(r))
+    mid = r[n // 2] if n % 2 else (r[n // 2 - 1] + r[n // 2]) / 2
+    return {"ratio": mid, "low": r[k], "high": r[n - 1 - k], "n": n}
 
 
 @dataclass(frozen=True)
 class Calibration:
-    """Measured ratios over fp32 (> 1: faster) of each training and decode recipe, and what they cost."""
+    """Measured ratios over fp32 (> 1: faster) of each training and decode recipe, their confidence, and what
+    measuring cost."""
 
-    train: dict  # recipe -> fp32 time / recipe time (a decoder layer's forward + backward)
+    train: dict  # recipe -> fp32 time / recipe time (a decoder layer's forward + backward), the median
     decode: dict  # recipe -> fp32 time / recipe time (a decode step)
     seconds: float  # what measuring cost
     key: str  # what the measurement is valid for (cache_key's)
+    bounds: dict = None  # "train/<recipe>" -> [low, high]: the median's 95% confidence bounds
+    calls: dict = None  # "train" / "decode" -> timed rounds
+    noisy: tuple = ()  # recipes whose median stayed implausible (PLAUSIBLE) when measured again: never taken
+
+    def _taken(self, kind: str, recipe: str) -> bool:
+        low = (self.bounds or {}).get(f"{kind}/{recipe}", [0.0, 0.0])[0]
+        return f"{kind}/{recipe}" not in self.noisy and low > 1.0
+
+    def _said(self, kind: str, recipe: str, what: str) -> str:
+        r = getattr(self, kind).get(recipe, 0.0)
+        low, high = (self.bounds or {}).get(f"{kind}/{recipe}", [r, r])
+        noisy = ", noisy: not taken" if f"{kind}/{recipe}" in self.noisy else ""
+        return f"{what} {r:.2f}x fp32 (95% {low:.2f}-{high:.2f}{noisy})"
 
     def train_choice(self) -> tuple[bool, str]:
-        """(bf16 autocast?, why) for --bf16 unset on fp32 weights: the fastest recipe that keeps every
-        update (fp32 weights; bf16 weights would need --dtype bf16, which keeps fp32 master weights in the
-        optimizer: said, not taken, since it changes what is stored and saved)."""
-        r = self.train
-        bf16 = r["bf16_autocast"] >= MIN_GAIN
-        said = f"measured: bf16 autocast {r['bf16_autocast']:.2f}x fp32"
-        if "bf16_weights" in r:
-            said += f", bf16 weights (--dtype bf16) {r['bf16_weights']:.2f}x"
-        return bf16, f"{said} on this CPU"
+        """(bf16 autocast?, why) for --bf16 unset on fp32 weights: bf16 autocast where its lower bound clears
+        1.0 (bf16 weights would need --dtype bf16, which keeps fp32 master weights in the optimizer: said, not
+        taken, since it changes what is stored and saved)."""
+        said = "measured: " + self._said("train", "bf16_autocast", "bf16 autocast")
+        if "bf16_weights" in self.train:
+            said += ", " + self._said("train", "bf16_weights", "bf16 weights (--dtype bf16)")
+        return self._taken("train", "bf16_autocast"), f"{said} on this CPU"
 
     def rollout_choice(self) -> tuple[str, str]:
         """("bf16" | "model", why) for --rollout-dtype auto on an fp32 policy: bf16 where its decode step is
-        measured faster (its mismatch to the fp32 trainer is within rollout.native.AUTO_MISMATCH_K3: mean k3
-        8.8e-4 measured on SmolLM2-135M)."""
-        r = self.decode.get("bf16", 0.0)
-        return ("bf16" if r >= MIN_GAIN else "model"), f"measured: bf16 decode step {r:.2f}x fp32 on this CPU"
+        measured faster, lower bound over 1.0 (its mismatch to the fp32 trainer is within
+        rollout.native.AUTO_MISMATCH_K3: mean k3 8.8e-4 measured on SmolLM2-135M)."""
+        said = "measured: " + self._said("decode", "bf16", "bf16 decode step")
+        return ("bf16" if self._taken("decode", "bf16") else "model"), f"{said} on this CPU"
 
 
 def cache_path() -> Path:
@@ -210,17 +246,19 @@ def cache_path() -> Path:
 
 
 def cache_key(shapes: Shapes) -> str:
-    """CPU model name, a digest of its flags, torch version and ATen capability, threads, shapes: what a ratio
-    depends on."""
+    """CPU model name, a digest of its flags, torch version and ATen capability, the ISA settings of the
+    environment, threads, shapes: what a ratio depends on."""
     from ..rollout import native
 
     info = native._cpuinfo()
     flags = hashlib.sha1(" ".join(sorted(native.cpu_flags())).encode()).hexdigest()[:12]
+    isa = [f"{k}={os.environ[k]}" for k in ISA_ENV if os.environ.get(k)]
     parts = [
         info.get("model name", "unknown CPU"),
         f"flags {flags}",
         f"torch {torch.__version__}",
         f"ATen {torch.backends.cpu.get_cpu_capability()}",  # ATEN_CPU_CAPABILITY picks other kernels
+        *isa,
         f"threads {torch.get_num_threads()}",
         "shapes " + ",".join(f"{k}={v}" for k, v in asdict(shapes).items()),
     ]
@@ -238,44 +276,139 @@ def _timed(timer, name: str, fn) -> float:
         return math.inf
 
 
+def _rounds(timer, steps: dict) -> dict:
+    """{name: [seconds per call, one per round]} of recipes timed call by call in turn (the order reversed
+    every other round, so that a slowdown starting or ending inside a round falls on both ends alike)."""
+    names = list(steps)
+    for name in names:
+        for _ in range(WARMUP_CALLS):
+            if _timed(timer, name, steps[name]) == math.inf:
+                break
+    times: dict = {name: [] for name in names}
+    while True:
+        order = names if len(times[names[0]]) % 2 == 0 else names[::-1]
+        for name in order:
+            ran = times[name] and times[name][-1] == math.inf
+            times[name].append(math.inf if ran else _timed(timer, name, steps[name]))
+        n = len(times[names[0]])
+        spent = min(n * statistics.median(t) for t in times.values())
+        if n >= MIN_CALLS and (n >= MAX_CALLS or spent >= BUDGET_S):
+            return times
+
+
+def _ratios(times: dict, kind: str, recipes) -> dict:
+    """{recipe: summarize(fp32 / recipe per round)} of one kind's rounds."""
+    base = times[f"{kind}/fp32"]
+    return {r: summarize([b / t for b, t in zip(base, times[f"{kind}/{r}"])]) for r in recipes}
+
+
 def measure(shapes: Shapes, timer=None) -> Calibration:
-    """Time every recipe at `shapes` (a few seconds; `timer(name, fn)` -> seconds per call, time_call's)."""
+    """Time every recipe at `shapes` (a few seconds; `timer(name, fn)`: seconds of one call, as time_call)."""
     timer = timer or time_call
     t0 = time.perf_counter()
     torch.manual_seed(0)
-    steps = {f"train/{r}": _train_step(shapes, r) for r in TRAIN_RECIPES}
-    steps |= {f"decode/{r}": _decode_step(shapes, r) for r in DECODE_RECIPES}
-    best: dict = {}
-    for order in (list(steps), list(steps)[::-1]):  # two passes, the second reversed: each recipe's faster
-        for name in order:  # one (other work that came or went meanwhile slows one pass, not both)
-            best[name] = min(best.get(name, math.inf), _timed(timer, name, steps[name]))
-    train = {r: best[f"train/{r}"] for r in TRAIN_RECIPES}
-    decode = {r: best[f"decode/{r}"] for r in DECODE_RECIPES}
+    kinds = {"train": (TRAIN_RECIPES, _train_step), "decode": (DECODE_RECIPES, _decode_step)}
+    stats, calls, noisy = {}, {}, []
+    for kind, (recipes, make) in kinds.items():
+        steps = {f"{kind}/{r}": make(shapes, r) for r in recipes}
+        for attempt in range(2):  # an implausible median is measured again once
+            times = _rounds(timer, steps)
+            got = _ratios(times, kind, recipes)
+            odd = [
+                r for r, g in got.items() if g["ratio"] > 0 and not PLAUSIBLE[0] <= g["ratio"] <= PLAUSIBLE[1]
+            ]
+            if not odd:
+                break
+        noisy += [f"{kind}/{r}" for r in odd]
+        calls[kind] = len(times[f"{kind}/fp32"])
+        stats |= {f"{kind}/{r}": g for r, g in got.items()}
     return Calibration(
-        train={r: train["fp32"] / t for r, t in train.items()},
-        decode={r: decode["fp32"] / t for r, t in decode.items()},
+        train={r: stats[f"train/{r}"]["ratio"] for r in TRAIN_RECIPES},
+        decode={r: stats[f"decode/{r}"]["ratio"] for r in DECODE_RECIPES},
         seconds=time.perf_counter() - t0,
         key=cache_key(shapes),
+        bounds={name: [g["low"], g["high"]] for name, g in stats.items()},
+        calls=calls,
+        noisy=tuple(noisy),
     )
+
+
+def _entry(raw, key: str) -> Calibration:
+    """A cached entry as a Calibration, or ValueError saying what is wrong with it."""
+    if not isinstance(raw, dict):
+        raise ValueError(f"an entry of type {type(raw).__name__}, not an object")
+    need = {"train": TRAIN_RECIPES, "decode": DECODE_RECIPES}
+    for kind, recipes in need.items():
+        got = raw.get(kind)
+        if not isinstance(got, dict) or any(not isinstance(got.get(r), (int, float)) for r in recipes):
+            raise ValueError(f"no {kind} ratio for each of {', '.join(recipes)}")
+    bounds = raw.get("bounds")
+    names = [f"{k}/{r}" for k, rs in need.items() for r in rs]
+    if not isinstance(bounds, dict) or any(
+        not isinstance(bounds.get(n), list) or len(bounds[n]) != 2 for n in names
+    ):
+        raise ValueError("no confidence bounds")
+    if not isinstance(raw.get("seconds"), (int, float)) or raw.get("key") != key:
+        raise ValueError("no cost or another key")
+    return Calibration(
+        train=dict(raw["train"]), decode=dict(raw["decode"]), seconds=float(raw["seconds"]), key=key,
+        bounds={n: list(bounds[n]) for n in names}, calls=dict(raw.get("calls") or {}),
+        noisy=tuple(raw.get("noisy") or ()),
+    )  # fmt: skip
+
+
+def _read(path: Path) -> tuple[dict, str | None]:
+    """(the cache's entries, what is wrong with the file or None): a missing file is an empty cache."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return {}, None
+    except OSError as exc:
+        return {}, f"unreadable ({exc.strerror})"
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return {}, "not JSON"
+    if (
+        not isinstance(data, dict)
+        or data.get("schema") != SCHEMA
+        or not isinstance(data.get("entries"), dict)
+    ):
+        return {}, f"not a schema-{SCHEMA} calibration cache"
+    return data["entries"], None
+
+
+def _note(path: Path, why: str) -> None:
+    print(f"grpo-fast precision: {path}: {why}; measuring again", flush=True)
+
+
+def _store(path: Path, key: str, entry: dict) -> None:
+    """One entry added under an exclusive lock (read, merge, atomic replace): concurrent runs keep all."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        entries, _ = _read(path)  # a file another writer left malformed is replaced by a sound one
+        entries[key] = entry
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"schema": SCHEMA, "entries": entries}, indent=1))
+        tmp.replace(path)
 
 
 def calibration(shapes: Shapes, timer=None) -> tuple[Calibration, bool]:
     """(this machine's Calibration at `shapes`, whether it was measured now): from the cache, else measured
-    and cached."""
+    and cached. A cache file or entry that cannot be read is measured again, with a one-line note."""
     key, path = cache_key(shapes), cache_path()
-    try:
-        cached = json.loads(path.read_text())
-    except (OSError, ValueError):
-        cached = {}
-    if key in cached:
-        return Calibration(**cached[key]), False
+    entries, wrong = _read(path)
+    if wrong:
+        _note(path, wrong)
+    elif key in entries:
+        try:
+            return _entry(entries[key], key), False
+        except ValueError as exc:
+            _note(path, f"its entry for this machine and shape is unusable ({exc})")
     cal = measure(shapes, timer)
-    cached[key] = asdict(cal)
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(cached, indent=1))
-        tmp.replace(path)  # atomic: concurrent runs each leave a whole file
+        _store(path, key, asdict(cal))
     except OSError:  # a read-only home still trains; it measures again next time
         pass
     return cal, True

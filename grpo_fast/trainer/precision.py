@@ -12,9 +12,11 @@ and the benchmarks. TRL's names and meaning:
   keeps fp32 master weights or compensates the rounding (Kahan) or rounds stochastically.
 """
 
+import json
 import os
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 
@@ -171,6 +173,44 @@ def _say(what: str, reason: str) -> None:
     if reason not in _said:
         _said.add(reason)
         print(f"grpo-fast {what} ({reason})", flush=True)
+
+
+def kept_on_resume(cfg, device: torch.device, main: bool = True):
+    """--resume: the precision the run decided before (its latest checkpoint's config) for what the command
+    leaves to decide (--bf16 unset, --rollout-dtype auto), so that a run keeps its recipe across restarts,
+    hosts, thread counts and torch upgrades; said once, with what this machine's measurement would choose now
+    where that differs (`main`: the rank that measures and speaks). Returns cfg with them filled in."""
+    from .checkpoint import latest_checkpoint
+
+    if not cfg.resume or (cfg.bf16 is not None and cfg.rollout_dtype != "auto"):
+        return cfg
+    ckpt = latest_checkpoint(Path(cfg.output_dir))
+    if ckpt is None:
+        return cfg
+    saved = json.loads((ckpt / "trainer_state.json").read_text()).get("config") or {}
+    kept = {}
+    if cfg.bf16 is None and isinstance(saved.get("bf16"), bool):
+        kept["bf16"] = saved["bf16"]
+    if cfg.rollout_dtype == "auto" and saved.get("rollout_dtype") not in (None, "auto"):
+        kept["rollout_dtype"] = saved["rollout_dtype"]
+    if not kept or not main:
+        return replace(cfg, **kept)
+    now = {}
+    if "bf16" in kept and cfg.fp16 is False and cfg.dtype == "fp32":
+        now["bf16"] = auto_bf16(device, cfg)[0]
+    if "rollout_dtype" in kept:
+        now["rollout_dtype"] = auto_rollout_dtype(device, cfg)[0]
+    names = {"bf16": lambda v: "bf16 autocast" if v else "fp32", "rollout_dtype": lambda v: f"rollout {v}"}
+    said = ", ".join(names[k](v) for k, v in kept.items())
+    differs = [names[k](v) for k, v in now.items() if v != kept[k] and not (k == "rollout_dtype" and
+               {v, kept[k]} <= {"model", "fp32"})]  # fmt: skip
+    note = f"; this machine's measurement now differs ({', '.join(differs)})" if differs else ""
+    print(
+        f"grpo-fast precision: kept from {ckpt.name}: {said}{note}; pass --bf16 / --no-bf16 or "
+        "--rollout-dtype to change it",
+        flush=True,
+    )
+    return replace(cfg, **kept)
 
 
 def resolve_agreed(cfg, device: torch.device, dist):

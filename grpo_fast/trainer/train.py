@@ -63,7 +63,7 @@ from .memory import map_large_allocations, peak_mib, release_free_memory, reset_
 from .modeling import fp32_source, load_model_and_tokenizer, load_weights_from_checkpoint, model_path
 from .optimizers import AdamW16, build_optimizer
 from .plotting import pyplot
-from .precision import Precision
+from .precision import Precision, kept_on_resume
 from .precision import resolve_agreed as resolve_precision
 from .step import encode_prompts, evaluate, optimize, rollout, score_rollout, server_mode, step_record
 from .stopping import Signals, Stopping
@@ -308,6 +308,7 @@ def setup(cfg: GRPOConfig) -> Run:
     torch.manual_seed(cfg.seed)
     device = device_of(dist)
     check_distributed(cfg, dist)
+    cfg = kept_on_resume(cfg, device, dist.main)  # --resume: the run's own decisions, not a new measurement
     cfg, precision = resolve_precision(cfg, device, dist)  # --bf16 unset, auto: decided here, said once
     check_correction(cfg)
     # everything that reads only files is checked before anything heavy (memory probes, the model) runs
