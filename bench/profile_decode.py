@@ -184,7 +184,7 @@ def main(argv=None) -> None:
     model, ids, mask, _ = _work("real", dict(prompts=PROMPTS, quick=False))
     R, C, steps = PROMPTS * G, args.C, args.C - 1  # the first token comes from the prefill's logits
     prompt_tokens = int(mask.sum())
-    rows, summary, ops = [], {}, []
+    measured, ops, vllm = [], [], {}
     with torch.no_grad():
         for dtype in args.dtypes.split(","):
             name = "fp32" if dtype == "model" else dtype
@@ -192,34 +192,44 @@ def main(argv=None) -> None:
             calls = measure_native(model, ids, mask, C, dtype, args.repeats)
             assert all(c["decode_steps"] == steps for c in calls), calls
             work = decode_work(model, prompt_tokens, PROMPTS, R, steps, dtype)
-            per = [fractions(work, steps, c["decode_s"], c["bandwidth_gbs"], peak) for c in calls]
-            mid = sorted(range(len(per)), key=lambda i: per[i]["ms_per_step"])[len(per) // 2]  # median call
-            c, f = calls[mid], per[mid]
-            pre = prefill_flops(model, prompt_tokens) / c["prefill_s"] / 1e9 / gemm_peak(torch.float32)
-            rows.append(dict(engine="native", dtype=name, **f, bandwidth_gbs=c["bandwidth_gbs"],
-                             gemm_peak_gflops=peak, gbytes_per_step=work["bytes"] / steps / 1e9,
-                             gflop_per_step=work["flops"] / steps / 1e9, prefill_ms=1e3 * c["prefill_s"],
-                             pack_ms=1e3 * c["pack_s"], prefill_gemm_fraction=pre,
-                             ms_per_step_all=[p["ms_per_step"] for p in per]))  # fmt: skip
-            summary[f"decode_bandwidth_fraction_{name}"] = f["bandwidth_fraction"]
-            summary[f"decode_roofline_fraction_{name}"] = f["roofline_fraction"]
-            summary[f"decode_ms_per_step_{name}"] = f["ms_per_step"]
-            summary[f"prefill_gemm_fraction_{name}"] = pre
-            print(f"native {name}: {f['ms_per_step']:.1f} ms/step (floor {f['floor_ms_per_step']:.1f}, "
-                  f"{f['bound']}-bound), bandwidth fraction {f['bandwidth_fraction']:.2f}, roofline "
-                  f"{f['roofline_fraction']:.2f}", flush=True)  # fmt: skip
+            pre = prefill_flops(model, prompt_tokens) / gemm_peak(torch.float32) / 1e9
+            measured.append((name, calls, work, peak, pre))
+            per_step = [round(1e3 * c["decode_s"] / steps, 1) for c in calls]
+            print(f"native {name}: {per_step} ms per step", flush=True)
             if args.vllm:
-                res = measure_vllm(dtype, C, args.repeats)
-                if "error" in res:
-                    rows.append(dict(engine="vllm", dtype=name, error=res["error"]))
-                    print(f"vllm {name}: {res['error']}", flush=True)
-                else:
-                    ms = 1e3 * res["seconds"] / (res["tokens"] / R)  # per token step, prefill included
-                    rows.append(dict(engine="vllm", dtype=name, ms_per_step=ms, env=res.get("env")))
-                    summary[f"decode_ms_per_step_vllm_{name}"] = ms
-                    print(f"vllm {name}: {ms:.1f} ms/step", flush=True)
+                vllm[name] = measure_vllm(dtype, C, args.repeats)
+                print(f"vllm {name}: {vllm[name].get('error') or vllm[name]['tokens_per_s']}", flush=True)
             if args.ops:
                 ops += op_profile(model, ids, mask, min(C, 64), dtype, args.top)
+    # one bandwidth for the run: the median of every measurement (a shared host's rate swings 30-60 GB/s
+    # between seconds here), the range beside it
+    bws = [c["bandwidth_gbs"] for _, calls, *_ in measured for c in calls]
+    bw = statistics.median(bws)
+    rows, summary = [], {"read_bandwidth_gbs": bw, "read_bandwidth_gbs_range": [min(bws), max(bws)]}
+    for name, calls, work, peak, pre_s in measured:
+        per = [fractions(work, steps, c["decode_s"], bw, peak) for c in calls]
+        mid = sorted(range(len(per)), key=lambda i: per[i]["ms_per_step"])[len(per) // 2]  # the median call
+        c, f = calls[mid], per[mid]
+        pre = pre_s / c["prefill_s"]
+        rows.append(dict(engine="native", dtype=name, **f, bandwidth_gbs=bw, gemm_peak_gflops=peak,
+                         gbytes_per_step=work["bytes"] / steps / 1e9,
+                         gflop_per_step=work["flops"] / steps / 1e9, prefill_ms=1e3 * c["prefill_s"],
+                         pack_ms=1e3 * c["pack_s"], prefill_gemm_fraction=pre,
+                         ms_per_step_all=[p["ms_per_step"] for p in per]))  # fmt: skip
+        summary[f"decode_bandwidth_fraction_{name}"] = f["bandwidth_fraction"]
+        summary[f"decode_roofline_fraction_{name}"] = f["roofline_fraction"]
+        summary[f"decode_ms_per_step_{name}"] = f["ms_per_step"]
+        summary[f"prefill_gemm_fraction_{name}"] = pre
+        print(f"native {name}: {f['ms_per_step']:.1f} ms/step (floor {f['floor_ms_per_step']:.1f}, "
+              f"{f['bound']}-bound), bandwidth fraction {f['bandwidth_fraction']:.2f}, roofline "
+              f"{f['roofline_fraction']:.2f}", flush=True)  # fmt: skip
+        res = vllm.get(name)
+        if res is not None and "error" in res:
+            rows.append(dict(engine="vllm", dtype=name, error=res["error"]))
+        elif res is not None:
+            ms = 1e3 * res["seconds"] / (res["tokens"] / R)  # per token step, prefill included
+            rows.append(dict(engine="vllm", dtype=name, ms_per_step=ms, env=res.get("env")))
+            summary[f"decode_ms_per_step_vllm_{name}"] = ms
     for r in rows:  # vLLM's fractions: its seconds per step against the same floor (bytes and FLOPs)
         if r["engine"] == "vllm" and "ms_per_step" in r:
             native = next(x for x in rows if x["engine"] == "native" and x["dtype"] == r["dtype"])
@@ -242,7 +252,9 @@ def main(argv=None) -> None:
         f"Machine: {cpu_line(info)}, torch {info['versions']['torch']}, commit {info['git_commit']}; "
         f"SmolLM2-135M-Instruct, {PROMPTS} chat prompts x G={G} = {R} rows, C={C}, T=1, no EOS ({steps} "
         f"decode steps a call); {args.repeats} calls per dtype after a warm-up, the median call shown "
-        "(`python -m bench.profile_decode`, module docstring for the floor).\n\n"
+        "(`python -m bench.profile_decode`, module docstring for the floor); read bandwidth the median of "
+        "the run's "
+        f"{len(bws)} measurements ({min(bws):.0f}-{max(bws):.0f} GB/s).\n\n"
         + markdown_table(rows, columns)
         + "\n"
         + op_md
