@@ -3,13 +3,14 @@
 One decoder layer at the run's shapes (hidden, intermediate, heads of its model; one micro-batch's tokens,
 capped at MAX_TOKENS) runs forward + backward in each training recipe (`TRAIN_RECIPES`: fp32; bf16 autocast
 on fp32 weights; bf16 weights, whose fp32 master and AdamW state live in the optimizer), and one decode step
-(a batch of single tokens against a KV cache) in fp32 and bf16. Each recipe is warmed up (its first calls pay
+(a batch of single tokens against a KV cache, its linear layers in the native engine's fp32 or bf16 format)
+in fp32 and bf16. Each recipe is warmed up (its first calls pay
 oneDNN's kernel creation), then the recipes of a kind are timed call by call in turn, round after round
 (MIN_CALLS to MAX_CALLS rounds, BUDGET_S of timed work per recipe), so that other work on the machine falls
 on all of them alike; a recipe's ratio is the median of its per-round ratios fp32 / recipe (> 1: faster than
 fp32), with a distribution-free 95% lower bound (the sign test's order statistic). A recipe is chosen only
-when that lower bound clears 1.0; a median outside PLAUSIBLE (what no CPU does between these recipes) is
-measured again, then recorded as noisy and never chosen. The result is cached in
+when that lower bound clears 1.0 and the median MIN_GAIN; a median outside PLAUSIBLE (what no CPU does
+between these recipes) is measured again, then recorded as noisy and never chosen. The result is cached in
 $GRPO_FAST_CACHE/precision-calibration.json (default ~/.cache/grpo-fast; versioned, written under a file
 lock, an unreadable entry measured again with a note), keyed by CPU model name, flags, the ISA settings
 that change kernels, torch version, threads and shapes, so that only a machine's first run of a shape pays
@@ -38,8 +39,13 @@ MAX_TOKENS = 256
 DECODE_BATCH, DECODE_CONTEXT = 16, 256
 # rounds of timed calls per kind of recipe: at least MIN_CALLS (one pre-empted call moves neither the median
 # nor its lower bound, the 2nd smallest of 10), then until every recipe has BUDGET_S of typical timed work
-# (rounds x its median call: a pre-empted call does not end the measuring early) or MAX_CALLS rounds
-MIN_CALLS, MAX_CALLS, BUDGET_S = 10, 30, 0.3
+# (rounds x its median call: a pre-empted call does not end the measuring early) and its bounds are on one
+# side of fp32, or MAX_CALLS rounds
+MIN_CALLS, MAX_CALLS, BUDGET_S = 10, 40, 0.3
+# a recipe is taken when its 95% lower bound clears 1.0 and its median this gain: a few percent is not worth
+# a 16-bit recipe's rounding (the demo model's bf16 autocast measures 1.03-1.05x with a core busy)
+MIN_GAIN = 1.1
+SAMPLE_S = 0.02  # a timed sample repeats a call until it lasts this long (time_call)
 WARMUP_CALLS = 2  # untimed calls per recipe first: oneDNN creates its kernels for a shape at its first call
 # ratios over fp32 that no CPU shows between these recipes (AMX bf16 GEMMs are ~10x AVX-512 fp32 at best;
 # emulated bf16 is ~12x slower): a median outside is another process's doing, measured again, then noisy
@@ -158,25 +164,43 @@ def _train_step(s: Shapes, recipe: str):
 
 
 def _decode_step(s: Shapes, recipe: str):
-    """A closure running one decode step of the layer (DECODE_BATCH tokens, DECODE_CONTEXT cached)."""
-    dtype = torch.bfloat16 if recipe == "bf16" else torch.float32
-    layer = _Layer(s).to(dtype)
-    hd = s.hidden // s.heads
-    cache = [torch.randn(DECODE_BATCH, s.kv_heads, DECODE_CONTEXT, hd, dtype=dtype) for _ in range(2)]
-    x = torch.randn(DECODE_BATCH, 1, s.hidden, dtype=dtype)
+    """A closure running one decode step of the layer as the native engine runs it (DECODE_BATCH tokens,
+    DECODE_CONTEXT cached): its linear layers in the rollout dtype's format (oneDNN-packed where the CPU runs
+    it natively, `rollout.native.LINEAR_FORMATS`), fp32 activations, norms and attention over an fp32 KV
+    cache, as the engine keeps them in every rollout dtype."""
+    from ..rollout.native import LINEAR_FORMATS
+
+    layer = _Layer(s)
+    B, hd = DECODE_BATCH, s.hidden // s.heads
+    fmt = LINEAR_FORMATS["bf16" if recipe == "bf16" else "fp32"]
+    qkv = fmt(torch.cat([layer.q.weight, layer.k.weight, layer.v.weight]).detach(), None, B)
+    o, down = (fmt(m.weight.detach(), None, B) for m in (layer.o, layer.down))
+    gate_up = fmt(torch.cat([layer.gate.weight, layer.up.weight]).detach(), None, B)
+    cache = [torch.randn(B, s.kv_heads, DECODE_CONTEXT, hd) for _ in range(2)]
+    x = torch.randn(B, s.hidden)
 
     @torch.inference_mode()
     def step():
-        layer(x, cache)
+        q = qkv(layer.norm1(x))[:, : s.hidden].view(B, s.heads, 1, hd)
+        a = F.scaled_dot_product_attention(q, *cache, enable_gqa=True)
+        y = x + o(a.reshape(B, s.hidden))
+        g, u = gate_up(layer.norm2(y)).chunk(2, dim=-1)
+        return y + down(F.silu(g) * u)
 
     return step
 
 
 def time_call(name: str, fn) -> float:
-    """Seconds of one call of `fn`; `name` is the recipe's, for a stub that times by name."""
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
+    """Seconds per call of `fn`, over as many calls as fill SAMPLE_S (a sample shorter than the scheduler's
+    time slices is all or nothing on a busy core: one call of a tiny model's layer runs ~0.1 ms); `name` is
+    the recipe's, for a stub that times by name."""
+    calls, t0 = 0, time.perf_counter()
+    while True:
+        fn()
+        calls += 1
+        spent = time.perf_counter() - t0
+        if spent >= SAMPLE_S:
+            return spent / calls
 
 
 def lower_bound_index(n: int, alpha: float = 0.05) -> int:
@@ -215,7 +239,8 @@ class Calibration:
 
     def _taken(self, kind: str, recipe: str) -> bool:
         low = (self.bounds or {}).get(f"{kind}/{recipe}", [0.0, 0.0])[0]
-        return f"{kind}/{recipe}" not in self.noisy and low > 1.0
+        r = getattr(self, kind).get(recipe, 0.0)
+        return f"{kind}/{recipe}" not in self.noisy and low > 1.0 and r >= MIN_GAIN
 
     def _said(self, kind: str, recipe: str, what: str) -> str:
         r = getattr(self, kind).get(recipe, 0.0)
@@ -292,8 +317,20 @@ def _rounds(timer, steps: dict) -> dict:
             times[name].append(math.inf if ran else _timed(timer, name, steps[name]))
         n = len(times[names[0]])
         spent = min(n * statistics.median(t) for t in times.values())
-        if n >= MIN_CALLS and (n >= MAX_CALLS or spent >= BUDGET_S):
+        if n >= MIN_CALLS and (n >= MAX_CALLS or (spent >= BUDGET_S and _decided(times))):
             return times
+
+
+def _decided(times: dict) -> bool:
+    """Whether every recipe's 95% bounds are on one side of fp32 (1.0): while one straddles it, more rounds
+    (up to MAX_CALLS) narrow it, so that a busy machine decides as an idle one does."""
+    base = next(t for name, t in times.items() if name.endswith("/fp32"))
+    for name, t in times.items():
+        if not name.endswith("/fp32") and math.inf not in t:
+            g = summarize([b / x for b, x in zip(base, t)])
+            if g["low"] <= 1.0 <= g["high"]:
+                return False
+    return True
 
 
 def _ratios(times: dict, kind: str, recipes) -> dict:
