@@ -94,15 +94,17 @@ def _weight_of(m):
 
 
 def _packed(w, bias, rows, dtype):
-    """`w` copied into `dtype` (fp32 activations in and out): oneDNN-packed on a CPU whose oneDNN runs that
-    dtype natively, else a plain `F.linear` in it (a GPU; fp16 on a CPU without avx512_fp16 / AMX-fp16)."""
+    """`w` copied into `dtype`, its inputs cast to it and its outputs left in it (the step casts only where
+    fp32 is needed: a residual add promotes on its own, and the MLP's product feeds the next 16-bit linear
+    as it is): oneDNN-packed on a CPU whose oneDNN runs that dtype natively, else a plain `F.linear` in it
+    (a GPU; fp16 on a CPU without avx512_fp16 / AMX-fp16)."""
     b = None if bias is None else bias.detach().to(dtype)
     if w.device.type == "cpu" and dtype in _ONEDNN_NATIVE and _ONEDNN_NATIVE[dtype]():
         packed = torch.ops.mkldnn._reorder_linear_weight(w.to(dtype), rows)
         linear = torch.ops.mkldnn._linear_pointwise
-        return lambda x: linear(x.to(dtype), packed, b, "none", [], "").to(x.dtype)
+        return lambda x: linear(x if x.dtype == dtype else x.to(dtype), packed, b, "none", [], "")
     wd = w.detach().to(dtype)
-    return lambda x: torch.nn.functional.linear(x.to(dtype), wd, b).to(x.dtype)
+    return lambda x: torch.nn.functional.linear(x if x.dtype == dtype else x.to(dtype), wd, b)
 
 
 _ONEDNN_NATIVE = {
@@ -325,19 +327,18 @@ class NativeEngine:
         N = x.shape[0]
         nh, kvh, d = self.n_heads, self.n_kv, self.head_dim
         for i, ly in enumerate(layers):
-            qkv = ly.qkv(ly.norm1(x))
+            qkv = ly.qkv(ly.norm1(x)).to(x.dtype)  # RoPE and the KV cache in the activations' dtype
             qk = qkv[:, : (nh + kvh) * d].view(N, nh + kvh, d)
             v = qkv[:, (nh + kvh) * d :].view(N, kvh, d)
             if ly.q_norm is not None:
                 qk = torch.cat([ly.q_norm(qk[:, :nh]), ly.k_norm(qk[:, nh:])], dim=1)
             qk = _rope(qk, cos, sin)  # queries and keys rotated together
-            x = x + ly.o(attend(i, qk[:, :nh], qk[:, nh:], v))
+            x = x + ly.o(attend(i, qk[:, :nh], qk[:, nh:], v))  # a 16-bit output is promoted by the add
             h = ly.norm2(x)
             if ly.gate_up is None:
                 x = x + ly.mlp(h)
             else:
-                gu = ly.gate_up(h)
-                g, u = gu.chunk(2, dim=-1)
+                g, u = ly.gate_up(h).chunk(2, dim=-1)  # in the linears' dtype up to `down`
                 x = x + ly.down(ly.act(g) * u)
         return x
 

@@ -181,7 +181,7 @@ def _decode_step(s: Shapes, recipe: str):
 
     @torch.inference_mode()
     def step():
-        q = qkv(layer.norm1(x))[:, : s.hidden].view(B, s.heads, 1, hd)
+        q = qkv(layer.norm1(x))[:, : s.hidden].float().view(B, s.heads, 1, hd)
         a = F.scaled_dot_product_attention(q, *cache, enable_gqa=True)
         y = x + o(a.reshape(B, s.hidden))
         g, u = gate_up(layer.norm2(y)).chunk(2, dim=-1)
