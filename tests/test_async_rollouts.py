@@ -276,6 +276,37 @@ def test_a_dropped_batch_is_replaced():
     source.close()
 
 
+def test_a_batch_dropped_as_the_thread_ends_is_replaced(monkeypatch):
+    """The last planned batches dropped while the generation thread, having decided to leave, has not ended
+    yet (it stays alive 1.5 s past its loop): the trainer restarts generation (decided under the lock, not on
+    `is_alive()`) and gets a fresh batch instead of waiting forever."""
+    loop = Ahead._loop
+
+    def lingering(self):
+        loop(self)
+        time.sleep(1.5)  # out of its loop, still alive
+
+    monkeypatch.setattr(Ahead, "_loop", lingering)
+    world = World()
+    source = Ahead(world.produce, world.push, version=0, max_staleness=1, groups_per_batch=1, last=2)
+    deadline = time.monotonic() + 5
+    while len(source.ready) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    source.after_update(1)  # the thread wakes for batch 2 = last: it leaves its loop, and lingers
+    deadline = time.monotonic() + 5
+    while source.running and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert source.thread.is_alive() and not source.running
+    source.after_update(2)  # both batches two versions old: dropped while the old thread is still alive
+    got = []
+    t = threading.Thread(target=lambda: got.append(source.next()), daemon=True)
+    t.start()
+    t.join(timeout=10)
+    assert got and got[0][0] == ["row2"] and source.dropped_batches == 2, (got, source.dropped_batches)
+    assert world.generated[2] == 2  # generated afresh under the pushed weights
+    source.close()
+
+
 def _signal_soon(sig, after_s=0.3):
     import os
 

@@ -105,6 +105,10 @@ class Ahead:
 
     # ---- the generation thread ------------------------------------------------------------------------
     def _start(self):
+        # `running` is what the trainer reads, under `cond`, to restart generation: a thread that has decided
+        # to leave (past `last`, or failed) says so under the same lock, while `is_alive()` stays true until
+        # it has returned (a restart decided on that could wait forever on a thread that is leaving)
+        self.running = True
         self.thread = threading.Thread(target=self._loop, name="grpo-fast-rollouts", daemon=True)
         self.thread.start()
 
@@ -118,6 +122,7 @@ class Ahead:
                         lambda: self.closed or (self.version >= j - self.S and not self.push_pending)
                     )
                     if self.closed or (self.last is not None and j >= self.last):
+                        self.running = False
                         return
                     self.idle_s += time.monotonic() - t0
                 with self.weights:
@@ -132,6 +137,7 @@ class Ahead:
         except BaseException as exc:  # handed to the trainer, which raises it
             with self.cond:
                 self.error = exc
+                self.running = False
                 self.cond.notify_all()
 
     # ---- the trainer's side -----------------------------------------------------------------------------
@@ -151,7 +157,7 @@ class Ahead:
                     self.dropped_groups += self.groups
                     if self.last is not None:
                         self.last += 1
-                        if not self.thread.is_alive() and self.error is None and not self.closed:
+                        if not self.running and self.error is None and not self.closed:
                             self._start()
                     continue
             self.taken = batch.sampler_state
