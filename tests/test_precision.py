@@ -691,3 +691,38 @@ def test_resume_keeps_the_runs_precision_when_the_measurement_changes(tmp_path, 
     assert "kept from" not in capsys.readouterr().out
     state = json.loads((out / "checkpoint-5" / "trainer_state.json").read_text())
     assert (state["config"]["bf16"], state["config"]["rollout_dtype"]) == (False, "fp32")
+
+
+def test_a_hub_model_not_yet_downloaded_is_measured_at_its_own_widths(monkeypatch, capsys):
+    """--model a Hub id absent from the cache: its config alone is fetched (not SmolLM2's widths measured in
+    its place); where none can be read, the fallback is said."""
+    import transformers
+    from transformers import LlamaConfig
+
+    from grpo_fast.trainer import calibrate
+
+    asked = []
+    big = LlamaConfig(
+        hidden_size=3584, intermediate_size=18944, num_attention_heads=28, num_key_value_heads=4
+    )
+
+    def from_pretrained(path, local_files_only=False, **kw):
+        asked.append((path, local_files_only))
+        if local_files_only:
+            raise OSError("not in the cache")
+        return big
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", from_pretrained)
+    shapes = calibrate.shapes_of(parse_config(["--model", "Qwen/Qwen2.5-7B", "--reward", "accuracy"]))
+    assert asked == [("Qwen/Qwen2.5-7B", True), ("Qwen/Qwen2.5-7B", False)]
+    assert (shapes.hidden, shapes.intermediate, shapes.heads, shapes.kv_heads) == (3584, 18944, 28, 4)
+    assert "no config readable" not in capsys.readouterr().out
+
+    def unreachable(path, local_files_only=False, **kw):
+        raise OSError("no network")
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", unreachable)
+    shapes = calibrate.shapes_of(parse_config(["--model", "Qwen/Qwen2.5-7B", "--reward", "accuracy"]))
+    assert shapes.hidden == calibrate.DEFAULT_MODEL["hidden_size"]
+    said = capsys.readouterr().out
+    assert "no config readable for 'Qwen/Qwen2.5-7B': measured at SmolLM2-135M's widths" in said

@@ -89,21 +89,31 @@ DEFAULT_MODEL = {
 
 
 def shapes_of(cfg) -> Shapes:
-    """The run's layer shapes: its model's config.json (a local directory, or the Hub cache offline), one
-    micro-batch of prompt + completion tokens."""
+    """The run's layer shapes: its model's config.json (a local directory, the Hub cache, else fetched from
+    the Hub: a few KB the model's load fetches anyway, so that a model not yet downloaded is measured at its
+    own widths), one micro-batch of prompt + completion tokens. Where no config can be read, SmolLM2-135M's
+    widths, said in one line."""
     from .modeling import model_path
 
-    config = None
+    config, path = None, cfg.model or cfg.task
     try:
-        path = Path(model_path(cfg))
-        if (path / "config.json").is_file():
-            config = json.loads((path / "config.json").read_text())
+        path = model_path(cfg)
+        if (Path(path) / "config.json").is_file():
+            config = json.loads((Path(path) / "config.json").read_text())
         else:
             from transformers import AutoConfig
 
-            config = AutoConfig.from_pretrained(str(path), local_files_only=True).to_dict()
+            try:
+                config = AutoConfig.from_pretrained(path, local_files_only=True).to_dict()
+            except OSError:  # not in the cache: its config alone from the Hub
+                config = AutoConfig.from_pretrained(path).to_dict()
     except Exception:  # the model is checked (and named in the error) where it is loaded
         config = None
+    if config is None:
+        print(
+            f"grpo-fast precision: no config readable for {path!r}: measured at SmolLM2-135M's widths",
+            flush=True,
+        )
     rows = cfg.prompts_per_step * cfg.num_generations // max(1, cfg.gradient_accumulation_steps)
     tokens = rows * (cfg.max_prompt_length + cfg.max_completion_length)
     return Shapes.of_model_config(config or DEFAULT_MODEL, tokens)
