@@ -445,7 +445,7 @@ def measure_one(a: dict) -> dict:
 def steady_figure(res: dict, n: int) -> None:
     """A pipelined row's headline at steady state: its measured steps after the head start when there are
     STEADY_STEPS of them, else the step model's max(generate, train) + sync from its own parts."""
-    model_s = max(res["gen_busy_s"], res["score_s"] + res["train_s"]) + res["push_s"]
+    model_s = modeled_step_s(res["gen_busy_s"], res["score_s"] + res["train_s"], res["push_s"], True)
     res["tokens_per_s_step_model"] = res["tokens_per_step"] / model_s
     if n >= STEADY_STEPS:
         res["steady"] = f"measured: {n} steps after the head start"
@@ -519,6 +519,11 @@ def plot_e2e(rows: list[dict], path: Path, title: str) -> None:
     plt.close(fig)
 
 
+def modeled_step_s(generate: float, train: float, sync: float, asynchronous: bool) -> float:
+    """The step model: `max(generate, train) + sync` when the rollout runs beside training, else the sum."""
+    return (max(generate, train) if asynchronous else generate + train) + sync
+
+
 def step_model(rows: list[dict]) -> dict | None:
     """The server and async rows against the model `sync step = generate + train + sync`, `async step =
     max(generate, train) + sync`, each from the parts its own run measured (generate: the generation's busy
@@ -534,7 +539,7 @@ def step_model(rows: list[dict]) -> dict | None:
     for p, r in got.items():
         gen, train, sync = r["gen_busy_s"], r["score_s"] + r["train_s"], r["push_s"]
         asynchronous = r.get("max_staleness", 0) > 0
-        predicted = (max(gen, train) if asynchronous else gen + train) + sync
+        predicted = modeled_step_s(gen, train, sync, asynchronous)
         out[p] = dict(generate_s=gen, train_s=train, sync_s=sync, predicted_step_s=predicted,
                       measured_step_s=r["step_s"], measured_over_model=r["step_s"] / predicted)  # fmt: skip
         form = "max(generate, train) + sync" if asynchronous else "generate + train + sync"

@@ -226,17 +226,11 @@ def main(argv=None) -> None:
         res = vllm.get(name)
         if res is not None and "error" in res:
             rows.append(dict(engine="vllm", dtype=name, error=res["error"]))
-        elif res is not None:
-            ms = 1e3 * res["seconds"] / (res["tokens"] / R)  # per token step, prefill included
-            rows.append(dict(engine="vllm", dtype=name, ms_per_step=ms, env=res.get("env")))
-            summary[f"decode_ms_per_step_vllm_{name}"] = ms
-    for r in rows:  # vLLM's fractions: its seconds per step against the same floor (bytes and FLOPs)
-        if r["engine"] == "vllm" and "ms_per_step" in r:
-            native = next(x for x in rows if x["engine"] == "native" and x["dtype"] == r["dtype"])
-            r["floor_ms_per_step"], r["bound"] = native["floor_ms_per_step"], native["bound"]
-            r["roofline_fraction"] = native["floor_ms_per_step"] / r["ms_per_step"]
-            r["bandwidth_fraction"] = native["bandwidth_fraction"] * native["ms_per_step"] / r["ms_per_step"]
-            summary[f"decode_bandwidth_fraction_vllm_{r['dtype']}"] = r["bandwidth_fraction"]
+        elif res is not None:  # its seconds per token step (prefill included) against the same floor
+            v = fractions(work, steps, res["seconds"] / (res["tokens"] / R) * steps, bw, peak)
+            rows.append(dict(engine="vllm", dtype=name, **v, env=res.get("env")))
+            summary[f"decode_ms_per_step_vllm_{name}"] = v["ms_per_step"]
+            summary[f"decode_bandwidth_fraction_vllm_{name}"] = v["bandwidth_fraction"]
     info = machine_info()
     columns = [("engine", "engine"), ("dtype", "rollout dtype"), ("ms_per_step", "ms per token step"),
                ("floor_ms_per_step", "floor ms"), ("bound", "floor bound by"),

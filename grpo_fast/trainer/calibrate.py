@@ -215,15 +215,10 @@ def time_call(name: str, fn) -> float:
 
 def lower_bound_index(n: int, alpha: float = 0.05) -> int:
     """k such that the k-th smallest of n samples (0-based) is a one-sided (1 - alpha) lower confidence bound
-    of their median: the largest k with P(Binomial(n, 1/2) < k + 1) <= alpha, i.e. P(at most k of n fall
-    below the median) (0 when n is too small for any bound but the minimum)."""
-    k, below = 0, 0.0
-    while k < n:
-        below += math.comb(n, k) / 2**n
-        if below > alpha:
-            break
-        k += 1
-    return max(0, k - 1) if k else 0
+    of their median: the largest k with P(Binomial(n, 1/2) <= k) <= alpha (0 when n is too small for any
+    bound but the minimum)."""
+    cdf = lambda k: sum(math.comb(n, i) for i in range(k + 1)) / 2**n  # noqa: E731
+    return max((k for k in range(n) if cdf(k) <= alpha), default=0)
 
 
 def summarize(ratios: list) -> dict:
@@ -334,19 +329,15 @@ def _rounds(timer, steps: dict) -> dict:
 def _decided(times: dict) -> bool:
     """Whether every recipe's 95% bounds are on one side of fp32 (1.0): while one straddles it, more rounds
     (up to MAX_CALLS) narrow it, so that a busy machine decides as an idle one does."""
+    recipes = [n for n, t in times.items() if not n.endswith("/fp32") and math.inf not in t]
+    got = _ratios(times)
+    return all(not got[n]["low"] <= 1.0 <= got[n]["high"] for n in recipes)
+
+
+def _ratios(times: dict) -> dict:
+    """{name: summarize(fp32 / that recipe, round by round)} of one kind's rounds (fp32's own: 1)."""
     base = next(t for name, t in times.items() if name.endswith("/fp32"))
-    for name, t in times.items():
-        if not name.endswith("/fp32") and math.inf not in t:
-            g = summarize([b / x for b, x in zip(base, t)])
-            if g["low"] <= 1.0 <= g["high"]:
-                return False
-    return True
-
-
-def _ratios(times: dict, kind: str, recipes) -> dict:
-    """{recipe: summarize(fp32 / recipe per round)} of one kind's rounds."""
-    base = times[f"{kind}/fp32"]
-    return {r: summarize([b / t for b, t in zip(base, times[f"{kind}/{r}"])]) for r in recipes}
+    return {name: summarize([b / x for b, x in zip(base, t)]) for name, t in times.items()}
 
 
 def measure(shapes: Shapes, timer=None) -> Calibration:
@@ -360,15 +351,15 @@ def measure(shapes: Shapes, timer=None) -> Calibration:
         steps = {f"{kind}/{r}": make(shapes, r) for r in recipes}
         for attempt in range(2):  # an implausible median is measured again once
             times = _rounds(timer, steps)
-            got = _ratios(times, kind, recipes)
+            got = _ratios(times)
             odd = [
-                r for r, g in got.items() if g["ratio"] > 0 and not PLAUSIBLE[0] <= g["ratio"] <= PLAUSIBLE[1]
+                n for n, g in got.items() if g["ratio"] > 0 and not PLAUSIBLE[0] <= g["ratio"] <= PLAUSIBLE[1]
             ]
             if not odd:
                 break
-        noisy += [f"{kind}/{r}" for r in odd]
+        noisy += odd
         calls[kind] = len(times[f"{kind}/fp32"])
-        stats |= {f"{kind}/{r}": g for r, g in got.items()}
+        stats |= got
     return Calibration(
         train={r: stats[f"train/{r}"]["ratio"] for r in TRAIN_RECIPES},
         decode={r: stats[f"decode/{r}"]["ratio"] for r in DECODE_RECIPES},

@@ -142,4 +142,9 @@ def load_training_state(
         and len(rng["cuda"]) == torch.cuda.device_count()
     ):
         torch.cuda.set_rng_state_all(rng["cuda"])
+    return trainer_state(ckpt)
+
+
+def trainer_state(ckpt: Path) -> dict:
+    """A checkpoint's trainer_state.json: its step, sampler position and the run's resolved config."""
     return json.loads((ckpt / "trainer_state.json").read_text())

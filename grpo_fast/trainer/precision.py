@@ -12,7 +12,6 @@ and the benchmarks. TRL's names and meaning:
   keeps fp32 master weights or compensates the rounding (Kahan) or rounds stochastically.
 """
 
-import json
 import os
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
@@ -180,14 +179,14 @@ def kept_on_resume(cfg, device: torch.device, main: bool = True):
     leaves to decide (--bf16 unset, --rollout-dtype auto), so that a run keeps its recipe across restarts,
     hosts, thread counts and torch upgrades; said once, with what this machine's measurement would choose now
     where that differs (`main`: the rank that measures and speaks). Returns cfg with them filled in."""
-    from .checkpoint import latest_checkpoint
+    from .checkpoint import latest_checkpoint, trainer_state
 
     if not cfg.resume or (cfg.bf16 is not None and cfg.rollout_dtype != "auto"):
         return cfg
     ckpt = latest_checkpoint(Path(cfg.output_dir))
     if ckpt is None:
         return cfg
-    saved = json.loads((ckpt / "trainer_state.json").read_text()).get("config") or {}
+    saved = trainer_state(ckpt).get("config") or {}
     kept = {}
     if cfg.bf16 is None and isinstance(saved.get("bf16"), bool):
         kept["bf16"] = saved["bf16"]
