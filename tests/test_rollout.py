@@ -165,7 +165,9 @@ def test_decode_attention_equals_one_softmax_over_prompt_and_own_keys(dtype, tol
     attention = native._merge_attention_products if products else native._merge_attention
     out = attention(
         *(x.to(dtype) for x in (q, pk, pv, ck, cv)),
-        bias(prompt_real).to(dtype).view(n, 1, 1, P), bias(own_real).to(dtype).view(R, 1, 1, cap), 0.25,
+        bias(prompt_real).to(dtype).view(n, 1, 1, P),
+        bias(own_real).to(dtype).view(R, 1, 1, cap),
+        0.25,
     ).double()
     for r in range(R):
         g = r // G

@@ -5,6 +5,7 @@ watchdog). Most tests run a stand-in for vLLM's API server (a small HTTP server 
 of `python -m vllm...`, whose "engine" children may ignore SIGTERM); one test starts a real vLLM CPU
 server."""
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -400,6 +401,74 @@ def test_the_watchdog_stands_down_or_leaves_when_its_group_is_gone():
         kill_group(proc.pid)
 
 
+# 4. every vLLM process dies with its parent (our vLLM plugin), and the launcher with any of them
+
+# a group leader (the "API server") starting a child that loads the plugin as vLLM would, which then forks
+# a grandchild (vLLM forks its engine and workers where it can); prints the child's and grandchild's pids
+TIED_PARENT = """
+import subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", sys.argv[1]], stdout=sys.stdout)
+time.sleep(600)
+"""
+TIED_CHILD = """
+import os, time
+from grpo_fast.rollout import vllm_worker
+vllm_worker.tie_to_parent()
+pid = os.fork()
+if pid == 0:
+    time.sleep(600)
+    os._exit(0)
+print("PIDS", os.getpid(), pid, flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("launched", [True, False])
+def test_the_plugin_ties_each_process_and_its_forks_to_its_parent(launched):
+    """tie_to_parent in a process below its group's leader, which then forks: the leader SIGKILLed, the child
+    and the forked grandchild die with it (in a server grpo-fast launched: the launch token set); in any
+    other vLLM the plugin does nothing and both live on."""
+    env = {k: v for k, v in os.environ.items() if k != "GRPO_FAST_LAUNCH_TOKEN"}
+    if launched:
+        env["GRPO_FAST_LAUNCH_TOKEN"] = "t"
+    leader = subprocess.Popen([sys.executable, "-c", TIED_PARENT, TIED_CHILD], stdout=subprocess.PIPE,
+                              text=True, cwd=ROOT, env=env, start_new_session=True)  # fmt: skip
+    try:
+        line = leader.stdout.readline()
+        assert line.startswith("PIDS"), line
+        child, grandchild = map(int, line.split()[1:])
+        assert alive(child) and alive(grandchild)
+        leader.kill()
+        leader.wait()
+        deadline = time.monotonic() + 5
+        while (alive(child) or alive(grandchild)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if launched:
+            assert not alive(child) and not alive(grandchild)
+        else:
+            time.sleep(0.5)
+            assert alive(child) and alive(grandchild)
+    finally:
+        kill_group(leader.pid)
+
+
+def test_the_launcher_watch_returns_non_zero_when_a_server_process_dies(fake_python, monkeypatch):
+    """launch() records the server's processes once it answers; one of them killed, `watch` says which and
+    returns 1 within seconds, interrupting a trainer still running first."""
+    monkeypatch.setenv("FAKE_IGNORE_TERM", "1")
+    with serve.launch("model", port=free_port(), python=fake_python, cpu=True, wait_s=20, grace_s=1) as url:
+        assert len(url.members) == 3, url.members  # the "API server" and its two "engine" processes
+        assert url.lost() is None
+        trainer = subprocess.Popen(["sleep", "600"])
+        engine = next(pid for pid in url.members if pid != url.pid)
+        os.kill(engine, signal.SIGKILL)
+        t0 = time.monotonic()
+        assert serve.watch(url, trainer, every_s=0.1) == 1
+        assert time.monotonic() - t0 < 5
+        assert trainer.poll() is not None  # interrupted (SIGINT) before the launcher leaves
+        assert f"pid {engine}" in url.lost()
+
+
 # the real server: token, busy port and a killed launcher
 
 
@@ -439,6 +508,86 @@ def test_a_real_server_carries_its_token_and_dies_with_its_killed_launcher(tmp_p
         assert took is not None, group(pgid)
         assert not [p for p in members if alive(p)]
         print(f"launcher SIGKILLed: vLLM's {len(members)} processes gone in {took:.2f}s (grace {grace}s)")
+    finally:
+        launcher.kill()
+        if pgid:
+            kill_group(pgid)
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            with contextlib.suppress(OSError, IndexError):
+                if int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    out.append(int(d.name))
+    return out
+
+
+@needs_vllm
+def test_a_real_server_leaves_nothing_when_its_launcher_and_watchdog_die_at_once(tmp_path):
+    """A real vLLM CPU server (API server, engine core, worker): SIGKILL to the launcher and to its direct
+    children (the API server and the watchdog) at once: 10 s later no process of the server is left (the
+    engine core and the worker die with their parents: grpo-fast's vLLM plugin, loaded in each)."""
+    port = free_port()
+    code = (
+        "import sys, time\nfrom grpo_fast.rollout import serve\n"
+        f"log = open({str(tmp_path / 'server.log')!r}, 'w')\n"
+        f"cm = serve.launch({str(MODEL)!r}, port={port}, python=sys.executable, max_model_len=64, log=log)\n"
+        "url = cm.__enter__()\nprint('URL', url, url.pid, flush=True)\ntime.sleep(600)\n"
+    )
+    launcher = _launcher(code)
+    pgid = None
+    try:
+        line = _launched(launcher)
+        assert line, (tmp_path / "server.log").read_text()[-3000:]
+        pgid = int(line.split()[2])
+        assert Server(line.split()[1], timeout=30).rpc("grpo_fast_info")[0]["tied_to_parent"]
+        members = group(pgid)
+        assert len(members) >= 3, members  # the API server, its engine core, its worker
+        direct = _children(launcher.pid)
+        assert pgid in direct and len(direct) >= 2, direct  # the API server and the watchdog
+        for pid in [launcher.pid, *direct]:
+            os.kill(pid, signal.SIGKILL)
+        launcher.wait(timeout=10)
+        time.sleep(10)
+        assert not [p for p in members if alive(p)], [(p, _state(p)) for p in members if alive(p)]
+        print(f"launcher + its {len(direct)} direct children SIGKILLed: the server's {len(members)} "
+              "processes gone 10 s later")  # fmt: skip
+    finally:
+        launcher.kill()
+        if pgid:
+            kill_group(pgid)
+
+
+@needs_vllm
+def test_a_real_servers_killed_worker_stops_grpo_fast_serve_non_zero(tmp_path):
+    """`grpo-fast serve` on a real vLLM CPU server: SIGKILL to its worker process makes the launcher say so
+    and exit non-zero within 10 s, leaving nothing of the server."""
+    port = free_port()
+    log = open(tmp_path / "serve.log", "w")
+    cmd = [sys.executable, "-m", "grpo_fast.rollout.serve", str(MODEL), "--port", str(port)]
+    cmd += ["--max-model-len", "64"]
+    launcher = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+    pgid = None
+    try:
+        deadline = time.monotonic() + 300
+        said = tmp_path / "serve.log"
+        while "vLLM up at" not in said.read_text():
+            assert launcher.poll() is None and time.monotonic() < deadline, said.read_text()
+            time.sleep(0.5)
+        pgid = next(p for p in _children(launcher.pid) if os.getpgid(p) == p)
+        workers = [p for p in group(pgid) if "Worker" in Path(f"/proc/{p}/comm").read_text()]
+        assert len(workers) == 1, workers
+        members = group(pgid)
+        os.kill(workers[0], signal.SIGKILL)
+        t0 = time.monotonic()
+        code = launcher.wait(timeout=10)
+        took = time.monotonic() - t0
+        assert code != 0
+        assert f"died: pid {workers[0]}" in said.read_text()
+        assert gone(pgid, 10) is not None and not [p for p in members if alive(p)]
+        print(f"worker SIGKILLed: grpo-fast serve exited {code} in {took:.1f}s")
     finally:
         launcher.kill()
         if pgid:

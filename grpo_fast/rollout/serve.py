@@ -20,7 +20,9 @@ It never adopts a server it did not start: a port where something listens alread
 starts, and the server must report the launch's own token ($GRPO_FAST_LAUNCH_TOKEN, through the worker
 extension's info) once it answers; `--train` hands that token to the trainer ($GRPO_FAST_SERVER_TOKEN), which
 checks it too. Nothing of the server outlives its launcher: a watchdog process kills the server's process
-group when the launcher dies, by SIGKILL included."""
+group when the launcher dies, by SIGKILL included, and each vLLM process dies with its parent (our vLLM
+plugin, vllm_worker.tie_to_parent), so that killing the launcher with its watchdog leaves nothing either. The
+launcher exits non-zero within seconds when any process of its server dies (`watch`)."""
 
 import argparse
 import contextlib
@@ -37,6 +39,8 @@ import time
 from .lora_adapters import served_rank
 from .vllm_server import EXTENSION, TOKEN_ENV, Server, ServerError
 from .vllm_worker import LAUNCH_TOKEN_ENV
+
+PLUGIN = "grpo_fast_tie_to_parent"  # our vLLM general plugin's entry point name (pyproject.toml)
 
 
 def command(
@@ -96,16 +100,62 @@ def environment(cpu: bool, kv_cache_gb: float, cores: str | None, lora_rank: int
 
 class Launched(str):
     """The URL of a server that launch() started (a str), with `token`, the launch token the server
-    reports (the trainer checks it when $GRPO_FAST_SERVER_TOKEN is set), and `pid`, its process (and process
-    group)."""
+    reports (the trainer checks it when $GRPO_FAST_SERVER_TOKEN is set), `pid`, its process (and process
+    group), and `members`, the processes of that group once it answered ({pid: name}): `lost()` names the
+    first of them that has died since."""
 
     token: str
     pid: int
+    members: dict
 
-    def __new__(cls, url: str, token: str, pid: int):
+    def __new__(cls, url: str, token: str, pid: int, members: dict | None = None):
         self = super().__new__(cls, url)
-        self.token, self.pid = token, pid
+        self.token, self.pid, self.members = token, pid, dict(members or {})
         return self
+
+    def lost(self) -> str | None:
+        """'pid P (name)' of a process of the server that is gone (exited, killed), else None."""
+        now = group_members(self.pid)
+        for pid, name in self.members.items():
+            if pid not in now:
+                return f"pid {pid} ({name})"
+        return None
+
+
+def group_members(pgid: int) -> dict:
+    """{pid: name} of the live processes of process group `pgid` (Linux /proc; zombies count as gone)."""
+    found = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        name, rest = stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2 :].split()
+        if rest[0] != "Z" and int(rest[2]) == pgid:  # fields after the name: state, ppid, pgrp
+            found[int(entry)] = name
+    return found
+
+
+def watch(url: Launched, proc: subprocess.Popen | None = None, every_s: float = 1.0) -> int:
+    """Wait while the server's processes all live (and `proc`, a trainer, runs): the trainer's exit code,
+    or 1 once a process of the server dies (said on stderr; a trainer still running is interrupted first,
+    so that it saves)."""
+    while True:
+        if proc is not None and proc.poll() is not None:
+            return proc.returncode
+        gone = url.lost()
+        if gone:
+            print(f"grpo-fast serve: a process of the vLLM server at {url} died: {gone}; stopping the server",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            if proc is not None:
+                proc.send_signal(signal.SIGINT)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=60)
+            return 1
+        time.sleep(every_s)
 
 
 @contextlib.contextmanager
@@ -151,6 +201,8 @@ def launch(
     )
     token = secrets.token_hex(16)
     env = {**os.environ, **environment(cpu, kv_cache_gb, cores, lora_rank), LAUNCH_TOKEN_ENV: token}
+    if env.get("VLLM_PLUGINS"):  # an allow-list of vLLM plugins: ours too (its processes die with us)
+        env["VLLM_PLUGINS"] += "," + PLUGIN
     if gpus is not None:  # the server's own GPU(s); the trainer keeps the others
         env["CUDA_VISIBLE_DEVICES"] = gpus
     if cpu and cores:  # the server's own cores: vLLM binds its OpenMP threads; the API process follows
@@ -179,9 +231,14 @@ def launch(
                         f"vLLM server for {model} did not answer /health within {wait_s:.0f}s"
                     ) from None
                 time.sleep(1.0)
-        _check_own(server, proc, token, lambda: f"vLLM server for {model}: {shlex.join(cmd)}{_tail(log)}")
+        said = lambda: f"vLLM server for {model}: {shlex.join(cmd)}{_tail(log)}"  # noqa: E731
+        if _check_own(server, proc, token, said).get("tied_to_parent") is False:
+            print(f"grpo-fast serve: warning: grpo-fast's vLLM plugin did not load in the server's workers "
+                  f"(grpo_fast not installed with its entry points in {python}'s environment, or "
+                  "$VLLM_PLUGINS leaves it out): its engine processes would outlive a launcher killed with "
+                  "its watchdog", file=sys.stderr, flush=True)  # fmt: skip
         print(f"grpo-fast serve: vLLM up at {url} in {time.monotonic() - t0:.1f}s", flush=True)
-        yield Launched(url, token, proc.pid)
+        yield Launched(url, token, proc.pid, group_members(proc.pid))
     finally:
         try:
             stop(proc, grace_s)
@@ -210,9 +267,10 @@ def refuse_busy_port(url: str, address: str, port: int) -> None:
     )
 
 
-def _check_own(server: Server, proc: subprocess.Popen, token: str, said) -> None:
+def _check_own(server: Server, proc: subprocess.Popen, token: str, said) -> dict:
     """ServerError unless the server answering at server.url is the process `proc` that this launch started:
-    still running, and reporting the launch's token. `said()`: what it ran, and its log's end."""
+    still running, and reporting the launch's token (returns its worker's info). `said()`: what it ran, and
+    its log's end."""
 
     def exited() -> ServerError:
         return ServerError(
@@ -242,6 +300,7 @@ def _check_own(server: Server, proc: subprocess.Popen, token: str, said) -> None
             f"{'another' if theirs else 'missing'}): another server runs on that port; start this one with "
             "another --port"
         )
+    return infos[0]
 
 
 def _tail(log, lines: int = 15) -> str:
@@ -408,7 +467,7 @@ def train_against(url: str, train_argv: list, cores: str | None, token: str | No
     print("grpo-fast serve: " + shlex.join(cmd), flush=True)
     proc = subprocess.Popen(cmd, env=env)
     try:
-        return proc.wait()
+        return watch(url, proc) if isinstance(url, Launched) else proc.wait()
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the trainer saves its step and stops, then the server
         proc.send_signal(signal.SIGINT)
         return proc.wait()
@@ -505,8 +564,8 @@ def main(argv=None) -> None:
                 f"--vllm-mode server --vllm-server-base-url {url} ...; Ctrl-C stops it",
                 flush=True,
             )
-            while True:
-                time.sleep(3600)
+            if watch(url):  # returns when a process of the server died
+                sys.exit(1)
     except KeyboardInterrupt:
         print("grpo-fast serve: stopped", flush=True)
     except ServerError as exc:

@@ -2,15 +2,73 @@
 grpo_fast.rollout.vllm_worker.WeightReceiver`, which `grpo-fast serve` passes): what the trainer calls through
 the server's `/collective_rpc` endpoint, whose arguments are strings only.
 
+Also vLLM's general plugin `tie_to_parent` (an entry point of this package, loaded by vLLM in each of its
+processes): in a server `grpo-fast serve` launched, every vLLM process dies with the process that started it.
+
 Imported inside vLLM's worker processes; it imports nothing of grpo-fast's beyond this file, and vLLM, torch
 and safetensors only inside the methods."""
 
 import json
 import os
+import signal
 import socket
 import time
 
 LAUNCH_TOKEN_ENV = "GRPO_FAST_LAUNCH_TOKEN"  # set by `grpo-fast serve` (launch()): the token of the launch
+PR_SET_PDEATHSIG = 1
+_tied = {"pid": None, "forks": False, "prctl": None}  # the process last tied; forks tied too; libc's prctl
+_parent = {"pid": None}  # the forking process's pid, read by its child right after a fork
+
+
+def tie_to_parent() -> None:
+    """vLLM's general plugin (entry point `vllm.general_plugins`; vLLM loads it in its API server, engine
+    core and worker processes): in a server started by `grpo-fast serve` (the launch token in the
+    environment), each vLLM process below the API server is killed (SIGKILL) when its parent dies, however
+    the parent dies, and so is every process one of them forks later; a process whose parent is gone already
+    (it left the server's process group) kills itself. The API server itself gets SIGTERM from the launcher's
+    death (set at its start), so that it stops its children; the launcher's watchdog is the last resort.
+    Does nothing in a vLLM that grpo-fast did not launch."""
+    if not os.environ.get(LAUNCH_TOKEN_ENV) or not hasattr(os, "register_at_fork"):
+        return
+    if _tied["prctl"] is None:  # looked up here: after a fork in a threaded process no library may load
+        import ctypes
+
+        try:
+            _tied["prctl"] = ctypes.CDLL(None, use_errno=True).prctl
+        except (OSError, AttributeError):  # not Linux: the launcher's watchdog alone
+            return
+    if not _tied["forks"]:  # vLLM forks its engine and workers where it can: a fork clears the setting
+        os.register_at_fork(before=_remember_parent, after_in_child=_tie_forked)
+        _tied["forks"] = True
+    if os.getpid() != os.getpgrp() and _tied["pid"] != os.getpid():  # not the API server (the group leader)
+        _tie(lambda: os.getpgid(os.getppid()) == os.getpgrp())
+
+
+def _remember_parent() -> None:
+    _parent["pid"] = os.getpid()
+
+
+def _tie_forked() -> None:
+    if os.getpid() != os.getpgrp():
+        _tie(lambda: os.getppid() == _parent["pid"])
+
+
+def _tie(parent_is_ours) -> None:
+    """SIGKILL when the parent dies; at once if it died before the setting took (`parent_is_ours()` false)."""
+    if _tied["prctl"](PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
+        return
+    _tied["pid"] = os.getpid()
+    try:
+        ours = parent_is_ours()
+    except OSError:  # the parent is gone between the two calls
+        ours = False
+    if not ours:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def tied_to_parent() -> bool:
+    """Whether this process was tied to its parent by `tie_to_parent` (reported in the server's info)."""
+    return _tied["pid"] == os.getpid()
 
 
 def _gpu_uuid(device) -> str | None:
@@ -53,6 +111,8 @@ class WeightReceiver:
             # launcher and `grpo-fast serve --train`'s trainer refuse a server answering on the port that is
             # not the one they started
             "launch_token": os.environ.get(LAUNCH_TOKEN_ENV),
+            # this worker dies with its parent (the plugin loaded): `grpo-fast serve` warns where it did not
+            "tied_to_parent": tied_to_parent(),
             # LoRA adapters pushed alone need these: adapters enabled, loaded at run time, one replica
             "lora": lora,
             "runtime_lora_updating": os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower()
