@@ -124,6 +124,36 @@ def test_a_new_owner_unloads_the_adapters_a_dead_run_left():
         assert _fake_of(url).adapters == {}
 
 
+def test_failed_unloads_are_retried_counted_and_warned_until_the_server_holds_what_is_allowed(capsys):
+    """The server refuses the first 5 unload calls: each push retries the unloads still owed; the engine
+    counts every failed call (`failed_unloads`), reports the adapters the server holds (`adapters_loaded`,
+    read from the server's model list) and warns, naming the server, once they exceed what is allowed; when
+    unloads work again, the server ends with the allowed one adapter, the current version."""
+    model = lora_policy().eval()
+    with FakeServer(policy(), lora_rank=8) as url:
+        fake = _fake_of(url)
+        engine = ServerEngine(model, [url], auto_push=False, adapters_allowed=1)
+        engine.push(model, 0)
+        fake.fail["/v1/unload_lora_adapter"] = 500
+        step, held = 0, []
+        while fake.calls.count("/v1/unload_lora_adapter") < 5:
+            step += 1
+            train_adapter(model, step)
+            engine.push(model, step)
+            held.append((len(fake.adapters), engine.stats["adapters_loaded"]))
+        assert engine.stats["failed_unloads"] == fake.calls.count("/v1/unload_lora_adapter") == 5
+        assert all(mine == theirs for theirs, mine in held) and held[-1][0] == step + 1, held
+        warned = capsys.readouterr().out
+        assert f"vLLM server {url} holds 2 LoRA adapters" in warned and f"holds {step + 1} LoRA" in warned
+        del fake.fail["/v1/unload_lora_adapter"]
+        for more in (1, 2):
+            train_adapter(model, step + more)
+            engine.push(model, step + more)
+            assert list(fake.adapters) == [engine.served_name(engine.servers[0])]
+            assert engine.stats["adapters_loaded"] == 1 and engine.stats["failed_unloads"] == 5
+        assert "LoRA adapters" not in capsys.readouterr().out  # nothing more to say
+
+
 @pytest.mark.parametrize(
     "server_rank,options,reason",
     [
@@ -188,6 +218,7 @@ def test_lora_training_on_a_server_samples_the_version_it_reports(tmp_path, monk
             "--learning-rate", "3e-2", "--max-staleness", "1" if async_ else "0",
         ])  # fmt: skip
         assert len(_fake_of(url).adapters) == 1
+    assert [(r["vllm/adapters_loaded"], r["vllm/failed_unloads"]) for r in records] == [(1, 0)] * steps
     pushed = [r["sync/bytes"] for r in records if r.get("sync/bytes")]
     assert pushed and max(pushed) < 2**20, pushed  # an adapter's bytes (the whole model is ~1.3 MB in fp32)
     staleness = [r.get("async/staleness", 0) for r in records]

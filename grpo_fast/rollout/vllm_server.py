@@ -351,11 +351,13 @@ class ServerEngine:
     another live run holds it, and checked after every generation to have loaded no weights but this
     engine's; `context`: the longest prompt + completion, which every server must hold; `push_adapters`: a
     LoRA policy's adapter pushed alone (True), merged into the weights (False), or alone where every server
-    takes it (None, the default; lora_adapters says when it cannot)."""
+    takes it (None, the default; lora_adapters says when it cannot); `adapters_allowed`: how many adapters a
+    server may hold before a warning (the trainer: its staleness + 1; a failed unload is retried at each
+    push)."""
 
     def __init__(
         self, model, urls, *, wait_s=240.0, timeout=600.0, weight_dir=None, auto_push=True, tokenizer=None,
-        run=None, context=None, push_adapters=None,
+        run=None, context=None, push_adapters=None, adapters_allowed=1,
     ):  # fmt: skip
         self.servers = [Server(u, timeout) for u in urls]
         if not self.servers:
@@ -400,7 +402,11 @@ class ServerEngine:
             "probe_error": 0.0,
             "probe_moved": 0.0,
             "failed_servers": 0,
+            "adapters_loaded": 0,  # the most adapters any server holds after the last push
+            "failed_unloads": 0,  # unload calls that failed (each is retried at the next push)
         }
+        self.unloads: dict = {}  # url -> adapter names whose unload failed there, retried at each push
+        self.adapters_allowed, self._warned_adapters = adapters_allowed, {}
         self._next = 0
         self.closed = False  # set by `close`: requests not yet sent are cancelled
         # LoRA: the adapter pushed alone (a new served name per version) where every server can take it
@@ -424,10 +430,8 @@ class ServerEngine:
             print(f"grpo-fast: LoRA pushed merged into the vLLM servers' weights: {reason}", flush=True)
             return False
         for s in self.servers:
-            models = s.call("/v1/models", what="model list", timeout=CHECK_TIMEOUT_S).get("data", [])
-            for m in models:
-                if str(m.get("id", "")).startswith(lora_adapters.NAME_PREFIX):
-                    self._unload(s, m["id"])
+            for name in self._adapters_on(s):
+                self._unload(s, name)
         print(f"grpo-fast: LoRA adapter (rank {self.lora.r}) pushed alone to the vLLM servers, the base once",
               flush=True)  # fmt: skip
         return True
@@ -436,9 +440,44 @@ class ServerEngine:
         """The model name requests to `server` carry: the adapter of the last push, else the base model."""
         return self.adapter[0] if self.adapter else server.model_name
 
-    def _unload(self, s: "Server", name: str) -> None:
-        s.call("/v1/unload_lora_adapter", {"lora_name": name}, what=f"unload of adapter {name}",
-               timeout=CHECK_TIMEOUT_S, text=True)  # fmt: skip
+    def _adapters_on(self, s: "Server") -> list:
+        """The names of the grpo-fast adapters `s` serves (any run's: this run owns the server now)."""
+        models = s.call("/v1/models", what="model list", timeout=CHECK_TIMEOUT_S).get("data", [])
+        return [m["id"] for m in models if str(m.get("id", "")).startswith(lora_adapters.NAME_PREFIX)]
+
+    def _unload(self, s: "Server", name: str) -> bool:
+        """Unload adapter `name` from `s`; a failure is counted and the name kept for the next push's retry
+        (an adapter the server no longer knows counts as unloaded)."""
+        pending = self.unloads.setdefault(s.url, [])
+        try:
+            s.call("/v1/unload_lora_adapter", {"lora_name": name}, what=f"unload of adapter {name}",
+                   timeout=CHECK_TIMEOUT_S, text=True)  # fmt: skip
+        except ServerError as exc:
+            if exc.status != 404:
+                self.stats["failed_unloads"] += 1
+                if name not in pending:
+                    pending.append(name)
+                return False
+        if name in pending:
+            pending.remove(name)
+        return True
+
+    def _account_adapters(self) -> None:
+        """Retry the failed unloads, then count the adapters each server holds (`adapters_loaded`: the most
+        on any); more than `adapters_allowed` on a server is a warning naming it, said again when it grows."""
+        most = 0
+        for s in self.alive:
+            for name in list(self.unloads.get(s.url, [])):
+                self._unload(s, name)
+            held = len(self._adapters_on(s))
+            most = max(most, held)
+            if held > self.adapters_allowed and held > self._warned_adapters.get(s.url, 0):
+                self._warned_adapters[s.url] = held
+                print(f"grpo-fast: warning: vLLM server {s.url} holds {held} LoRA adapters of this run, more "
+                      f"than the {self.adapters_allowed} allowed: {self.stats['failed_unloads']} unloads "
+                      "failed (each retried at the next push); its memory for adapters fills",
+                      flush=True)  # fmt: skip
+        self.stats["adapters_loaded"] = most
 
     def close(self) -> None:
         """Cancel the requests not yet sent (a stopping run does not wait for a whole batch), and give the
@@ -544,6 +583,8 @@ class ServerEngine:
         self.stats["sync_verify_s"] = time.monotonic() - t_verify
         if adapter and previous:  # nothing names it any more: generation holds the lock a push takes
             self._retire(previous)
+        if adapter:
+            self._account_adapters()
         self.stats["pushes"] += 1
         self.stats["pushed_tensors"] += len(out) + len(adapter)
         sent = [*out.values(), *adapter.values()]
@@ -572,11 +613,10 @@ class ServerEngine:
         self.adapter = (name, directory)
 
     def _retire(self, adapter: tuple) -> None:
-        """Unload a superseded adapter version from the servers and remove its files (best effort: a server
-        that fails here fails its next request)."""
+        """Unload a superseded adapter version from the servers (a failed unload is counted and retried at
+        the next push) and remove its files (a loaded adapter does not read them again)."""
         for s in self.alive:
-            with contextlib.suppress(ServerError):
-                self._unload(s, adapter[0])
+            self._unload(s, adapter[0])
         shutil.rmtree(adapter[1], ignore_errors=True)
 
     def _check_base(self, mine: torch.Tensor, at: str) -> None:

@@ -86,6 +86,7 @@ def engine_options(cfg: GRPOConfig) -> dict:
             "timeout": cfg.vllm_request_timeout_s, "weight_dir": cfg.vllm_weight_dir,
             "auto_push": cfg.max_staleness == 0,  # asynchronous: the trainer pushes after each step
             "run": run_name(cfg), "context": cfg.max_prompt_length + cfg.max_completion_length,
+            "adapters_allowed": cfg.max_staleness + 1,  # LoRA adapters pushed alone: a warning beyond
         }  # fmt: skip
     elif cfg.rollout == "vllm":
         opts["vllm_options"] = {
@@ -176,6 +177,18 @@ def engine_that_ran(run) -> tuple[str, str]:
     if engine == "native":
         return engine, native.engine_for(run.model).rollout_dtype
     return engine, vllm_engine.engine_for(run.model).rollout_dtype if engine == "vllm" else "model"
+
+
+def server_metrics(run) -> dict:
+    """A LoRA run pushing its adapter alone to vLLM servers: the adapters the fullest server holds after the
+    last push, and the unloads that failed so far (each retried at the next push)."""
+    if not server_mode(run.cfg):
+        return {}
+    engine = vllm_server.engine_for(run.model)
+    if not engine.adapters:
+        return {}
+    return {"vllm/adapters_loaded": engine.stats["adapters_loaded"],
+            "vllm/failed_unloads": engine.stats["failed_unloads"]}  # fmt: skip
 
 
 def multi_turn_rollout(run, rows, generator=None) -> Rollout:
@@ -503,6 +516,7 @@ def step_record(run, ro: Rollout, sc: Scored, metrics: dict, grad_norm: float, t
         "completion_len_mean": n_completion_tokens / len(rewards),
         "completion_len_max": int(all_gather_rows(ro.model_mask.sum(1), dist).max()),
         **(ro.tool_metrics or {}),
+        **server_metrics(run),
         "tokens_per_s": n_tokens / (t3 - t0),
         "peak_mem_mb": max(peaks),  # this step's, this rank's (grpo_fast.trainer.memory)
         "peak_mem_rollout_mb": peaks[0],
