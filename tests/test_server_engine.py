@@ -58,6 +58,91 @@ def test_a_second_run_is_refused_and_the_same_run_reclaims():
         ServerEngine(model, [url], run="run A")  # its --resume, its other ranks: the same run
 
 
+def test_a_quiet_run_keeps_its_servers_and_a_silent_one_loses_them(monkeypatch):
+    """Seen from another host (the server cannot see the run's process: its lease decides), a run that makes
+    no call for 2.5 leases (a long evaluation or save) keeps its server: the engine renews the lease on a
+    thread; a run that stopped calling (its host gone) loses it once its own lease lapses."""
+    from types import SimpleNamespace
+
+    from grpo_fast.rollout import vllm_server
+
+    monkeypatch.setattr(vllm_server, "socket", SimpleNamespace(gethostname=lambda: "host-a"))
+    model = policy()
+    with FakeServer(model) as url:
+        quiet = ServerEngine(model, [url], run="run A", lease_s=2.0)
+        time.sleep(5.0)
+        with pytest.raises(ServerError, match="serves another run: 'run A'"):
+            ServerEngine(model, [url], run="run B")
+        quiet.release()
+        vllm_server.claim(Server(url, 10), "run C", lease_s=2.0)  # no engine: nothing renews it
+        with pytest.raises(ServerError, match="serves another run: 'run C'"):
+            ServerEngine(model, [url], run="run B")
+        time.sleep(2.5)
+        ServerEngine(model, [url], run="run B")  # run C's lease lapsed
+
+
+# two ranks of one job on two hosts, each with an output directory of its own (node-local disks)
+TWO_HOSTS = """
+import json, socket, sys
+from pathlib import Path
+rank, tmp, url, model_dir = int(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], sys.argv[4]
+socket.gethostname = lambda: f"host-{rank}"  # each rank on a host of its own
+import torch.distributed as td
+from transformers import AutoModelForCausalLM
+from grpo_fast.rollout.vllm_server import ServerEngine
+from grpo_fast.trainer import checkpoint
+from grpo_fast.trainer.distributed import DistInfo, from_rank0
+td.init_process_group("gloo", init_method="file://" + str(tmp / "store"), rank=rank, world_size=2)
+info = DistInfo(rank=rank, world=2, kind="ddp")
+identity = from_rank0(lambda: checkpoint.run_id(tmp / f"node-{rank}" / "run", False), info)
+ServerEngine(AutoModelForCausalLM.from_pretrained(model_dir), [url], run=identity, auto_push=False)
+td.barrier()
+print(json.dumps(identity))
+td.destroy_process_group()
+"""
+
+
+def test_a_two_host_jobs_ranks_share_one_claim_and_a_resume_elsewhere_reclaims(tmp_path, monkeypatch):
+    """Rank 0 on host-0 and rank 1 on host-1, each writing to its own disk: the run id rank 0 stores in its
+    output directory is every rank's, so both claim the server as one owner; a second job (another output
+    directory, on host-2) is refused while the first's lease runs; the first job's --resume on host-1 (its
+    output directory's run id) reclaims it."""
+    from types import SimpleNamespace
+
+    from grpo_fast.rollout import vllm_server
+    from grpo_fast.trainer import checkpoint
+
+    model = policy()
+    with FakeServer(model) as url:
+        fake = _fake_of(url)
+        claims, real = [], fake.worker.grpo_fast_claim
+
+        def recorded(owner, lease_s):
+            claims.append(json.loads(owner))
+            return real(owner, lease_s)
+
+        monkeypatch.setattr(fake.worker, "grpo_fast_claim", recorded)
+        script = tmp_path / "rank.py"
+        script.write_text(TWO_HOSTS)
+        ranks = [subprocess.Popen([sys.executable, str(script), str(r), str(tmp_path), url, str(MODEL)],
+                                  stdout=subprocess.PIPE, text=True) for r in (0, 1)]  # fmt: skip
+        said = [json.loads(p.communicate(timeout=180)[0].strip().splitlines()[-1]) for p in ranks]
+        assert [p.returncode for p in ranks] == [0, 0]
+        identity = (tmp_path / "node-0" / "run" / "run_id").read_text().strip()
+        assert said == [identity, identity] and not (tmp_path / "node-1" / "run" / "run_id").exists()
+        assert sorted((c["run"], c["host"]) for c in claims) == [(identity, "host-0"), (identity, "host-1")]
+        monkeypatch.setattr(vllm_server, "socket", SimpleNamespace(gethostname=lambda: "host-2"))
+        second = checkpoint.run_id(tmp_path / "second", False)
+        assert second != identity
+        with pytest.raises(ServerError, match="serves another run"):
+            ServerEngine(model, [url], run=second)
+        monkeypatch.setattr(vllm_server, "socket", SimpleNamespace(gethostname=lambda: "host-1"))
+        resumed = checkpoint.run_id(tmp_path / "node-0" / "run", True)
+        assert resumed == identity
+        ServerEngine(model, [url], run=resumed)
+        assert claims[-1] == {"run": identity, "host": "host-1", "pid": os.getpid()}
+
+
 def test_a_dead_owner_is_replaced():
     model = policy()
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -278,12 +363,12 @@ def test_close_does_not_wait_for_requests_in_flight():
         assert all(t.daemon for t in threading.enumerate() if t.name.startswith("grpo-fast-vllm"))
 
 
-def _train(out, url, *more):
+def _train(out, url, *more, host=None):
     return server_trainer(out, url, ["--max-steps", "4", "--save-steps", "0", "--eval-max-samples", "0",
                                      "--time-budget-s", "0", "--vllm-request-timeout-s", "60",
                                      "--vllm-server-timeout", "5", "--max-prompt-length", "24",
                                      "--max-completion-length", "8", "--prompts-per-step", "2",
-                                     "--num-generations", "2", *more])  # fmt: skip
+                                     "--num-generations", "2", *more], host)  # fmt: skip
 
 
 _steps = trained_steps
@@ -296,6 +381,30 @@ def test_a_failed_connect_writes_no_checkpoint_and_the_same_command_runs_again(t
         assert "before training a step" in text and "run the same command again" in text, text[-2000:]
         assert "--resume" not in text.split("before training a step")[1]
         assert not list(out.glob("checkpoint-*"))
+
+
+def test_the_trainers_resume_on_another_host_reclaims_and_a_second_job_is_refused(tmp_path):
+    """`grpo-fast train` on host-a stores its run id in its output directory and claims the server under it;
+    host-a then dies mid-run (its claim left live, as its lease would be); a second job on host-b is refused;
+    the first job's --resume on host-b is the same run: it reclaims the server and trains steps 3-4."""
+    model = policy()
+    out = tmp_path / "run"
+    with FakeServer(model, max_model_len=64) as url:
+        first = _train(out, url, "--max-steps", "2", "--save-steps", "1", host="host-a")
+        text, _ = first.communicate(timeout=300)
+        assert first.returncode == 0, text[-3000:]
+        identity = (out / "run_id").read_text().strip()
+        assert "host-a:" in identity
+        owner = json.dumps({"run": identity, "host": "host-a", "pid": 1})
+        assert Server(url, 10).rpc("grpo_fast_claim", owner, "600")[0]["ok"]  # host-a died holding it
+        second = _train(tmp_path / "second", url, host="host-b")
+        text, _ = second.communicate(timeout=300)
+        assert second.returncode != 0 and f"serves another run: {identity!r}" in text, text[-3000:]
+        resumed = _train(out, url, "--resume", host="host-b")
+        text, _ = resumed.communicate(timeout=300)
+        assert resumed.returncode == 0, text[-3000:]
+        assert (out / "run_id").read_text().strip() == identity
+    assert _steps(out) == [1, 2, 3, 4], _steps(out)
 
 
 @pytest.mark.parametrize("async_", [False, True], ids=["sync", "async"])

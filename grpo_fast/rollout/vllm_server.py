@@ -353,11 +353,13 @@ class ServerEngine:
     LoRA policy's adapter pushed alone (True), merged into the weights (False), or alone where every server
     takes it (None, the default; lora_adapters says when it cannot); `adapters_allowed`: how many adapters a
     server may hold before a warning (the trainer: its staleness + 1; a failed unload is retried at each
-    push)."""
+    push); `lease_s`: how long a server keeps this run's claim without hearing from it (default 2 x
+    `timeout` + 60 s) where the server cannot see the run's process (another host): a thread renews it every
+    quarter of that while the engine lives, so a long evaluation or save does not lose the servers."""
 
     def __init__(
         self, model, urls, *, wait_s=240.0, timeout=600.0, weight_dir=None, auto_push=True, tokenizer=None,
-        run=None, context=None, push_adapters=None, adapters_allowed=1,
+        run=None, context=None, push_adapters=None, adapters_allowed=1, lease_s=None,
     ):  # fmt: skip
         self.servers = [Server(u, timeout) for u in urls]
         if not self.servers:
@@ -366,12 +368,16 @@ class ServerEngine:
         self.lock = threading.Lock()  # a push waits for the generation in flight, and the reverse
         self.run = run or this_run()
         self.loads: dict = {}  # url -> the server's weight-load count after this engine's last load
+        self.lease_s = lease_s or 2 * timeout + 60
         t0 = time.monotonic()
         for s in self.servers:
             s.wait_up(wait_s)
             check_server(s, model, tokenizer, context)
-            self.loads[s.url] = claim(s, self.run, lease_s=2 * timeout + 60)
+            self.loads[s.url] = claim(s, self.run, lease_s=self.lease_s)
         self.connect_s = time.monotonic() - t0
+        self.leaving = threading.Event()  # set by `release`: the lease is no longer renewed
+        threading.Thread(target=_keep_lease, args=(weakref.ref(self), self.leaving, self.lease_s / 4),
+                         name="grpo-fast-lease", daemon=True).start()  # fmt: skip
         if weight_dir is None:
             if not all(s.local for s in self.servers):
                 raise ValueError(
@@ -488,6 +494,7 @@ class ServerEngine:
     def release(self) -> None:
         """Give this run's servers up, so that the next run claims them at once (best effort: a server that
         does not answer within seconds is left to the claim's liveness rule)."""
+        self.leaving.set()
         for s in self.servers:
             if s.alive:
                 with contextlib.suppress(ServerError):
@@ -770,6 +777,14 @@ class ServerEngine:
             self.anchor = (mine, dict(theirs_all))
         self.last_probe = (mine, dict(theirs_all))
 
+    def renew(self) -> None:
+        """Renew this run's claim on every live server (the ownership check renews it; best effort: a
+        server that does not answer now fails at the run's next request)."""
+        for s in self.servers:
+            if s.alive:
+                with contextlib.suppress(ServerError):
+                    s.rpc("grpo_fast_state", self.run, what="lease renewal", timeout=CHECK_TIMEOUT_S)
+
     def check_owned(self, servers) -> None:
         """ServerError unless each of `servers` is still this run's, with no weights loaded but this engine's
         since its last push (another writer, or a server restarted under the same address): checked after
@@ -908,6 +923,16 @@ class ServerEngine:
                 if not others:
                     raise
                 server = others[0]
+
+
+def _keep_lease(engine_ref, leaving: threading.Event, every_s: float) -> None:
+    """The lease thread: `renew` every `every_s` until the engine is released or gone."""
+    while not leaving.wait(every_s):
+        engine = engine_ref()
+        if engine is None:
+            return
+        engine.renew()
+        del engine  # not held across the wait: the engine may be collected
 
 
 def _checksum(t: torch.Tensor) -> int:

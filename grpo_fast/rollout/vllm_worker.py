@@ -122,13 +122,14 @@ class WeightReceiver:
 
     def grpo_fast_claim(self, owner: str, lease_s: str) -> dict:
         """Make the run `owner` (JSON: run, host, pid) this server's owner, unless another run holds it and is
-        alive (its process on this host, else a call from it within `lease_s` seconds): {"ok": False, "owner":
-        theirs}. A run that claims again (its --resume, its other ranks) keeps it. Returns the load count: the
-        trainer checks later that nobody else loaded weights here."""
+        alive (its process on this host, else a call from it within its own lease, `lease_s` seconds as it
+        claimed): {"ok": False, "owner": theirs}. A run that claims again (its --resume, its other ranks, on
+        any host) keeps it. Returns the load count: the trainer checks later that nobody else loaded weights
+        here."""
         me, held = json.loads(owner), self._grpo_fast_owner()
-        if held and held["run"] != me["run"] and _alive(held, float(lease_s)):
+        if held and held["run"] != me["run"] and _alive(held, held.get("lease_s", float(lease_s))):
             return {"ok": False, "owner": _shown(held)}
-        self._grpo_fast_held = {**me, "renewed": time.monotonic()}
+        self._grpo_fast_held = {**me, "lease_s": float(lease_s), "renewed": time.monotonic()}
         return {"ok": True, "previous": _shown(held) if held else None, "loads": self._grpo_fast_count()}
 
     def grpo_fast_release(self, run: str) -> bool:

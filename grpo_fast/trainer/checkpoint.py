@@ -9,7 +9,9 @@ import json
 import os
 import random
 import re
+import secrets
 import shutil
+import socket
 import tempfile
 from pathlib import Path
 
@@ -143,6 +145,26 @@ def load_training_state(
     ):
         torch.cuda.set_rng_state_all(rng["cuda"])
     return trainer_state(ckpt)
+
+
+RUN_ID = "run_id"  # in the output directory: the name vLLM servers know the run by
+
+
+def run_id(out: Path, resume: bool) -> str:
+    """The name this run's vLLM servers know it by (their owner): on --resume the one in `out`/run_id, so that
+    the run resumed on another host is still the same run; else a new one, written there (a random id, with
+    the host and output directory it started from). Rank 0 calls this; every rank takes its answer."""
+    path = out / RUN_ID
+    if resume and path.is_file():
+        said = path.read_text().strip()
+        if said:
+            return said
+    said = f"{secrets.token_hex(8)} ({socket.gethostname()}:{out.resolve()})"
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{RUN_ID}.tmp")
+    tmp.write_text(said + "\n")
+    os.replace(tmp, path)
+    return said
 
 
 def trainer_state(ckpt: Path) -> dict:

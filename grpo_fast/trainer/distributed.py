@@ -95,6 +95,14 @@ def barrier(info: DistInfo) -> None:
         dist.barrier()
 
 
+def from_rank0(make, info: DistInfo):
+    """make() run on rank 0 alone, its value (any picklable object) returned on every rank."""
+    box = [make() if info.main else None]
+    if info.on:
+        dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 class Policy(nn.Module):
     """The model behind one forward: `fn(model, *args, **kwargs)` runs inside it, so that DDP / FSDP hooks
     wrap every use of the parameters (rollout, log-probs, the fused loss)."""

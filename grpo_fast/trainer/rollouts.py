@@ -393,7 +393,7 @@ def server_push(run):
     (the push of each later step: push(step) -> its metrics, the engine's `close`)."""
     from .step import engine_options
 
-    opts = {k: v for k, v in engine_options(run.cfg)["vllm_options"].items() if k != "mode"}
+    opts = {k: v for k, v in engine_options(run.cfg, run.identity)["vllm_options"].items() if k != "mode"}
     engine = agree(
         lambda: vllm_server.engine_for(run.model, **{**opts, "auto_push": False, "tokenizer": run.tokenizer}),
         run.dist,

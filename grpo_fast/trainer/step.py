@@ -75,8 +75,9 @@ def encode_prompts(rows, tokenizer, max_prompt_length, device):
     return texts, enc.input_ids.to(device), enc.attention_mask.to(device)
 
 
-def engine_options(cfg: GRPOConfig) -> dict:
-    """The rollout engine and its settings, as `generate_groups` takes them."""
+def engine_options(cfg: GRPOConfig, identity: str = "") -> dict:
+    """The rollout engine and its settings, as `generate_groups` takes them; `identity`: the name vLLM servers
+    know the run by (Run.identity; default `run_name`)."""
     opts = {"engine": cfg.rollout, "compile": {"auto": "auto", "on": True, "off": False}[cfg.rollout_compile]}
     if rollout_dtype_of(cfg) != "model":
         opts["rollout_dtype"] = rollout_dtype_of(cfg)
@@ -85,7 +86,7 @@ def engine_options(cfg: GRPOConfig) -> dict:
             "mode": "server", "urls": server_urls(cfg), "wait_s": cfg.vllm_server_timeout,
             "timeout": cfg.vllm_request_timeout_s, "weight_dir": cfg.vllm_weight_dir,
             "auto_push": cfg.max_staleness == 0,  # asynchronous: the trainer pushes after each step
-            "run": run_name(cfg), "context": cfg.max_prompt_length + cfg.max_completion_length,
+            "run": identity or run_name(cfg), "context": cfg.max_prompt_length + cfg.max_completion_length,
             "adapters_allowed": cfg.max_staleness + 1,  # LoRA adapters pushed alone: a warning beyond
         }  # fmt: skip
     elif cfg.rollout == "vllm":
@@ -100,8 +101,9 @@ def engine_options(cfg: GRPOConfig) -> dict:
 
 
 def run_name(cfg: GRPOConfig) -> str:
-    """What a vLLM server knows this run by (its owner): the host and the output directory, so that its
-    --resume and its torchrun ranks are the same run, and another run is refused."""
+    """The name a vLLM server knows a run by where the trainer gave none (a bare `generate_groups` call): the
+    host and the output directory. The trainer's own (Run.identity) is stored in the output directory and
+    agreed by its ranks, so that ranks on several hosts and a --resume on another host are the same run."""
     return f"{socket.gethostname()}:{os.path.abspath(cfg.output_dir)}"
 
 
@@ -138,7 +140,7 @@ def rollout(run, rows, generator=None) -> Rollout:
             all_done=finished,
             return_logprobs=True,
             **sampling_options(run, generator),
-            **engine_options(cfg),
+            **engine_options(cfg, run.identity),
         )
     return Rollout(texts, p_ids, p_mask, c_ids, c_mask, c_logp, *engine_that_ran(run))
 
@@ -210,7 +212,7 @@ def multi_turn_rollout(run, rows, generator=None) -> Rollout:
             tool_timeout_s=cfg.tool_timeout_s,
             max_prompt_length=cfg.max_prompt_length,
             **sampling_options(run, generator),
-            **engine_options(cfg),
+            **engine_options(cfg, run.identity),
         )
     n = len(tr.turns)
     metrics = {

@@ -52,6 +52,7 @@ from .distributed import (
     all_sum,
     barrier,
     device_of,
+    from_rank0,
     full_model_state,
     full_optimizer_state,
     init_distributed,
@@ -96,6 +97,7 @@ class Run:
     reward_weights: list
     eval_rows: list
     resume_from: Path | None
+    identity: str = ""  # the name vLLM servers know this run by, agreed by its ranks (checkpoint.run_id)
     step: int = 0
     elapsed_train: float = 0.0
     last_eval: dict = field(default_factory=dict)
@@ -359,6 +361,7 @@ def setup(cfg: GRPOConfig) -> Run:
         reward_weights=weights,
         eval_rows=eval_rows[: cfg.eval_max_samples], resume_from=resume_from, packer=packer,
         tools=tools, environment_factory=env_factory, rollout_copy=rollout_copy,
+        identity=from_rank0(lambda: ckpt_mod.run_id(out, cfg.resume), dist),
     )  # fmt: skip
     if resume_from is not None:
         resume(run)
