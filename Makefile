@@ -84,7 +84,7 @@ demo-smollm2: setup smollm2
 # the same task with rollouts on a vLLM CPU server (stock vLLM's OpenAI server, started here on its own core,
 # stopped at the end), trained asynchronously: the next step's samples are generated while this one trains
 demo-server: setup setup-vllm
-	$(VPY) -m grpo_fast.rollout.serve default --python $(VLLM_ENV)/bin/python --max-model-len 64 \
+	$(VPY) -m grpo_fast.rollout.server.serve default --python $(VLLM_ENV)/bin/python --max-model-len 64 \
 		--train --output-dir runs/demo-server --overwrite-output-dir --max-staleness 1
 
 demo-tools: setup

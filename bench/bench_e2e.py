@@ -367,7 +367,7 @@ def with_server(a: dict, fn):
     import os
     import socket
 
-    from grpo_fast.rollout import serve
+    from grpo_fast.rollout.server import serve
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

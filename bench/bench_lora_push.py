@@ -73,8 +73,7 @@ def step(model, seed: int) -> None:
 
 
 def measure(shape: str, dtype: str, rank: int, pushes: int, cores: str | None) -> list[dict]:
-    from grpo_fast.rollout import serve
-    from grpo_fast.rollout.vllm_server import ServerEngine
+    from grpo_fast.rollout.server import ServerEngine, serve
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -1,6 +1,6 @@
 """`grpo-fast` command line: `grpo-fast train [--flag value ...]`, `grpo-fast estimate [same flags]
 [--device cpu|cuda]` (the memory of a step, grpo_fast/trainer/estimate.py), `grpo-fast serve MODEL [flags]` (a
-vLLM server for --vllm-mode server, grpo_fast/rollout/serve.py)."""
+vLLM server for --vllm-mode server, grpo_fast/rollout/server/serve.py)."""
 
 import sys
 
@@ -20,7 +20,7 @@ def main(argv=None) -> None:
         estimate_main(argv[1:])
         return
     if argv[0] == "serve":
-        from .rollout.serve import main as serve_main
+        from .rollout.server.serve import main as serve_main
 
         serve_main(argv[1:])
         return

@@ -109,7 +109,7 @@ def run_with_server(cmd: list, out: Path, model_dir: str | None):
     on the others; the server stopped after."""
     import socket
 
-    from grpo_fast.rollout import serve
+    from grpo_fast.rollout.server import serve
     from grpo_fast.tasks import default_task
 
     with socket.socket() as sock:

@@ -4,7 +4,7 @@ where vLLM is not installed: the endpoints the trainer calls (/health, /version,
 with `lora_rank` vLLM's run-time LoRA endpoints /v1/load_lora_adapter and /v1/unload_lora_adapter), answered
 by a transformers model in the server's dtype; a request naming a loaded adapter is answered by a copy of the
 model with W + (alpha / r) B A merged in, read from the adapter's files here. The worker methods that own the
-server and count its loads are the real ones (grpo_fast.rollout.vllm_worker.WeightReceiver); only
+server and count its loads are the real ones (grpo_fast.rollout.server.vllm_worker.WeightReceiver); only
 `reload_weights` and the info are the stand-in's. Faults to order: `noop_load` (the transport loads nothing),
 `noop_adapter` (an adapter load registers the new name but serves the adapter loaded before it), `fail` (path
 -> HTTP status), `nan` (answers NaN log-probs)."""
@@ -18,7 +18,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import torch
 
-from grpo_fast.rollout.vllm_worker import WeightReceiver
+from grpo_fast.rollout.server.vllm_worker import WeightReceiver
 
 
 class Worker(WeightReceiver):

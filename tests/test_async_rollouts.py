@@ -199,7 +199,7 @@ def test_every_rank_raises_the_same_kind():
     """What each rank raises once the ranks have told each other their failures (`raise_agreed`): server
     faults only -> ServerError on every rank (each saves); any other fault -> RuntimeError on every rank, the
     failing rank its own exception where it is of that kind."""
-    from grpo_fast.rollout.vllm_server import ServerError
+    from grpo_fast.rollout.server import ServerError
     from grpo_fast.trainer.rollouts import raise_agreed
 
     raise_agreed(None, [None, None])  # nobody failed: nothing raised
@@ -236,7 +236,7 @@ def test_a_rank_only_failure_does_not_skip_prompts_on_resume(monkeypatch):
     """Under torchrun, rank 0 generates its batch while rank 1 fails: no rank trains it, so the sampler
     position a checkpoint saves must stay before it ({'pos': 1} after one trained batch, not 2)."""
     import grpo_fast.trainer.rollouts as R
-    from grpo_fast.rollout.vllm_server import ServerError
+    from grpo_fast.rollout.server import ServerError
 
     calls = []
 
@@ -397,7 +397,7 @@ def test_max_staleness_help_counts_batches():
 def test_every_rank_stops_together():
     """A stop signal on one rank (SIGTERM while it waited) makes every rank stop: a `Stopping` everywhere,
     unless another rank failed, whose failure wins."""
-    from grpo_fast.rollout.vllm_server import ServerError
+    from grpo_fast.rollout.server import ServerError
     from grpo_fast.trainer.rollouts import raise_agreed
     from grpo_fast.trainer.stopping import Stopping
 

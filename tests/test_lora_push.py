@@ -13,7 +13,7 @@ from fake_vllm import FakeServer
 from test_server_engine import MODEL, _fake_of, _register_fakes, policy  # noqa: F401 (the fixture)
 
 from grpo_fast.rollout.lora_adapters import ADAPTER
-from grpo_fast.rollout.vllm_server import ServerEngine, ServerError
+from grpo_fast.rollout.server import ServerEngine, ServerError
 
 peft = pytest.importorskip("peft")
 

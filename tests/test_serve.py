@@ -1,5 +1,5 @@
-"""`grpo-fast serve`'s launcher (grpo_fast/rollout/serve.py): it never adopts a server it did not start (a
-busy port refused before starting, a per-launch token checked after /health), and it leaves nothing of its
+"""`grpo-fast serve`'s launcher (grpo_fast/rollout/server/serve.py): it never adopts a server it did not start
+(a busy port refused before starting, a per-launch token checked after /health), and it leaves nothing of its
 server running however it ends: a second Ctrl-C during stop()'s grace, or the launcher killed by SIGKILL (the
 watchdog). Most tests run a stand-in for vLLM's API server (a small HTTP server that launch() starts in place
 of `python -m vllm...`, whose "engine" children may ignore SIGTERM); one test starts a real vLLM CPU
@@ -20,8 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from grpo_fast.rollout import serve
-from grpo_fast.rollout.vllm_server import TOKEN_ENV, Server, ServerError
+from grpo_fast.rollout.server import TOKEN_ENV, Server, ServerError, serve
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = ROOT / "grpo_fast" / "tasks" / "assets" / "shop-base"
@@ -250,7 +249,7 @@ def test_serve_prints_the_token_and_serve_train_passes_it(fake_python, monkeypat
     the token to the trainer it starts ($GRPO_FAST_SERVER_TOKEN: the trainer checks that every server carries
     it)."""
     port = free_port()
-    cmd = [sys.executable, "-m", "grpo_fast.rollout.serve", "model", "--python", fake_python,
+    cmd = [sys.executable, "-m", "grpo_fast.rollout.server.serve", "model", "--python", fake_python,
            "--port", str(port), "--wait-s", "20"]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
     try:
@@ -355,7 +354,7 @@ def test_a_killed_launcher_leaves_nothing_of_a_stubborn_server(fake_python):
     the watchdog kills the whole group after the grace."""
     port, grace = free_port(), 2.0
     code = (
-        "import time\nfrom grpo_fast.rollout import serve\n"
+        "import time\nfrom grpo_fast.rollout.server import serve\n"
         f"cm = serve.launch('model', port={port}, python={fake_python!r}, cpu=True, grace_s={grace})\n"
         "url = cm.__enter__()\nprint('URL', url, url.pid, flush=True)\ntime.sleep(600)\n"
     )
@@ -408,11 +407,11 @@ def test_the_watchdog_stands_down_or_leaves_when_its_group_is_gone():
 TIED_PARENT = """
 import subprocess, sys, time
 child = subprocess.Popen([sys.executable, "-c", sys.argv[1]], stdout=sys.stdout)
-time.sleep(600)
+sys.exit(child.wait())  # a child that fails to start ends the test at once
 """
 TIED_CHILD = """
 import os, time
-from grpo_fast.rollout import vllm_worker
+from grpo_fast.rollout.server import vllm_worker
 vllm_worker.tie_to_parent()
 pid = os.fork()
 if pid == 0:
@@ -482,7 +481,7 @@ def test_a_real_server_carries_its_token_and_dies_with_its_killed_launcher(tmp_p
     monkeypatch.setenv("HTTP_PROXY", "http://127.0.0.1:9")
     port, grace = free_port(), 5.0
     code = (
-        "import sys, time\nfrom grpo_fast.rollout import serve\n"
+        "import sys, time\nfrom grpo_fast.rollout.server import serve\n"
         f"log = open({str(tmp_path / 'server.log')!r}, 'w')\n"
         f"cm = serve.launch({str(MODEL)!r}, port={port}, python=sys.executable, max_model_len=64, log=log, "
         f"grace_s={grace})\n"
@@ -531,7 +530,7 @@ def test_a_real_server_leaves_nothing_when_its_launcher_and_watchdog_die_at_once
     engine core and the worker die with their parents: grpo-fast's vLLM plugin, loaded in each)."""
     port = free_port()
     code = (
-        "import sys, time\nfrom grpo_fast.rollout import serve\n"
+        "import sys, time\nfrom grpo_fast.rollout.server import serve\n"
         f"log = open({str(tmp_path / 'server.log')!r}, 'w')\n"
         f"cm = serve.launch({str(MODEL)!r}, port={port}, python=sys.executable, max_model_len=64, log=log)\n"
         "url = cm.__enter__()\nprint('URL', url, url.pid, flush=True)\ntime.sleep(600)\n"
@@ -566,7 +565,7 @@ def test_a_real_servers_killed_worker_stops_grpo_fast_serve_non_zero(tmp_path):
     and exit non-zero within 10 s, leaving nothing of the server."""
     port = free_port()
     log = open(tmp_path / "serve.log", "w")
-    cmd = [sys.executable, "-m", "grpo_fast.rollout.serve", str(MODEL), "--port", str(port)]
+    cmd = [sys.executable, "-m", "grpo_fast.rollout.server.serve", str(MODEL), "--port", str(port)]
     cmd += ["--max-model-len", "64"]
     launcher = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
     pgid = None

@@ -22,7 +22,7 @@ import torch
 from fake_vllm import FakeServer
 from server_runs import server_trainer, trained_steps
 
-from grpo_fast.rollout.vllm_server import Server, ServerEngine, ServerError
+from grpo_fast.rollout.server import Server, ServerEngine, ServerError
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = ROOT / "grpo_fast" / "tasks" / "assets" / "shop-base"
@@ -64,9 +64,9 @@ def test_a_quiet_run_keeps_its_servers_and_a_silent_one_loses_them(monkeypatch):
     thread; a run that stopped calling (its host gone) loses it once its own lease lapses."""
     from types import SimpleNamespace
 
-    from grpo_fast.rollout import vllm_server
+    from grpo_fast.rollout.server import ownership
 
-    monkeypatch.setattr(vllm_server, "socket", SimpleNamespace(gethostname=lambda: "host-a"))
+    monkeypatch.setattr(ownership, "socket", SimpleNamespace(gethostname=lambda: "host-a"))
     model = policy()
     with FakeServer(model) as url:
         quiet = ServerEngine(model, [url], run="run A", lease_s=2.0)
@@ -74,7 +74,7 @@ def test_a_quiet_run_keeps_its_servers_and_a_silent_one_loses_them(monkeypatch):
         with pytest.raises(ServerError, match="serves another run: 'run A'"):
             ServerEngine(model, [url], run="run B")
         quiet.release()
-        vllm_server.claim(Server(url, 10), "run C", lease_s=2.0)  # no engine: nothing renews it
+        ownership.claim(Server(url, 10), "run C", lease_s=2.0)  # no engine: nothing renews it
         with pytest.raises(ServerError, match="serves another run: 'run C'"):
             ServerEngine(model, [url], run="run B")
         time.sleep(2.5)
@@ -89,7 +89,7 @@ rank, tmp, url, model_dir = int(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], sy
 socket.gethostname = lambda: f"host-{rank}"  # each rank on a host of its own
 import torch.distributed as td
 from transformers import AutoModelForCausalLM
-from grpo_fast.rollout.vllm_server import ServerEngine
+from grpo_fast.rollout.server import ServerEngine
 from grpo_fast.trainer import checkpoint
 from grpo_fast.trainer.distributed import DistInfo, from_rank0
 td.init_process_group("gloo", init_method="file://" + str(tmp / "store"), rank=rank, world_size=2)
@@ -109,7 +109,7 @@ def test_a_two_host_jobs_ranks_share_one_claim_and_a_resume_elsewhere_reclaims(t
     output directory's run id) reclaims it."""
     from types import SimpleNamespace
 
-    from grpo_fast.rollout import vllm_server
+    from grpo_fast.rollout.server import ownership
     from grpo_fast.trainer import checkpoint
 
     model = policy()
@@ -131,12 +131,12 @@ def test_a_two_host_jobs_ranks_share_one_claim_and_a_resume_elsewhere_reclaims(t
         identity = (tmp_path / "node-0" / "run" / "run_id").read_text().strip()
         assert said == [identity, identity] and not (tmp_path / "node-1" / "run" / "run_id").exists()
         assert sorted((c["run"], c["host"]) for c in claims) == [(identity, "host-0"), (identity, "host-1")]
-        monkeypatch.setattr(vllm_server, "socket", SimpleNamespace(gethostname=lambda: "host-2"))
+        monkeypatch.setattr(ownership, "socket", SimpleNamespace(gethostname=lambda: "host-2"))
         second = checkpoint.run_id(tmp_path / "second", False)
         assert second != identity
         with pytest.raises(ServerError, match="serves another run"):
             ServerEngine(model, [url], run=second)
-        monkeypatch.setattr(vllm_server, "socket", SimpleNamespace(gethostname=lambda: "host-1"))
+        monkeypatch.setattr(ownership, "socket", SimpleNamespace(gethostname=lambda: "host-1"))
         resumed = checkpoint.run_id(tmp_path / "node-0" / "run", True)
         assert resumed == identity
         ServerEngine(model, [url], run=resumed)
@@ -307,7 +307,7 @@ def test_loopback_calls_ignore_proxies():
     )
     with FakeServer(model) as url:
         code = (
-            "import sys\nfrom grpo_fast.rollout.vllm_server import Server\n"
+            "import sys\nfrom grpo_fast.rollout.server import Server\n"
             f"print(Server({url!r}, 5).call('/version'))\n"
         )
         cmd = [sys.executable, "-c", code]
@@ -316,7 +316,7 @@ def test_loopback_calls_ignore_proxies():
 
 
 def test_weight_files_of_dead_writers_are_swept(tmp_path):
-    from grpo_fast.rollout.vllm_server import sweep_weight_files
+    from grpo_fast.rollout.server import sweep_weight_files
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()

@@ -20,8 +20,7 @@ import torch
 from server_runs import server_trainer, trained_steps
 from tiny_models import eos_likely_lm
 
-from grpo_fast.rollout import serve
-from grpo_fast.rollout.vllm_server import ServerEngine, ServerError
+from grpo_fast.rollout.server import ServerEngine, ServerError, serve
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM not installed")
 ROOT = Path(__file__).resolve().parents[1]

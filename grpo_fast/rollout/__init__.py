@@ -17,7 +17,7 @@ and, for the python tool, grpo_fast.rewards' sandbox; never the trainer.
 
 import torch
 
-from . import native, reference, vllm_engine, vllm_server
+from . import native, reference, server, vllm_engine
 from .sampling import check_counts
 
 ENGINES = ("auto", "native", "reference", "vllm")
@@ -86,7 +86,7 @@ def generate_groups(
         vllm_options: vllm engine only, used when it is built (the first call for this model): max_model_len
             (default: the model's max_position_embeddings), gpu_memory_utilization, kv_cache_gb, threads,
             logprobs_mode (default: the one whose log-probs are the trainer's at this temperature); or
-            mode="server" with urls (vLLM servers) and grpo_fast.rollout.vllm_server.ServerEngine's options
+            mode="server" with urls (vLLM servers) and grpo_fast.rollout.server.ServerEngine's options
             (wait_s, timeout, weight_dir, auto_push): rollouts on those servers, the weights pushed there.
         rollout_dtype: the precision the rollout samples in; not the training forward's, so the mismatch
             correction applies. "model" / "fp32": the policy's own. Native engine: its decode step's linear
@@ -117,7 +117,7 @@ def generate_groups(
         )  # fmt: skip
     if kind == "vllm" and (vllm_options or {}).get("mode") == "server":
         opts = {k: v for k, v in vllm_options.items() if k != "mode"}
-        return vllm_server.engine_for(model, **opts).generate(
+        return server.engine_for(model, **opts).generate(
             model, prompt_ids, prompt_mask, num_generations, max_new_tokens, generator=generator,
             return_logprobs=return_logprobs, **kw,
         )  # fmt: skip

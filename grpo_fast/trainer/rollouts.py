@@ -29,9 +29,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..rollout import vllm_server
+from ..rollout import server
+from ..rollout.server import ServerError
 from ..rollout.vllm_engine import version_of
-from ..rollout.vllm_server import ServerError
 from .distributed import DistInfo, Policy, device_of, full_tensor
 from .stopping import NEVER, Stopping
 
@@ -358,13 +358,13 @@ def for_run(run, make):
     """The run's rollout source (make(run, rows, generator) -> Rollout): `Inline` for a synchronous colocated
     run; else `Ahead`, on vLLM servers (under torchrun, `Agreed`) or on a `WeightCopy` of the policy."""
     cfg, info = run.cfg, run.dist
-    server = cfg.rollout == "vllm" and cfg.vllm_mode == "server"
-    if not server and not cfg.max_staleness:
+    on_servers = cfg.rollout == "vllm" and cfg.vllm_mode == "server"
+    if not on_servers and not cfg.max_staleness:
         return Inline(run, make)
     # the thread's own view of the run: its own tokenizer (a fast tokenizer's padding state is not shared
     # between threads); on a server it never touches the model's parameters, colocated it samples a copy
     mine = dataclasses.replace(run, tokenizer=copy.deepcopy(run.tokenizer))
-    if server:
+    if on_servers:
         push, close = server_push(run)
     else:
         weights = WeightCopy(run.model, run.rollout_copy, info)
@@ -395,7 +395,7 @@ def server_push(run):
 
     opts = {k: v for k, v in engine_options(run.cfg, run.identity)["vllm_options"].items() if k != "mode"}
     engine = agree(
-        lambda: vllm_server.engine_for(run.model, **{**opts, "auto_push": False, "tokenizer": run.tokenizer}),
+        lambda: server.engine_for(run.model, **{**opts, "auto_push": False, "tokenizer": run.tokenizer}),
         run.dist,
     )
     push_weights(engine, run, run.step)

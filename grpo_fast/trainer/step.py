@@ -17,7 +17,7 @@ import torch
 from ..kernels import fused_linear_grpo_loss, fused_linear_logprobs, group_advantages
 from ..models.model_parts import lm_head_of
 from ..rewards import score
-from ..rollout import generate_groups, is_exact, native, resolve_engine, vllm_engine, vllm_server
+from ..rollout import generate_groups, is_exact, native, resolve_engine, server, vllm_engine
 from ..rollout.trajectories import generate_trajectories
 from .batching import partition, split_to
 from .config import GRPOConfig, server_urls
@@ -172,7 +172,7 @@ def sampling_options(run, generator=None) -> dict:
 def engine_that_ran(run) -> tuple[str, str]:
     """(engine, rollout dtype) of the rollout just made: what decides the mismatch correction."""
     if server_mode(run.cfg):
-        dtype = vllm_server.engine_for(run.model).dtype
+        dtype = server.engine_for(run.model).dtype
         short = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(dtype, dtype)
         return "vllm", "model" if dtype == str(run.model.dtype).removeprefix("torch.") else short
     engine, _ = resolve_engine(run.model, run.cfg.rollout)
@@ -186,7 +186,7 @@ def server_metrics(run) -> dict:
     last push, and the unloads that failed so far (each retried at the next push)."""
     if not server_mode(run.cfg):
         return {}
-    engine = vllm_server.engine_for(run.model)
+    engine = server.engine_for(run.model)
     if not engine.adapters:
         return {}
     return {"vllm/adapters_loaded": engine.stats["adapters_loaded"],

@@ -39,8 +39,8 @@ import torch
 from tqdm import tqdm
 
 from ..rewards import load_from_file, load_reward, reward_name
+from ..rollout.server import ServerError
 from ..rollout.tools import Toolbox
-from ..rollout.vllm_server import ServerError
 from . import checkpoint as ckpt_mod
 from . import rollouts
 from .batching import Packer

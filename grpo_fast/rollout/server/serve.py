@@ -36,8 +36,9 @@ import subprocess
 import sys
 import time
 
-from .lora_adapters import served_rank
-from .vllm_server import EXTENSION, TOKEN_ENV, Server, ServerError
+from ..lora_adapters import served_rank
+from .client import TOKEN_ENV, Server, ServerError
+from .connect import EXTENSION
 from .vllm_worker import LAUNCH_TOKEN_ENV
 
 PLUGIN = "grpo_fast_tie_to_parent"  # our vLLM general plugin's entry point name (pyproject.toml)
@@ -515,7 +516,7 @@ def main(argv=None) -> None:
     if args.lora_rank is None:
         args.lora_rank = _train_flag(train_argv or [], "--lora-r")
     if args.model == "default":
-        from ..tasks import default_task
+        from ...tasks import default_task
 
         args.model = str(default_task.ASSET_DIR)
     cpu = not _has_cuda()

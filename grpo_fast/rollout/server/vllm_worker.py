@@ -1,6 +1,6 @@
 """The code grpo-fast adds to a stock vLLM server's workers (`--worker-extension-cls
-grpo_fast.rollout.vllm_worker.WeightReceiver`, which `grpo-fast serve` passes): what the trainer calls through
-the server's `/collective_rpc` endpoint, whose arguments are strings only.
+grpo_fast.rollout.server.vllm_worker.WeightReceiver`, which `grpo-fast serve` passes): what the trainer calls
+through the server's `/collective_rpc` endpoint, whose arguments are strings only.
 
 Also vLLM's general plugin `tie_to_parent` (an entry point of this package, loaded by vLLM in each of its
 processes): in a server `grpo-fast serve` launched, every vLLM process dies with the process that started it.
