@@ -104,29 +104,29 @@ demo-vllm: setup-vllm
 # engines on three workloads, end to end vs TRL on the synthetic and the real (SmolLM2) workload, report.
 # bench-full has every provider, the shared-prefix grid and more steps (over an hour).
 bench: setup setup-vllm smollm2
-	$(VPY) -m bench.bench_loss --ns 1024 --repeats 1 --providers naive,liger,grpo_fast
-	$(VPY) -m bench.bench_logprobs --ns 1024 --repeats 1 --providers naive,cce_torch_compile,grpo_fast
-	$(VPY) -m bench.bench_generate --workloads bench,real,demo --repeats 2 --providers hf,native,native_compiled,vllm
-	$(VPY) -m bench.bench_e2e --providers trl,grpo_fast,grpo_fast_async_mp,grpo_fast_vllm --steps 1
-	$(VPY) -m bench.bench_e2e --workload real --providers trl,trl_bf16,grpo_fast,grpo_fast_mp,grpo_fast_async_mp,grpo_fast_bf16,grpo_fast_vllm,grpo_fast_vllm_bf16 --steps 1
-	$(VPY) -m bench.profile_train
+	$(VPY) -m bench.kernels.loss --ns 1024 --repeats 1 --providers naive,liger,grpo_fast
+	$(VPY) -m bench.kernels.logprobs --ns 1024 --repeats 1 --providers naive,cce_torch_compile,grpo_fast
+	$(VPY) -m bench.models.generate --workloads bench,real,demo --repeats 2 --providers hf,native,native_compiled,vllm
+	$(VPY) -m bench.models.e2e --providers trl,grpo_fast,grpo_fast_async_mp,grpo_fast_vllm --steps 1
+	$(VPY) -m bench.models.e2e --workload real --providers trl,trl_bf16,grpo_fast,grpo_fast_mp,grpo_fast_async_mp,grpo_fast_bf16,grpo_fast_vllm,grpo_fast_vllm_bf16 --steps 1
+	$(VPY) -m bench.profiles.train
 	$(VPY) -m bench.report
 
 # the memory frontier vs TRL (longest completions within one budget; ~25 minutes on a 2-core CPU) and the
 # memory estimate against measured peaks (~5 minutes); both land in report.md / summary.json
 bench-frontier: setup
-	$(VPY) -m bench.bench_frontier --budget-gb 2 --layers 4
-	$(VPY) -m bench.bench_memory --layers 4 --map-large
+	$(VPY) -m bench.models.frontier --budget-gb 2 --layers 4
+	$(VPY) -m bench.models.memory --layers 4 --map-large
 	$(VPY) -m bench.report
 
 # the whole grids (an hour or more on a CPU)
 bench-full: setup setup-vllm smollm2
-	$(VPY) -m bench.bench_loss
-	$(VPY) -m bench.bench_logprobs
-	$(VPY) -m bench.bench_prefix --full
-	$(VPY) -m bench.bench_generate
-	$(VPY) -m bench.bench_e2e --steps 3
-	$(VPY) -m bench.bench_e2e --workload real \
+	$(VPY) -m bench.kernels.loss
+	$(VPY) -m bench.kernels.logprobs
+	$(VPY) -m bench.models.prefix --full
+	$(VPY) -m bench.models.generate
+	$(VPY) -m bench.models.e2e --steps 3
+	$(VPY) -m bench.models.e2e --workload real \
 		--providers trl,trl_static_cache,trl_continuous_batching,trl_grpo_fast,trl_grpo_fast_native,grpo_fast,grpo_fast_vllm
 	$(VPY) -m bench.report
 

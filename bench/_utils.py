@@ -99,10 +99,30 @@ def git_commit() -> str | None:
         return None
 
 
+# AMD families / model ranges -> their microarchitecture (AMD's published family and model numbers)
+AMD_CORES = {23: ((0x00, 0x2F, "zen"), (0x30, 0xFF, "zen2")),
+             25: ((0x00, 0x0F, "zen3"), (0x10, 0x1F, "zen4"), (0x20, 0x5F, "zen3"), (0x60, 0xAF, "zen4")),
+             26: ((0x00, 0xFF, "zen5"),)}  # fmt: skip
+
+
 def machine_name() -> str:
+    """The folder of this machine's results under bench/results/: the GPU's name ("h200"), else the CPU's
+    core (AMD: "zen3", "zen4", ... by family and model; Intel: "xeon-amx" with AMX, "xeon-avx512", "xeon"),
+    else its model name, lower-cased."""
     if torch.cuda.is_available():
-        return torch.cuda.get_device_name().lower().replace(" ", "-")
-    return "cpu"
+        return torch.cuda.get_device_name().lower().removeprefix("nvidia").strip(" -").replace(" ", "-")
+    from grpo_fast.rollout.dtypes import cpu_flags, cpu_info
+
+    info, flags = cpu_info(), cpu_flags()
+    if info.get("vendor_id") == "AuthenticAMD" and info.get("cpu family", "").isdigit():
+        model = int(info.get("model", "0") or 0)
+        for lo, hi, core in AMD_CORES.get(int(info["cpu family"]), ()):
+            if lo <= model <= hi:
+                return core
+    if info.get("vendor_id") == "GenuineIntel":
+        return "xeon-amx" if "amx_bf16" in flags else "xeon-avx512" if "avx512f" in flags else "xeon"
+    name = info.get("model name") or platform.processor() or "cpu"
+    return "-".join("".join(c if c.isalnum() else " " for c in name.lower()).split())[:40]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -196,8 +216,8 @@ NO_VLLM = "vLLM not installed here (make setup-vllm)"
 
 
 def run_worker(module: str, args: dict, timeout: float = 1800, python: str | None = None) -> dict:
-    """Run `python -m bench.<module> --worker` with `args` in a fresh process (of `python`, default this
-    one); return its JSON result."""
+    """Run `python -m bench.<module> --worker` (`module`: e.g. "models.e2e") with `args` in a fresh process
+    (of `python`, default this one); return its JSON result."""
     cmd = [python or sys.executable, "-m", f"bench.{module}", "--worker", json.dumps(args)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     for line in reversed(proc.stdout.splitlines()):
@@ -327,8 +347,9 @@ def plot_sweep(rows: list[dict], path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def sweep_main(argv, *, module: str, doc: str, providers: list[str], title: str) -> None:
-    """The command line of a kernel sweep: providers x N x (fwd, fwd_bwd), table, JSON and plot."""
+def sweep_main(argv, *, module: str, name: str, doc: str, providers: list[str], title: str) -> None:
+    """The command line of a kernel sweep: providers x N x (fwd, fwd_bwd), table, JSON and plot; `module`:
+    the worker's (e.g. "kernels.loss"), `name`: the results' (e.g. "bench_loss")."""
     import argparse
 
     ap = argparse.ArgumentParser(description=doc)
@@ -342,7 +363,7 @@ def sweep_main(argv, *, module: str, doc: str, providers: list[str], title: str)
         [int(x) for x in args.ns.split(",")] if args.ns else ([256, 512] if args.quick else [512, 1024, 2048])
     )
     base = dict(H=H, V=V, dtype="float32", repeats=args.repeats)
-    print(f"{module}: H={H} V={V} fp32, N in {ns}", flush=True)
+    print(f"{name}: H={H} V={V} fp32, N in {ns}", flush=True)
     rows = sweep(module, args.providers.split(","), ns, ["fwd", "fwd_bwd"], base)
     for r in rows:
         if "error" not in r:
@@ -353,7 +374,7 @@ def sweep_main(argv, *, module: str, doc: str, providers: list[str], title: str)
         f"# {title} (H={H}, V={V}, fp32)\n\nMachine: {cpu_line(info)}, torch "
         f"{info['versions']['torch']}, commit {info['git_commit']}.\n\n" + markdown_table(rows, cols) + "\n"
     )
-    name = module + ("_quick" if args.quick else "")
+    name += "_quick" if args.quick else ""
     out = write_results(name, {"machine": info, "config": base, "rows": rows}, md)
     plot_sweep(rows, out / f"{name}.png", f"{title}, H={H}, V={V}, fp32")
     print(md)

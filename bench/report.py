@@ -13,9 +13,9 @@ import json
 from pathlib import Path
 
 from bench._utils import RESULTS, cpu_line, machine_info, machine_name, markdown_table
-from bench.bench_e2e import COLUMNS as E2E_COLUMNS
-from bench.bench_generate import COLUMNS as GENERATE_COLUMNS
-from bench.bench_prefix import COLUMNS as PREFIX_COLUMNS
+from bench.models.e2e import COLUMNS as E2E_COLUMNS
+from bench.models.generate import COLUMNS as GENERATE_COLUMNS
+from bench.models.prefix import COLUMNS as PREFIX_COLUMNS
 
 
 def _load(d: Path, name: str):
@@ -189,7 +189,7 @@ def generate_section(res, summary) -> str:
     rows = res["rows"]
     text = (
         "## Rollout engines: completion tokens/s\n\n"
-        f"Measured at commit {res['machine'].get('git_commit')} (`python -m bench.bench_generate`), "
+        f"Measured at commit {res['machine'].get('git_commit')} (`python -m bench.models.generate`), "
         f"{res.get('repeats', 2)} timed calls per row, T=1, EOS ends a sample, each provider in its own "
         "process.\n\n" + markdown_table(rows, GENERATE_COLUMNS) + "\n\n"
     )
@@ -206,7 +206,7 @@ def generate_section(res, summary) -> str:
             + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items())
             + ". Per-step cost on this CPU is the small-M matrix products (16 rows): packing the weights for "
             "oneDNN and dropping HF's per-token overhead are what the engine gains here; on a GPU the "
-            "compiled step with CUDA graphs removes the launch cost instead (bench/gpu_suite.sh).\n"
+            "compiled step with CUDA graphs removes the launch cost instead (bench/gpu/suite.sh).\n"
         )
     vllm = {}
     for w in ("bench", "real", "demo"):
@@ -290,7 +290,7 @@ def prefix_section(res, summary) -> str:
 
 
 def frontier_section(res, summary) -> str:
-    from bench.bench_frontier import report
+    from bench.models.frontier import report
 
     summary["frontier_completion_ratio_vs_trl"] = res["frontier_completion_ratio_vs_trl"]
     summary["frontier_budget_gb_above_baseline"] = res["budget_gb"]
@@ -302,7 +302,7 @@ def frontier_section(res, summary) -> str:
 
 def memory_section(res, summary) -> str:
     from bench._utils import markdown_table
-    from bench.bench_memory import COLUMNS
+    from bench.models.memory import COLUMNS
 
     errors = [abs(r["error_pct"]) for r in res["rows"] if "error_pct" in r]
     if errors:
@@ -310,7 +310,7 @@ def memory_section(res, summary) -> str:
     mapped = res.get("map_large") and res["device"] == "cpu"
     flag = " --map-large" if mapped else ""
     return (
-        f"## Memory estimate vs measured peak ({res['device']})\n\n`python -m bench.bench_memory --layers "
+        f"## Memory estimate vs measured peak ({res['device']})\n\n`python -m bench.models.memory --layers "
         f"{res['layers']}{flag}`: SmolLM2-135M's shape with {res['layers']} layers, "
         "one process per configuration, peak of the last step against `grpo-fast estimate` for the same flags"
         + ("; the allocator held as under `--max-memory-gb`" if mapped else "")
@@ -329,7 +329,7 @@ def creep_section(res, summary) -> str:
     peaks = res["peaks"]
     return (
         f"## Peak memory over {res['steps']} steps (SmolLM2-135M-Instruct, chat prompts)\n\n"
-        f"`python -m bench.bench_memory --creep {res['steps']}"
+        f"`python -m bench.models.memory --creep {res['steps']}"
         + (f" --max-memory-gb {budget:g}`" if budget else "`")
         + f": per-step peak {min(peaks):.0f}-{max(peaks):.0f} MiB; after step 3 from {100 * lo:+.1f}% to "
         f"{100 * hi:+.1f}% of step 3's ({peaks[2]:.0f} MiB), completion lengths varying from "
@@ -344,7 +344,7 @@ def profile_train_section(res: dict, summary: dict) -> str:
     top = ", ".join(f"{o['op']} {100 * o['share']:.0f}%" for o in res["ops"][:5])
     return (
         "## Training phase vs the machine's GEMM rate (SmolLM2-135M-Instruct)\n\n"
-        f"`python -m bench.profile_train`: one phase {s['phase_s']:.1f} s ({s['precision']}, --optim "
+        f"`python -m bench.profiles.train`: one phase {s['phase_s']:.1f} s ({s['precision']}, --optim "
         f"{s['optim']}), {s['gemm_tflop']:.2f} TFLOP of GEMMs at {s['achieved_gflops']:.0f} GFLOP/s against "
         f"{s['gemm_rate_gflops']:.0f} GFLOP/s for fp32 GEMMs at the model's shapes: "
         f"**`train_phase_gemm_fraction` {s['train_phase_gemm_fraction']:.2f}**. Largest self-time operators: "
@@ -353,7 +353,7 @@ def profile_train_section(res: dict, summary: dict) -> str:
 
 
 def profile_decode_section(res: dict, summary: dict) -> str:
-    """The rollout's decode against the floor (bench.profile_decode): its summary keys, one line per row."""
+    """The rollout's decode against the floor (bench.profiles.decode): its summary keys, one line per row."""
     summary.update(res["summary"])
     lines = []
     for r in res["rows"]:
@@ -366,7 +366,7 @@ def profile_decode_section(res: dict, summary: dict) -> str:
         )
     return (
         f"## The rollout against the machine's floor (SmolLM2-135M-Instruct, {res['rows_n']} rows, "
-        f"C={res['C']})\n\n`python -m bench.profile_decode` ([profile_decode.md](profile_decode.md)):\n\n"
+        f"C={res['C']})\n\n`python -m bench.profiles.decode` ([profile_decode.md](profile_decode.md)):\n\n"
         + "\n".join(lines)
         + "\n"
     )
@@ -414,7 +414,7 @@ def main(argv=None) -> None:
         parts.append(profile_train_section(results["profile_train"], summary))
     if results["profile_decode"] and "summary" in results["profile_decode"]:
         parts.append(profile_decode_section(results["profile_decode"], summary))
-    learning = _load(d, "learning_vs_trl")  # python -m bench.learning_vs_trl (not part of make bench: ~1 h)
+    learning = _load(d, "learning_vs_trl")  # python -m bench.learning.vs_trl (not part of make bench: ~1 h)
     if learning:
         summary.update(learning["summary"])
         parts.append(

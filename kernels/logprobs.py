@@ -31,7 +31,7 @@ TWIN_MAX_ROWS = 2048  # forward-only blocks: tokens per block, the vocabulary sl
 
 # Triton tiles: (BLOCK_N tokens x BLOCK_V vocabulary) logits per program, K steps of BLOCK_H, launch options,
 # per input width. One configuration per kernel, no autotuning (the interpreter cannot run several); module
-# constants so that bench/gpu_suite.py's "tiles" section can time the alternatives. 16-bit: measured on an
+# constants so that bench/gpu/suite.py's "tiles" section can time the alternatives. 16-bit: measured on an
 # H200 at N, H, V = 16384, 4096, 151936 bf16 (bench/results/h200): forward 42 ms (484 TFLOP/s) vs 86 ms for
 # 64x128x64; backward ~1.6x faster than 64x128x64 (its atomics scale with 1/BLOCK_N + 1/BLOCK_V). 32-bit
 # tiles take twice the shared memory per stage, so fp32 keeps the smaller tile (checked on the H200). The key
@@ -75,14 +75,14 @@ _TL_DTYPES = {
 # default, "acq_rel", fences every add). Programs run in groups of BWD_GROUP_N token blocks per vocabulary
 # block, so that the programs resident at one time spread over ~16 d-hidden and ~16 d-weight row blocks
 # instead of all adding into the same d-weight rows (token block fastest, BWD_GROUP_N = 0). Both settings are
-# module constants so that bench/gpu_suite.py can time the alternatives.
+# module constants so that bench/gpu/suite.py can time the alternatives.
 BWD_ATOMIC_SEM = "relaxed"
 BWD_GROUP_N = 16
 
 # Triton's backward: "chunked" (rows.py: per chunk of tokens the logits by a GEMM, d logits in place by a row
 # kernel, d hidden and d weight by GEMMs; one writer per output) or "atomic" (the tile kernel below, which
 # recomputes logits tiles and adds their gradient shares with atomics). A module constant so that
-# bench/gpu_sections.py times both; the default is the chunked path (the atomic one measured 2.1x naive
+# bench/gpu/sections.py times both; the default is the chunked path (the atomic one measured 2.1x naive
 # torch's time on an H200, 205 of its 247 ms in the atomics).
 TRITON_BACKWARD = "chunked"
 

@@ -16,7 +16,7 @@ import triton.language as tl
 from ._common import _SIXTEEN_BIT, INTERPRET
 
 # The fp32 logits chunk's bytes: the path's working set beside the fp32 weight gradient (a module constant so
-# that bench/gpu_sections.py can time others). 1 GiB: 1,766 tokens per chunk at V=151,936.
+# that bench/gpu/sections.py can time others). 1 GiB: 1,766 tokens per chunk at V=151,936.
 CHUNK_BYTES = 1 << 30
 ROW_BLOCK_V = 2048  # vocabulary entries per step of a row program
 

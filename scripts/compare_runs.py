@@ -3,9 +3,9 @@
 
     python scripts/compare_runs.py demo --compare precision [--seeds 1,2,3]
     python scripts/compare_runs.py demo --compare rollouts --seeds 1,2,3 --steps 300 \\
-        --out bench/results/cpu/server
+        --out bench/results/zen3/server
     python scripts/compare_runs.py demo-tools --compare async --seeds 1,2,3 --steps 100 \\
-        --out bench/results/cpu/demo-tools
+        --out bench/results/zen3/demo-tools
     python scripts/compare_runs.py smollm2 --compare precision [--steps 20] [--seeds 1]
     python scripts/compare_runs.py smollm2 --compare bf16-weights --movement --steps 12 --seeds 5 \\
         --set num_generations=4 prompts_per_step=2 max_completion_length=24
@@ -87,7 +87,7 @@ def workload_flags(workload: str, steps: int, work: Path, overrides: dict) -> tu
     model_dir = build()
     opts = {**SMOLLM2_RUN, "max_steps": steps or 20, **overrides}
     flags = ["--model", str(model_dir), "--dataset", str(sums_dataset(work / "sums.jsonl"))]
-    flags += ["--reward", f"{ROOT / 'bench' / 'bench_e2e.py'}:real_reward"]
+    flags += ["--reward", f"{ROOT / 'bench' / 'models' / 'e2e.py'}:real_reward"]
     return flags + [f"--{k.replace('_', '-')}={v}" for k, v in opts.items()], str(model_dir)
 
 
@@ -214,7 +214,7 @@ def main() -> None:
     ap.add_argument("--set", nargs="*", default=[], help="train fields to override, name=value")
     ap.add_argument("--movement", action="store_true", help="also the saved weights' movement from the base")
     ap.add_argument("--only", default="", help="comma-separated variants of the comparison (default: all)")
-    ap.add_argument("--out", default="bench/results/cpu/precision")
+    ap.add_argument("--out", default="bench/results/zen3/precision")
     ap.add_argument("--work", default="/tmp/compare-runs")
     ap.add_argument("--reuse", action="store_true", help="keep finished runs found in --work (same flags)")
     args = ap.parse_args()

@@ -69,6 +69,7 @@ def _join(rank, world, port):
 
 def _worker(rank, world, port, cfg, pack=None):
     _join(rank, world, port)
+    import grpo_fast.trainer.setup as U
     import grpo_fast.trainer.step as S
     import grpo_fast.trainer.train as T
     from grpo_fast.trainer.batching import Packer
@@ -76,7 +77,7 @@ def _worker(rank, world, port, cfg, pack=None):
 
     S.generate_groups = _fixed_completions
     if pack is not None:  # micro-batches packed as under --max-memory-gb, to `pack` completion tokens
-        T.plan_memory = lambda cfg, dist, device: (cfg, None, Packer(_completion_tokens, pack))
+        U.plan_memory = lambda cfg, dist, device: (cfg, None, Packer(_completion_tokens, pack))
     T.train(GRPOConfig(**cfg))
 
 
@@ -336,7 +337,7 @@ def test_multi_turn_ranks_under_ddp_sample_the_versions_they_report(tmp_path):
 def test_multi_turn_under_fsdp_is_refused_with_its_reason():
     from grpo_fast.trainer.config import GRPOConfig
     from grpo_fast.trainer.distributed import DistInfo
-    from grpo_fast.trainer.train import check_distributed
+    from grpo_fast.trainer.setup import check_distributed
 
     cfg = GRPOConfig(task="shop-tools", tools=["tools.py:x"], prompts_per_step=4)
     with pytest.raises(ValueError, match="--distributed fsdp: FSDP2 gathers the shards in every forward"):

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from bench import bench_memory
+from bench.models import memory as bench_memory
 from grpo_fast.trainer.config import parse_config
 from grpo_fast.trainer.estimate import PLAN_MARGIN, Estimator, Plan, main, plan
 from grpo_fast.trainer.train import train

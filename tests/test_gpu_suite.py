@@ -1,4 +1,4 @@
-"""bench/gpu_suite.sh stays runnable and fits a GPU loan: its dry run (tiny shapes, CPU, Triton interpreter)
+"""bench/gpu/suite.sh stays runnable and fits a GPU loan: its dry run (tiny shapes, CPU, Triton interpreter)
 in a new process, in a bare environment (torch, triton and the oldest supported transformers only, as on the
 GPU machine: `make test` builds it and names it in GRPO_FAST_BARE_PYTHON) as the two documented calls (tier
 1, then tier 2), and in ours the sections whose rows change with TRL, Liger and matplotlib (both tiers where
@@ -17,7 +17,9 @@ from pathlib import Path
 import pytest
 from pythons import bare_python, both_pythons
 
-from bench import bench_memory, gpu_sections, gpu_suite
+from bench.gpu import models as gpu_models
+from bench.gpu import suite as gpu_suite
+from bench.models import memory as bench_memory
 
 ROOT = Path(__file__).resolve().parent.parent
 TIER1 = ["correctness", "speed", "backward", "precision", "generation", "e2e"]
@@ -31,7 +33,7 @@ MAX_FILES = 8  # what the device returns of $OUT
 def _command(python, out, *args):
     env = dict(os.environ, PATH=f"{Path(python).parent}:{os.environ['PATH']}")  # that environment's python3
     env.pop("PYTHONPATH", None)
-    return ["bash", str(ROOT / "bench" / "gpu_suite.sh"), str(out), "--dry-run", *args], env
+    return ["bash", str(ROOT / "bench" / "gpu" / "suite.sh"), str(out), "--dry-run", *args], env
 
 
 def _dry_run(python, out, *args):
@@ -49,7 +51,7 @@ def test_plan_fits_the_loan():
     never takes the minimum that a later one needs."""
     assert gpu_suite.plan(1, None) == TIER1 and gpu_suite.plan(2, None) == TIER2
     assert sum(gpu_suite.SECTIONS[n][2] for n in TIER2) <= 420 - gpu_suite.RESERVE_S  # a loan's second call
-    assert sorted(gpu_sections.GPU_MEMORY_ORDER) == sorted(bench_memory.CONFIGS)  # each once
+    assert sorted(gpu_models.GPU_MEMORY_ORDER) == sorted(bench_memory.CONFIGS)  # each once
     assert sum(gpu_suite.SECTIONS[n][2] for n in TIER1) <= gpu_suite.BUDGET_S - gpu_suite.RESERVE_S
     assert gpu_suite.BUDGET_S + gpu_suite.SHELL_MARGIN_S + 30 <= 600  # + copying the tree, installing wheels
     assert gpu_suite.budget_of([]) == gpu_suite.BUDGET_S

@@ -15,8 +15,8 @@ from replay import first_step_batch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-import grpo_fast.trainer.train as train_mod
-from grpo_fast.rollout import native
+import grpo_fast.trainer.setup as setup_mod
+from grpo_fast.rollout import dtypes
 from grpo_fast.tasks import default_task
 from grpo_fast.trainer import precision
 from grpo_fast.trainer.config import parse_config
@@ -189,8 +189,8 @@ def test_8bit_optimizers_refuse_bf16_weights():
 )
 def test_auto_bf16_reads_the_measured_table(monkeypatch, vendor, flags, on):
     monkeypatch.delenv(precision.CPU_BF16_ENV, raising=False)
-    monkeypatch.setattr(native, "cpu_flags", lambda: flags)
-    monkeypatch.setattr(native, "cpu_vendor", lambda: vendor)
+    monkeypatch.setattr(dtypes, "cpu_flags", lambda: flags)
+    monkeypatch.setattr(dtypes, "cpu_vendor", lambda: vendor)
     got, why = precision.auto_bf16(torch.device("cpu"))
     isa = precision.cpu_isa(flags)
     assert got is on and isa in why
@@ -277,8 +277,8 @@ def test_auto_bf16_follows_the_measurement(tmp_path, monkeypatch, train, decode,
         assert precision.auto_bf16(torch.device("cpu"), cfg)[0] is (value == "1")
     monkeypatch.delenv(precision.CPU_BF16_ENV)
     monkeypatch.setenv(calibrate.CALIBRATE_ENV, "0")  # measuring off: the table's fallback
-    monkeypatch.setattr(native, "cpu_flags", lambda: {"avx2"})
-    monkeypatch.setattr(native, "cpu_vendor", lambda: "AuthenticAMD")
+    monkeypatch.setattr(dtypes, "cpu_flags", lambda: {"avx2"})
+    monkeypatch.setattr(dtypes, "cpu_vendor", lambda: "AuthenticAMD")
     assert precision.auto_bf16(torch.device("cpu"), cfg) == (
         False,
         precision.auto_bf16(torch.device("cpu"))[1],
@@ -421,6 +421,7 @@ cfg, prec = precision.resolve_agreed(parse_config(["--rollout-dtype", "auto"]), 
                                      DistInfo(rank=rank, world=2, kind="ddp"))
 said = {"bf16": cfg.bf16, "rollout": cfg.rollout_dtype, "compute": prec.compute, "measured": measured}
 print(json.dumps(said))
+td.barrier()  # every rank is done before any tears the group down (gloo aborts a rank torn down mid-use)
 td.destroy_process_group()
 """
 
@@ -466,8 +467,8 @@ def test_the_calibration_measures_this_machine_in_seconds(tmp_path, monkeypatch)
 
 
 def test_the_environment_pins_the_cpu_default(monkeypatch):
-    monkeypatch.setattr(native, "cpu_flags", lambda: {"avx2", "avx512f", "avx512_bf16"})
-    monkeypatch.setattr(native, "cpu_vendor", lambda: "AuthenticAMD")  # a row that says bf16
+    monkeypatch.setattr(dtypes, "cpu_flags", lambda: {"avx2", "avx512f", "avx512_bf16"})
+    monkeypatch.setattr(dtypes, "cpu_vendor", lambda: "AuthenticAMD")  # a row that says bf16
     for value, on in (("0", False), ("1", True)):
         monkeypatch.setenv(precision.CPU_BF16_ENV, value)
         got, why = precision.auto_bf16(torch.device("cpu"))
@@ -498,7 +499,7 @@ def test_conflicting_precision_flags(argv, words):
 
 
 def test_recipes_resolve_to_their_dtypes(monkeypatch):
-    monkeypatch.setattr(native, "cpu_flags", lambda: {"avx2"})
+    monkeypatch.setattr(dtypes, "cpu_flags", lambda: {"avx2"})
     cpu = torch.device("cpu")
     table = {
         (): ("fp32", "fp32", False, "model"),
@@ -560,7 +561,7 @@ def test_bf16_weights_move_as_far_as_fp32_weights(tmp_path, monkeypatch):
     train(_cfg(tmp_path / "bf16", *args, "--dtype", "bf16"))
     ratio = _movement(tmp_path / "bf16", 12, base) / ref
     plain = lambda params, optim, lr, betas, weight_decay: torch.optim.AdamW(params, lr=lr, betas=betas)  # noqa: E731
-    monkeypatch.setattr(train_mod, "build_optimizer", plain)
+    monkeypatch.setattr(setup_mod, "build_optimizer", plain)
     train(_cfg(tmp_path / "plain", *args, "--dtype", "bf16"))
     plain_ratio = _movement(tmp_path / "plain", 12, base) / ref
     print(f"bf16 weights' movement over fp32's: {ratio:.3f} (plain AdamW: {plain_ratio:.3f})")
@@ -596,7 +597,7 @@ def test_bf16_autocast_step_equals_naive_autocast_grpo(tmp_path, monkeypatch):
     most about twice plain PyTorch autocast's (STYLE.md's rule), and gradients land on fp32 weights."""
     lr, seed = 1e-2, 7
     sgd = lambda params, optim, lr, *a, **k: torch.optim.SGD(params, lr=lr)  # noqa: E731
-    monkeypatch.setattr(train_mod, "build_optimizer", sgd)
+    monkeypatch.setattr(setup_mod, "build_optimizer", sgd)
     cfg = _cfg(tmp_path, "--max-steps", "1", "--learning-rate", str(lr), "--max-grad-norm", "1e9",
                "--seed", str(seed), "--bf16", "--rollout-dtype", "fp32",
                "--no-vllm-importance-sampling-correction")  # fmt: skip

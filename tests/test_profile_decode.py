@@ -1,9 +1,9 @@
-"""bench.profile_decode's floor: the bytes a decode step must read, counted here module by module."""
+"""bench.profiles.decode's floor: the bytes a decode step must read, counted here module by module."""
 
 import pytest
 from tiny_models import tiny_lm
 
-from bench.profile_decode import decode_work
+from bench.profiles.decode import decode_work
 
 
 @pytest.mark.parametrize("dtype,elem,head_elem", [("model", 4, 4), ("bf16", 2, 2), ("int8", 1, 4)])

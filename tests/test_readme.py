@@ -22,7 +22,7 @@ def _blocks(lang):
 
 PYTHON = _blocks("python")
 SHELL = _blocks("bash")
-# commands written inline in the prose: `make bench`, `python -m bench.bench_generate --workloads real`, ...
+# commands written inline in the prose: `make bench`, `python -m bench.models.generate --workloads real`, ...
 COMMAND = r"`((?:make|python3? -m|python3? scripts/|grpo-fast|bash bench/)[^`]*)`"
 INLINE = [
     (f"{page.relative_to(ROOT)}: {m}", m)

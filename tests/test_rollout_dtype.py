@@ -12,10 +12,9 @@ from grpo_fast.kernels import fused_linear_logprobs
 from oracle import assert_greedy_equal
 from tiny_models import eos_likely_lm, ragged_prompts
 
-import grpo_fast.rollout.native as native
 from grpo_fast.models.model_parts import lm_head_of
 from grpo_fast.models.shared_prefix import shared_prefix_forward
-from grpo_fast.rollout import generate_groups, is_exact
+from grpo_fast.rollout import dtypes, generate_groups, is_exact
 
 pytestmark = pytest.mark.transformers_range
 V, EOS = 97, 1
@@ -64,7 +63,7 @@ def test_each_format_computes_its_quantization(fmt):
     x = torch.randn(5, 64, generator=g) * 3
     w[3, 7] = 0.9  # an outlier weight: its row's scale, not the others'
     bias = torch.randn(96, generator=g)
-    got = native.LINEAR_FORMATS[fmt](w, bias, 5)(x)
+    got = dtypes.LINEAR_FORMATS[fmt](w, bias, 5)(x)
     want = _fp64_reference(fmt, w, x) + bias.double()
     # 16-bit outputs stay in their dtype (the step casts where it needs fp32); 8-bit products come out fp32
     out_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(fmt, torch.float32)
@@ -138,32 +137,32 @@ def test_lora_adapters_are_merged_into_the_copy():
 
 def test_auto_reads_the_cpu_flags(monkeypatch):
     dev = torch.device("cpu")
-    monkeypatch.setattr(native, "cpu_flags", lambda: {"avx2", "avx512f", "avx512_bf16"})
-    assert native.auto_rollout_dtype(dev, torch.float32)[0] == "bf16"
-    monkeypatch.setattr(native, "cpu_flags", lambda: {"avx2", "amx_bf16", "amx_tile"})
-    assert native.auto_rollout_dtype(dev, torch.float32)[0] == "bf16"
-    monkeypatch.setattr(native, "cpu_flags", lambda: {"avx2", "fma"})
-    pick, why = native.auto_rollout_dtype(dev, torch.float32)
+    monkeypatch.setattr(dtypes, "cpu_flags", lambda: {"avx2", "avx512f", "avx512_bf16"})
+    assert dtypes.auto_rollout_dtype(dev, torch.float32)[0] == "bf16"
+    monkeypatch.setattr(dtypes, "cpu_flags", lambda: {"avx2", "amx_bf16", "amx_tile"})
+    assert dtypes.auto_rollout_dtype(dev, torch.float32)[0] == "bf16"
+    monkeypatch.setattr(dtypes, "cpu_flags", lambda: {"avx2", "fma"})
+    pick, why = dtypes.auto_rollout_dtype(dev, torch.float32)
     assert pick == "model" and "no native bf16" in why
-    assert native.auto_rollout_dtype(dev, torch.bfloat16)[0] == "model"  # already low precision
+    assert dtypes.auto_rollout_dtype(dev, torch.bfloat16)[0] == "model"  # already low precision
     # a GPU: bf16 from compute capability 8.0 (Ampere) on, fp8 never unasked
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     for cap, want in (((7, 5), "model"), ((8, 0), "bf16"), ((9, 0), "bf16")):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None, cap=cap: cap)
-        assert native.auto_rollout_dtype(torch.device("cuda"), torch.float32)[0] == want, cap
-    assert native.auto_rollout_dtype(torch.device("cuda"), torch.bfloat16)[0] == "model"
+        assert dtypes.auto_rollout_dtype(torch.device("cuda"), torch.float32)[0] == want, cap
+    assert dtypes.auto_rollout_dtype(torch.device("cuda"), torch.bfloat16)[0] == "model"
 
 
 def test_auto_picks_the_fastest_choice_under_the_mismatch_bound_of_the_measured_table(monkeypatch):
     """The committed bench_generate table (real model, every rollout dtype, one run on one machine): with
     that machine's CPU flags, auto's pick is the fastest row whose mismatch is within the bound."""
-    table = json.loads((ROOT / "bench/results/cpu/bench_generate_rollout_dtype.json").read_text())
-    monkeypatch.setattr(native, "cpu_flags", lambda: set(table["machine"]["cpu_flags"]))
+    table = json.loads((ROOT / "bench/results/zen4/bench_generate_rollout_dtype.json").read_text())
+    monkeypatch.setattr(dtypes, "cpu_flags", lambda: set(table["machine"]["cpu_flags"]))
     rows = {r["provider"].removeprefix("native").lstrip("_") or "model": r for r in table["rows"]}
-    rows = {k: r for k, r in rows.items() if k in native.ROLLOUT_DTYPES}
+    rows = {k: r for k, r in rows.items() if k in dtypes.ROLLOUT_DTYPES}
     assert {"model", "bf16", "int8", "fp16", "fp8"} <= set(rows), sorted(rows)
-    fine = {k: r["tokens_per_s"] for k, r in rows.items() if r["mismatch_k3"] <= native.AUTO_MISMATCH_K3}
-    pick = native.auto_rollout_dtype(torch.device("cpu"), torch.float32)[0]
+    fine = {k: r["tokens_per_s"] for k, r in rows.items() if r["mismatch_k3"] <= dtypes.AUTO_MISMATCH_K3}
+    pick = dtypes.auto_rollout_dtype(torch.device("cpu"), torch.float32)[0]
     assert pick == max(fine, key=fine.get), (pick, fine)
     assert set(rows) - set(fine)  # the bound excludes something measured: it decides
 
@@ -179,11 +178,11 @@ def test_bad_rollout_dtypes_are_named(monkeypatch):
         _greedy(_model("llama").bfloat16(), ids, mask, "fp16")
     cuda = torch.device("cuda")  # checked before anything runs there
     with pytest.raises(ValueError, match="'int8' runs on the CPU"):
-        native.check_rollout_dtype("int8", cuda, torch.float32)
+        dtypes.check_rollout_dtype("int8", cuda, torch.float32)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (8, 0))
     with pytest.raises(ValueError, match=r"fp8 tensor cores \(compute capability >= 8.9\)"):
-        native.check_rollout_dtype("fp8", cuda, torch.bfloat16)
-    assert native.check_rollout_dtype("bf16", cuda, torch.bfloat16) == "model"  # the policy's own
+        dtypes.check_rollout_dtype("fp8", cuda, torch.bfloat16)
+    assert dtypes.check_rollout_dtype("bf16", cuda, torch.bfloat16) == "model"  # the policy's own
 
 
 @pytest.mark.parametrize("dtype", ["int8", "fp8"])

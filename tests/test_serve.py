@@ -575,7 +575,9 @@ def test_a_real_servers_killed_worker_stops_grpo_fast_serve_non_zero(tmp_path):
         while "vLLM up at" not in said.read_text():
             assert launcher.poll() is None and time.monotonic() < deadline, said.read_text()
             time.sleep(0.5)
-        pgid = next(p for p in _children(launcher.pid) if os.getpgid(p) == p)
+        api = [p for p in _children(launcher.pid) if b"api_server" in Path(f"/proc/{p}/cmdline").read_bytes()]
+        assert len(api) == 1, api  # the API server (the launcher's other child is the watchdog)
+        pgid = api[0]
         workers = [p for p in group(pgid) if "Worker" in Path(f"/proc/{p}/comm").read_text()]
         assert len(workers) == 1, workers
         members = group(pgid)

@@ -23,6 +23,7 @@ from datasets import Dataset
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from transformers import AutoModelForCausalLM
 
+import grpo_fast.trainer.setup as setup_mod
 import grpo_fast.trainer.step as step_mod
 import grpo_fast.trainer.train as train_mod
 from grpo_fast.rewards import accuracy_reward
@@ -231,7 +232,7 @@ def test_learning_rate_schedules_are_transformers_own(kind, warmup, tmp_path):
     for max_steps in (1, 7, 40):
         cfg = parse_config(["--output-dir", str(tmp_path), "--lr-scheduler-type", kind, "--warmup-steps",
                             str(warmup), "--max-steps", str(max_steps)], require_reward=False)  # fmt: skip
-        ours = train_mod.lr_lambda(cfg)
+        ours = setup_mod.lr_lambda(cfg)
         args = TrainingArguments(output_dir=str(tmp_path), warmup_steps=warmup, lr_scheduler_type=kind)
         opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
         theirs = get_scheduler(kind, opt, num_warmup_steps=args.get_warmup_steps(max_steps),

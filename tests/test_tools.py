@@ -441,7 +441,7 @@ def test_train_multi_turn_trains_on_the_model_tokens_only(smollm2, tmp_path, mon
 
 def test_bad_tools_and_environment_flags_are_named(tmp_path):
     from grpo_fast.trainer.config import parse_config
-    from grpo_fast.trainer.train import load_tools
+    from grpo_fast.trainer.setup import load_tools
 
     f = tmp_path / "t.py"
     f.write_text("def nodoc(a: int):\n    return a\n\nclass NoReset:\n    pass\n")

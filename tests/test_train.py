@@ -11,7 +11,7 @@ from replay import first_step_batch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-import grpo_fast.trainer.train as train_mod
+import grpo_fast.trainer.setup as setup_mod
 from grpo_fast.rewards import RewardError
 from grpo_fast.tasks import default_task
 from grpo_fast.trainer.batching import Packer
@@ -81,10 +81,10 @@ def test_one_step_equals_naive_grpo(tmp_path, monkeypatch, loss_type, beta, extr
     groups are trained in sub-batches (--group-split), micro-batches, or packed to a budget: the same
     gradients."""
     lr, seed, T = 1e-2, 7, 0.9
-    monkeypatch.setattr(train_mod, "build_optimizer", _sgd)
+    monkeypatch.setattr(setup_mod, "build_optimizer", _sgd)
     if pack is not None:
         packer = Packer(lambda groups, P, C: sum(len(lens) for _, lens in groups), pack)
-        monkeypatch.setattr(train_mod, "plan_memory", lambda cfg, dist, device: (cfg, None, packer))
+        monkeypatch.setattr(setup_mod, "plan_memory", lambda cfg, dist, device: (cfg, None, packer))
     cfg = _cfg(
         tmp_path,
         "--max-steps",
@@ -361,7 +361,7 @@ def test_dataset_checked_row_by_row_before_the_model_loads(tmp_path, monkeypatch
     def no_model(*a, **k):
         raise AssertionError("the model was loaded before the dataset was checked")
 
-    monkeypatch.setattr(train_mod, "load_model_and_tokenizer", no_model)
+    monkeypatch.setattr(setup_mod, "load_model_and_tokenizer", no_model)
     path = _write(tmp_path, "d.jsonl", data)
     with pytest.raises(ValueError, match=words):
         train(_cfg(tmp_path, "--dataset", str(path), "--reward", reward, *extra))
@@ -371,7 +371,7 @@ def test_missing_files_reported_before_the_model_loads(tmp_path, monkeypatch):
     def no_model(*a, **k):
         raise AssertionError("the model was loaded before the files were checked")
 
-    monkeypatch.setattr(train_mod, "load_model_and_tokenizer", no_model)
+    monkeypatch.setattr(setup_mod, "load_model_and_tokenizer", no_model)
     good = _write(tmp_path, "d.jsonl", _rows({"prompt": "a"}, {"prompt": "b"}))
     answered = _rows({"prompt": "a", "answer": "1"}, {"prompt": "b", "answer": "2"})
     answered = _write(tmp_path, "a.jsonl", answered)

@@ -41,7 +41,7 @@ from ..kernels import fused_linear_grpo_loss, fused_linear_logprobs
 from ..kernels.loss_variants import top_entropy_mask
 from ..models.model_parts import decoder_of, lm_head_of
 from ..models.shared_prefix import shared_prefix_forward
-from ..rollout import generate_groups, is_exact, native
+from ..rollout import dtypes, generate_groups, is_exact, native
 
 FUSED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
 ITEM_NORMALIZED = (
@@ -84,9 +84,9 @@ class GRPOTrainer(trl.GRPOTrainer):
             raise ValueError(
                 f"rollout must be 'trl' (TRL's generation) or 'native' (grpo-fast's), got {rollout!r}"
             )
-        if rollout_dtype not in native.ROLLOUT_DTYPES or (rollout_dtype != "model" and rollout != "native"):
+        if rollout_dtype not in dtypes.ROLLOUT_DTYPES or (rollout_dtype != "model" and rollout != "native"):
             raise ValueError(
-                f"rollout_dtype must be one of {native.ROLLOUT_DTYPES} (other than 'model' only with "
+                f"rollout_dtype must be one of {dtypes.ROLLOUT_DTYPES} (other than 'model' only with "
                 f"rollout='native'), got {rollout_dtype!r}"
             )
         super().__init__(*args, **kwargs)

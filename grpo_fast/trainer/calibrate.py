@@ -176,9 +176,9 @@ def _train_step(s: Shapes, recipe: str):
 def _decode_step(s: Shapes, recipe: str):
     """A closure running one decode step of the layer as the native engine runs it (DECODE_BATCH tokens,
     DECODE_CONTEXT cached): its linear layers in the rollout dtype's format (oneDNN-packed where the CPU runs
-    it natively, `rollout.native.LINEAR_FORMATS`), fp32 activations, norms and attention over an fp32 KV
+    it natively, `rollout.dtypes.LINEAR_FORMATS`), fp32 activations, norms and attention over an fp32 KV
     cache, as the engine keeps them in every rollout dtype."""
-    from ..rollout.native import LINEAR_FORMATS
+    from ..rollout.dtypes import LINEAR_FORMATS
 
     layer = _Layer(s)
     B, hd = DECODE_BATCH, s.hidden // s.heads
@@ -265,7 +265,7 @@ class Calibration:
     def rollout_choice(self) -> tuple[str, str]:
         """("bf16" | "model", why) for --rollout-dtype auto on an fp32 policy: bf16 where its decode step is
         measured faster, lower bound over 1.0 (its mismatch to the fp32 trainer is within
-        rollout.native.AUTO_MISMATCH_K3: mean k3 8.8e-4 measured on SmolLM2-135M)."""
+        rollout.dtypes.AUTO_MISMATCH_K3: mean k3 8.8e-4 measured on SmolLM2-135M)."""
         said = "measured: " + self._said("decode", "bf16", "bf16 decode step")
         return ("bf16" if self._taken("decode", "bf16") else "model"), f"{said} on this CPU"
 
@@ -278,10 +278,10 @@ def cache_path() -> Path:
 def cache_key(shapes: Shapes) -> str:
     """CPU model name, a digest of its flags, torch version and ATen capability, the ISA settings of the
     environment, threads, shapes: what a ratio depends on."""
-    from ..rollout import native
+    from ..rollout import dtypes
 
-    info = native._cpuinfo()
-    flags = hashlib.sha1(" ".join(sorted(native.cpu_flags())).encode()).hexdigest()[:12]
+    info = dtypes.cpu_info()
+    flags = hashlib.sha1(" ".join(sorted(dtypes.cpu_flags())).encode()).hexdigest()[:12]
     isa = [f"{k}={os.environ[k]}" for k in ISA_ENV if os.environ.get(k)]
     parts = [
         info.get("model name", "unknown CPU"),

@@ -22,7 +22,7 @@ Parts, from the model's config alone (no weights are loaded):
   Triton kernels' d hidden on CUDA), and the twin's 16-bit copy of the head weight in mixed precision;
 - on a CPU the process itself (Python, torch, transformers: this process's resident set when it starts).
 On CUDA the figure is `max_memory_allocated`: the CUDA context (~0.5 GB) and the caching allocator's reserve
-come on top. Checked against measured peaks in tests/test_estimate.py and bench/bench_memory.py.
+come on top. Checked against measured peaks in tests/test_estimate.py and bench/models/memory.py.
 
 The planner (`plan`): gradient checkpointing on or off and the bytes a micro-batch may take, the cheapest
 that fits a budget at the longest lengths; the trainer packs each step's micro-batches to that size from the
@@ -490,7 +490,7 @@ def table(e: dict) -> str:
 
 
 def estimate_from_flags(flags: list[str], device: str) -> dict:
-    """The estimate of `grpo-fast train` flags on `device` (used by bench/bench_memory.py)."""
+    """The estimate of `grpo-fast train` flags on `device` (used by bench/models/memory.py)."""
     from .config import parse_config
 
     cfg = parse_config(flags, require_reward=False)

@@ -31,7 +31,7 @@ class OptimizerSpec:
     mode: str | None  # how AdamW16 keeps 16-bit weights' updates; None: refused on 16-bit weights
     fused: bool  # torch's fused AdamW kernel
     # what a step allocates while it steps one tensor, bytes per element of the largest, on a CPU, for fp32 /
-    # 16-bit weights (measured, torch 2.13, bitsandbytes 0.50: bench/bench_precision.py "step transient")
+    # 16-bit weights (measured, torch 2.13, bitsandbytes 0.50: bench/models/precision.py "step transient")
     step_bytes: tuple = (0, 0)
     bnb_class: str | None = None  # a bitsandbytes optimizer
 

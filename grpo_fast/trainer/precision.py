@@ -24,17 +24,17 @@ STORAGE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 # The fallback where measuring is off (GRPO_FAST_CALIBRATE=0): a Linear's forward + backward under bf16
 # autocast, over fp32, at SmolLM2-135M's training shapes (4096 tokens, 576 -> 1536 and back), per CPU vendor
-# and instruction set (bench/bench_precision.py; torch 2.13). The same flag runs at different speeds on
+# and instruction set (bench/models/precision.py; torch 2.13). The same flag runs at different speeds on
 # different cores (avx512_bf16: 0.78x on an Intel Xeon, 1.71x on an AMD Zen 4), which is why "auto" measures
 # (calibrate.py) rather than reads this; a CPU with no row stays fp32.
 CPU_BF16_TRAIN_SPEEDUP = {
     # Intel Xeon, avx512_bf16 + avx512_fp16, no AMX flag (measured for issue 31)
     ("GenuineIntel", "avx512_bf16"): 0.78,
-    # AMD EPYC (Zen 4), avx512_bf16 (bench/results/cpu/zen4/bench_precision.md; SmolLM2-135M's whole
-    # training phase on one rollout: 1.48x, bench/results/cpu/zen4/profile_train_bf16.md)
+    # AMD EPYC (Zen 4), avx512_bf16 (bench/results/zen4/bench_precision.md; SmolLM2-135M's whole
+    # training phase on one rollout: 1.48x, bench/results/zen4/profile_train_bf16.md)
     ("AuthenticAMD", "avx512_bf16"): 1.71,
     # AMD EPYC (Zen 3), avx2 + fma, no avx512: bf16 GEMMs run a non-native path
-    # (bench/results/cpu/bench_precision.md)
+    # (bench/results/zen3/bench_precision.md)
     ("AuthenticAMD", "avx2"): 0.04,
 }
 
@@ -54,9 +54,9 @@ def cpu_isa(flags: set) -> str:
 
 def cpu_class() -> tuple[str, str]:
     """(vendor, instruction-set class) of this CPU: the key of CPU_BF16_TRAIN_SPEEDUP."""
-    from ..rollout import native
+    from ..rollout import dtypes
 
-    return native.cpu_vendor(), cpu_isa(native.cpu_flags())
+    return dtypes.cpu_vendor(), cpu_isa(dtypes.cpu_flags())
 
 
 @dataclass(frozen=True)
@@ -151,7 +151,7 @@ def _calibration(cfg):
 def auto_rollout_dtype(device: torch.device, cfg) -> tuple[str, str]:
     """("bf16" | "fp32" | "model", why) for --rollout-dtype auto: on a CPU with fp32 weights, the
     calibration's decode step (bf16 where it measured faster; its mismatch to the fp32 trainer is within
-    rollout.native.AUTO_MISMATCH_K3); elsewhere, or with measuring off, the native engine's rule (bf16 where
+    rollout.dtypes.AUTO_MISMATCH_K3); elsewhere, or with measuring off, the native engine's rule (bf16 where
     the machine multiplies bf16 natively)."""
     from . import calibrate
 
@@ -159,9 +159,9 @@ def auto_rollout_dtype(device: torch.device, cfg) -> tuple[str, str]:
         cal, said = _calibration(cfg)
         pick, why = cal.rollout_choice()
         return ("fp32" if pick == "model" else pick), why + said
-    from ..rollout import native
+    from ..rollout import dtypes
 
-    pick, why = native.auto_rollout_dtype(device, STORAGE_DTYPES[cfg.dtype])
+    pick, why = dtypes.auto_rollout_dtype(device, STORAGE_DTYPES[cfg.dtype])
     return ("fp32" if pick == "model" and cfg.dtype == "fp32" else pick), why
 
 

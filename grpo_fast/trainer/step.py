@@ -1,6 +1,6 @@
 """One GRPO step in its phases: rollout -> rewards and group advantages -> optimization -> its log record.
 
-Each phase is a function of the run (grpo_fast.trainer.train.Run) and the previous phase's result;
+Each phase is a function of the run (grpo_fast.trainer.setup.Run) and the previous phase's result;
 `grpo_fast.trainer.train` calls them in order. Distributed (torchrun), each rank runs them on its share of
 the global batch: rewards are all-gathered so that advantages are the global batch's, and the dapo token
 count is all-reduced.

@@ -1,6 +1,6 @@
 """The rollout against this machine's floor, and where its time goes.
 
-    python -m bench.profile_decode [--dtypes model,bf16] [--C 256] [--repeats 3] [--vllm] [--ops]
+    python -m bench.profiles.decode [--dtypes model,bf16] [--C 256] [--repeats 3] [--vllm] [--ops]
                                    [--out-dir DIR]
 
 The work: bench_generate's real workload (SmolLM2-135M-Instruct, 2 chat prompts x G=8 = 16 rows), C tokens
@@ -41,7 +41,7 @@ from bench._utils import (
     vllm_python,
     write_results,
 )
-from bench.bench_generate import _work
+from bench.models.generate import _work
 
 G = 8
 PROMPTS = 2
@@ -134,7 +134,7 @@ def measure_vllm(dtype, C, repeats) -> dict:
     provider = "vllm" if dtype in ("model", "fp32") else f"vllm_{dtype}"
     job = dict(workload="real", provider=provider, prompts=PROMPTS, G=G, C=C, no_eos=True, quick=False,
                repeats=repeats)  # fmt: skip
-    return run_worker("bench_generate", job, timeout=1800, python=python)
+    return run_worker("models.generate", job, timeout=1800, python=python)
 
 
 def fractions(work: dict, steps: int, decode_s: float, bw: float, peak: float) -> dict:
@@ -246,7 +246,7 @@ def main(argv=None) -> None:
         f"Machine: {cpu_line(info)}, torch {info['versions']['torch']}, commit {info['git_commit']}; "
         f"SmolLM2-135M-Instruct, {PROMPTS} chat prompts x G={G} = {R} rows, C={C}, T=1, no EOS ({steps} "
         f"decode steps a call); {args.repeats} calls per dtype after a warm-up, the median call shown "
-        "(`python -m bench.profile_decode`, module docstring for the floor); read bandwidth the median of "
+        "(`python -m bench.profiles.decode`, module docstring for the floor); read bandwidth the median of "
         "the run's "
         f"{len(bws)} measurements ({min(bws):.0f}-{max(bws):.0f} GB/s).\n\n"
         + markdown_table(rows, columns)

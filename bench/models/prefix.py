@@ -1,6 +1,6 @@
 """Shared-prefix vs unshared: training forward+backward and generation, on a random ~50M Qwen2-shaped model.
 
-    python -m bench.bench_prefix [--quick] [--full]
+    python -m bench.models.prefix [--quick] [--full]
 
 Training: time and peak memory of forward+backward of the completions' hidden states (the trainer's policy
 pass) with each prompt run once per group (`shared_prefix_forward`) vs repeated G times. Generation: tokens/s
@@ -184,7 +184,7 @@ def main(argv=None):
         for shared in (False, True):
             args_ = dict(job, shared=shared, quick=args.quick, repeats=args.repeats)
             t0 = time.time()
-            res = run_worker("bench_prefix", args_)
+            res = run_worker("models.prefix", args_)
             rows.append(dict(args_, **res))
             shown = res.get("error") or f"{res['median_ms']:.0f} ms, peak {res['peak_mem_mb']:.0f} MiB"
             print(

@@ -7,7 +7,7 @@ engine pushes once (the base or the merged weights: every tensor) and then after
 updates (every LoRA tensor moved, as an optimizer step moves it); a push is timed from the trainer's tensors
 to a server verified through its probe. Runs in the vLLM environment (make setup-vllm):
 
-    .venv-vllm/bin/python -m bench.bench_lora_push   # -> bench/results/cpu/lora_push.{md,json}
+    .venv-vllm/bin/python -m bench.models.lora_push   # -> bench/results/zen3/lora_push.{md,json}
 """
 
 import argparse
@@ -131,7 +131,7 @@ def main(argv=None) -> None:
                ("load_s", "of which written + loaded (s)"), ("verify_s", "of which probe checked (s)"),
                ("bytes_vs_merged", "bytes vs merged"), ("speedup_vs_merged", "speed-up vs merged"),
                ("probe_error", "probe |server - trainer|")]  # fmt: skip
-    command = " ".join(["python -m bench.bench_lora_push", *(argv if argv is not None else sys.argv[1:])])
+    command = " ".join(["python -m bench.models.lora_push", *(argv if argv is not None else sys.argv[1:])])
     md = (
         "# LoRA pushes to a vLLM server: the adapter alone vs merged weights\n\n"
         f"`{command}`: one "

@@ -3,9 +3,9 @@ SmolLM2-135M-Instruct and the real-model task (`--task smollm2`: grpo_fast/tasks
 `accuracy` reward), with the same G, prompts per step, completion length, learning rate and schedule, loss
 type, temperature and seeds; each run in its own process, one at a time.
 
-    python -m bench.learning_vs_trl [--seeds 1,2,3] [--steps 30] [--eval-every 5]
+    python -m bench.learning.vs_trl [--seeds 1,2,3] [--steps 30] [--eval-every 5]
         [--rows trl,ours,ours_fastest] [--set num_generations=8 prompts_per_step=4 ...]
-        [--out bench/results/cpu/<machine>]
+        [--out bench/results/<machine>]
 
 Rows: `trl` (TRL at its defaults for what is not shared: bf16=True, HF generate), `ours` (`grpo-fast train` at
 its defaults: the precision this machine measured faster), `ours_fastest` (plus `--max-staleness 1
@@ -44,7 +44,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 # our rows: the flags each adds to the shared settings
@@ -107,7 +107,7 @@ def run_ours(extra: list, s: dict, seed: int, eval_every: int, out: Path) -> dic
 
 def run_trl(s: dict, seed: int, eval_every: int, out: Path) -> dict:
     args = json.dumps(dict(settings=s, seed=seed, eval_every=eval_every, out=str(out)))
-    proc = subprocess.run([sys.executable, "-m", "bench.learning_vs_trl", "--trl-worker", args], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", "bench.learning.vs_trl", "--trl-worker", args], cwd=ROOT,
                           capture_output=True, text=True)  # fmt: skip
     if proc.returncode:
         raise RuntimeError(f"the TRL run failed:\n{proc.stderr[-3000:]}")
@@ -394,7 +394,7 @@ def main(argv=None) -> None:
             results[row].append(r)
             step_s = statistics.median(x["seconds"] for x in r["steps"])
             print(row, seed, r["heldout"], f"{step_s:.2f} s/step", flush=True)
-    command = "python -m bench.learning_vs_trl " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = "python -m bench.learning.vs_trl " + " ".join(sys.argv[1:] if argv is None else argv)
     payload = dict(command=command, settings=s, seeds=seeds, n_eval=len(evaluator.rows),
                    machine=machine_info(), results=results)  # fmt: skip
     payload["summary"] = summarize(results)

@@ -1,7 +1,7 @@
 """Peak memory of real training steps (`grpo-fast train`, a fresh process per configuration), per step and per
 phase, beside `grpo-fast estimate`'s prediction for the same flags.
 
-    python -m bench.bench_memory [--layers 30] [--steps 3] [--configs a,b,...] [--out-dir DIR]
+    python -m bench.models.memory [--layers 30] [--steps 3] [--configs a,b,...] [--out-dir DIR]
 
 The model has SmolLM2-135M-Instruct's shape and vocabulary (Llama, hidden 576, 9/3 heads, vocabulary 49,152,
 tied embeddings; `--layers` of its 30), random weights and a word-level tokenizer, so that every prompt is
@@ -52,7 +52,7 @@ def smollm2_shaped_dir(out: Path, layers: int) -> Path:
     tokenizer, saved to out/ (built once)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from bench.bench_e2e import save_word_level
+    from bench.models.e2e import save_word_level
 
     if (out / "config.json").is_file():
         return out
@@ -65,7 +65,7 @@ def train_flags(model_dir: Path, data: Path, out: Path, c: dict, steps: int) -> 
     """`grpo-fast train` flags of one configuration (also what `grpo-fast estimate` is given)."""
     flags = ["--model", str(model_dir), "--dataset", str(data), "--output-dir", str(out),
              "--overwrite-output-dir", "--max-steps", str(steps), "--reward",
-             f"{Path(__file__).resolve().parent / 'bench_e2e.py'}:bench_reward",
+             f"{Path(__file__).resolve().parent / 'e2e.py'}:bench_reward",
              "--num-generations", str(c["G"]), "--prompts-per-step", str(c["prompts_per_step"]),
              "--max-completion-length", str(c["C"]), "--max-prompt-length", str(c["P"]),
              "--learning-rate", "1e-6", "--save-total-limit", "1"]  # fmt: skip
@@ -113,7 +113,7 @@ def measure_one(a: dict) -> dict:
 def estimate_of(flags: list[str], device: str) -> dict | None:
     """`grpo-fast estimate`'s peak and its parts for the same flags, in a fresh process as a user runs it (on
     a CPU its runtime part is that process's own resident set)."""
-    return run_worker("bench_memory", {"estimate": flags, "device": device})
+    return run_worker("models.memory", {"estimate": flags, "device": device})
 
 
 def _worker(a: dict) -> dict:
@@ -158,7 +158,7 @@ def run(
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         model_dir = smollm2_shaped_dir(tmp / "model", layers)
-        from bench.bench_e2e import word_prompts
+        from bench.models.e2e import word_prompts
 
         for name in names:
             c = {**BASE, **CONFIGS[name], **(overrides or {})}
@@ -172,7 +172,7 @@ def run(
             t0 = time.time()
             try:
                 res = run_worker(
-                    "bench_memory",
+                    "models.memory",
                     {"flags": flags, "out": str(tmp / f"run_{name}"), "map_large": map_large},
                     timeout=timeout,
                 )
@@ -204,16 +204,16 @@ def creep(steps: int, out_dir: Path | None, max_memory_gb: float = 0.0) -> dict:
     C=128, G=8, 2 prompts) in one process: each step's peak, and the largest after step 3 against step 3's;
     with `max_memory_gb`, under the trainer's plan for that budget (micro-batches packed from the real
     lengths: the peak is the plan's, not the batch's). Written as bench_memory_creep[_<budget>gb]."""
-    from bench.bench_e2e import build_real_work
+    from bench.models.e2e import build_real_work
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir, data, _ = build_real_work(Path(tmp), 64)
         c = dict(P=128, C=128, G=8, prompts_per_step=2)
         flags = train_flags(model_dir, data, Path(tmp) / "run", c, steps)
-        flags[flags.index("--reward") + 1] = f"{Path(__file__).resolve().parent / 'bench_e2e.py'}:real_reward"
+        flags[flags.index("--reward") + 1] = f"{Path(__file__).resolve().parent / 'e2e.py'}:real_reward"
         if max_memory_gb:
             flags += ["--max-memory-gb", str(max_memory_gb)]
-        res = run_worker("bench_memory", {"flags": flags, "out": str(Path(tmp) / "run")}, timeout=7200)
+        res = run_worker("models.memory", {"flags": flags, "out": str(Path(tmp) / "run")}, timeout=7200)
     if "peaks" not in res:
         raise SystemExit(f"creep run failed: {res.get('error')}")
     p = res["peaks"]

@@ -1,6 +1,6 @@
 """End to end: GRPO steps on identical work, grpo-fast vs TRL 1.16's GRPOTrainer, each in its own process.
 
-    python -m bench.bench_e2e [--quick] [--providers a,b] [--warmup 1] [--steps 2]
+    python -m bench.models.e2e [--quick] [--providers a,b] [--warmup 1] [--steps 2]
 
 Work: a random-init ~50M Qwen2-shaped model (bench_prefix.make_model) saved to a local directory with a
 word-level tokenizer, prompts of exactly P tokens, G completions of up to C tokens sampled at temperature 1,
@@ -143,7 +143,7 @@ def bench_reward(completions, **kwargs):
 def build_work(out: Path, quick: bool, P: int, n_prompts: int) -> tuple[Path, Path, int]:
     """A random-init model + word-level tokenizer in out/model and n_prompts prompts of exactly P tokens;
     returns the two paths and the model's parameter count."""
-    from bench.bench_prefix import make_model
+    from bench.models.prefix import make_model
 
     model = make_model("tiny" if quick else "50m")
     model_dir = save_word_level(model, out / "model")
@@ -628,7 +628,7 @@ def main(argv=None, on_row=None) -> None:
                 res = {"skipped": NO_VLLM}
             else:
                 try:
-                    res = run_worker("bench_e2e", dict(base, provider=p), timeout=timeout, python=python)
+                    res = run_worker("models.e2e", dict(base, provider=p), timeout=timeout, python=python)
                 except subprocess.TimeoutExpired:
                     res = {"error": f"did not finish within {timeout:.0f}s"}
             row = dict(provider=p, label=LABELS[p], **res)

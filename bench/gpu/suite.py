@@ -1,11 +1,12 @@
 """GPU suite for one CUDA GPU (an H200 here) with no network, sized for a short loan (15 minutes of device
 time, one command at most 10 minutes): the most valuable rows first, every row on disk as it is measured.
 
-    bash bench/gpu_suite.sh OUTDIR [--budget S] [--tier 1|2] [--sections a,b] [--dry-run]
-    python -m bench.gpu_suite --out OUTDIR [the same options]    (what the shell runs, from a copy)
+    bash bench/gpu/suite.sh OUTDIR [--budget S] [--tier 1|2] [--sections a,b] [--dry-run]
+    python -m bench.gpu.suite --out OUTDIR [the same options]    (what the shell runs, from a copy)
 
-Sections (bench/gpu_sections.py), each in its own process so that a CUDA fault or an OOM in one cannot poison
-the next. Tier 1 (the first call, in order of value):
+Sections (bench/gpu/kernels.py and models.py, run by bench/gpu/sections.py; the plan in results.py), each
+in its own process so that a CUDA fault or an OOM in one cannot poison the next. Tier 1 (the first call, in
+order of value):
   correctness  one JIT pass of every Triton kernel at a small shape (it decides whether later Triton rows
                run), then Triton and the twin vs fp64 at N, H, V = 4096, 4096, 151936, bf16 and fp32
   speed        loss fwd+bwd and log-prob forward at 16384, 4096, 151936 bf16: ours vs naive, Liger, CCE
@@ -27,7 +28,6 @@ bench/gpu_cache/ and carry that folder: the next loan starts warm). Exit status 
 
 import argparse
 import json
-import math
 import os
 import shutil
 import signal
@@ -38,123 +38,18 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.gpu.results import SECTIONS, publish, timeline
+
 BUDGET_S = 480  # one 10-minute command with 2 minutes to spare (the tree's copy, wheels, the last report)
-SHELL_MARGIN_S = 30  # gpu_suite.sh kills at budget + this: the suite's own deadline comes first
+SHELL_MARGIN_S = 30  # suite.sh kills at budget + this: the suite's own deadline comes first
 RESERVE_S = 8  # for the report and the cache file after the last section
 DRY_SCALE = 3  # a dry run's sections may take 3x their plan: a shared 2-core CPU under Triton's interpreter
 CACHE_FILE = "compile_cache.tar.gz"
 CACHE_MAX_BYTES = 15 * 2**20  # the device returns files of at most 16 MiB
-# name: (tier, seconds it needs to be worth starting, seconds planned on an H200 = its cap); tier 1 sums to
-# 465 s of the default 480, tier 2 to 360 s (it gets what a second call's --budget gives, in this order: a
-# 15-minute loan's second call has ~420 s). Sized by runs 5 and 6 (bench/results/h200/README.md): tier 1's
-# sections spent 26-83 s each, generation ran out first; memory's configurations take ~40 s each; decode
-# (tier 3) had no row in three loans, 2 layers included, so it waits for a loan of its own.
-SECTIONS = {
-    "correctness": (1, 30, 45),
-    "speed": (1, 30, 65),
-    "backward": (1, 30, 80),
-    "precision": (1, 40, 75),
-    "generation": (1, 30, 100),
-    "e2e": (1, 60, 100),
-    "atomics": (2, 20, 40),
-    "tiles": (2, 20, 40),
-    "prefix": (2, 15, 40),
-    "memory": (2, 40, 240),
-    "decode": (3, 30, 105),
-    "backward_shapes": (3, 30, 80),
-    "server": (3, 20, 200),
-}
 
 
 class Killed(Exception):
     """SIGTERM (the shell's or the device's time-out): stop the section in flight, keep what is written."""
-
-
-# ---------------------------------------------------------------------------------------------------------
-# The rolling result: one JSON and its report, rewritten atomically by whichever process is measuring
-# ---------------------------------------------------------------------------------------------------------
-def _write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)  # a reader (or a kill) sees the old file or the new one, never half of one
-
-
-def publish(out: Path, result: dict | None = None, name: str | None = None, section: dict | None = None):
-    """Write `result` (or the one on disk, with `section`'s keys merged into section `name`) as
-    OUTDIR/gpu_suite.json and OUTDIR/report.md; return it."""
-    path = out / "gpu_suite.json"
-    if result is None:
-        result = json.loads(path.read_text())
-    if name is not None:
-        result["sections"][name] = {**result["sections"].get(name, {}), **(section or {})}
-    _write(path, json.dumps(result, indent=1, default=str))
-    _write(out / "report.md", report_md(result))
-    return result
-
-
-def _cell(v) -> str:
-    if isinstance(v, float):
-        if math.isnan(v):
-            return "-"
-        return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
-    return "-" if v is None else str(v).replace("|", "/").replace("\n", " ")
-
-
-def _status(sec: dict) -> str:
-    if "skipped" in sec:
-        return "skipped"
-    if "error" in sec:
-        return "killed" if sec["error"].startswith("killed") else "error"
-    return sec.get("status", "done")
-
-
-def timeline(result: dict) -> list[str]:
-    """The plan against what happened: a Markdown table, one line per section."""
-    lines = ["| section | tier | planned s | spent s | rows | status |", "|---|---|---|---|---|---|"]
-    for name, sec in result["sections"].items():
-        spent = sec.get("seconds", round(time.time() - sec["started"], 1) if "started" in sec else None)
-        lines.append(
-            f"| {name} | {SECTIONS[name][0]} | {_cell(sec.get('planned_s'))} | {_cell(spent)} | "
-            f"{len(sec.get('rows', []))} | {_status(sec)} |"
-        )
-    return lines
-
-
-def report_md(result: dict) -> str:
-    m, v = result["machine"], result["machine"]["versions"]
-    lines = [
-        f"# GPU suite{' (dry run, CPU)' if result['dry_run'] else ''}",
-        "",
-        f"Machine: {m.get('gpu', m['cpu'])}; torch {v['torch']}, triton {v['triton']}, transformers "
-        f"{v['transformers']}, trl {v['trl']}, liger-kernel {v['liger_kernel']}, Python {m['python']}; "
-        f"commit {m['git_commit']}. {_cell(result.get('seconds', 0.0))} s of the {result['budget_s']} s "
-        f"budget. {result.get('cache', '')}",
-        "",
-        *timeline(result),
-    ]
-    for name, sec in result["sections"].items():
-        lines += ["", f"## {name}", ""]
-        if "skipped" in sec:
-            lines.append(f"Skipped: {sec['skipped']}.")
-            continue
-        doc = _section_doc(name)
-        lines += [doc, ""] if doc else []
-        lines += [f"- {n}" for n in sec.get("notes", [])]
-        cols = sec.get("columns") or []
-        if sec.get("rows") and cols:
-            used = [c for c in cols if any(c[0] in r for r in sec["rows"])]
-            lines += ["", "| " + " | ".join(t for _, t in used) + " |", "|" + "---|" * len(used)]
-            lines += ["| " + " | ".join(_cell(r.get(k)) for k, _ in used) + " |" for r in sec["rows"]]
-        if "error" in sec:
-            lines += ["", "**Error:**", "", "```", sec["error"], "```"]
-    return "\n".join(lines) + "\n"
-
-
-def _section_doc(name: str) -> str:
-    from bench import gpu_sections
-
-    doc = getattr(gpu_sections, f"section_{name}").__doc__ or ""
-    return " ".join(doc.split())
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -219,7 +114,7 @@ def run_section(name: str, later: list[str], out: Path, deadline: float, opts: l
     t0 = time.time()
     publish(out, name=name, section={"planned_s": round(room), "started": t0, "status": "running"})
     print(f"== {name} (planned {room:.0f} s)", flush=True)
-    cmd = [sys.executable, "-m", "bench.gpu_sections", name, str(out), str(t0 + room), *opts]
+    cmd = [sys.executable, "-m", "bench.gpu.sections", name, str(out), str(t0 + room), *opts]
     killed = False
     with tempfile.TemporaryFile("w+") as err:
         proc = subprocess.Popen(cmd, stderr=err, text=True)
@@ -253,7 +148,7 @@ def budget_of(argv) -> int:
 
 
 def parse(argv):
-    ap = argparse.ArgumentParser(description="The GPU suite (see bench/gpu_suite.py's docstring).")
+    ap = argparse.ArgumentParser(description="The GPU suite (see bench/gpu/suite.py's docstring).")
     ap.add_argument("out", nargs="?", default=None, help="results folder (or --out)")
     ap.add_argument("--out", dest="out_flag", default=None)
     ap.add_argument("--budget", type=int, default=BUDGET_S, help=f"seconds for the whole call ({BUDGET_S})")

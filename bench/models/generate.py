@@ -1,7 +1,7 @@
 """Rollout speed: completion tokens/s and peak memory of G samples per prompt, per engine, each in its own
 process.
 
-    python -m bench.bench_generate [--quick] [--workloads bench,real,demo] [--repeats 2]
+    python -m bench.models.generate [--quick] [--workloads bench,real,demo] [--repeats 2]
 
 Providers (same prompts, same sampling: T=1, no top-k / top-p, EOS ends a sample):
   hf          HF `model.generate(num_return_sequences=G, do_sample=True)`: every prompt repeated G times
@@ -55,7 +55,7 @@ from bench._utils import (
     worker_main,
     write_results,
 )
-from grpo_fast.rollout.native import LINEAR_FORMATS
+from grpo_fast.rollout.dtypes import LINEAR_FORMATS
 from grpo_fast.trainer.memory import peak_mib
 
 PROVIDERS = ["hf", "reference", "native", "native_compiled", "vllm"]
@@ -207,7 +207,7 @@ def _environment(provider: str) -> str:
 def _work(name: str, a: dict):
     """(model, prompt ids, prompt mask, eos id) for a workload."""
     if name == "bench":
-        from bench.bench_prefix import make_model
+        from bench.models.prefix import make_model
 
         model = make_model("tiny" if a["quick"] else "50m").eval()
         g = torch.Generator().manual_seed(0)
@@ -353,7 +353,7 @@ def main(argv=None) -> None:
             if p.startswith("vllm") and python is None:
                 res = {"error": NO_VLLM}
             else:
-                res = run_worker("bench_generate", job, timeout=1800, python=python)
+                res = run_worker("models.generate", job, timeout=1800, python=python)
             row = dict(job, shape=f"{shape['prompts']} x {shape['G']}, {shape['C']}", **res)
             rows.append(row)
             shown = res.get("error") or f"{res['tokens_per_s']:.0f} tok/s, peak {res['peak_mem_mb']:.0f} MiB"

@@ -1,7 +1,7 @@
 """GRPO loss from the last hidden state, forward and forward+backward: ours vs naive torch, TRL and Liger.
 
-    python -m bench.bench_loss [--quick]
-    python -m bench.bench_loss --options [--ns 512]   # each loss-family option vs our dapo path
+    python -m bench.kernels.loss [--quick]
+    python -m bench.kernels.loss --options [--ns 512]   # each loss-family option vs our dapo path
 
 Every provider computes the same TRL-semantics loss (dapo, beta 0.04 with reference log-probs, old log-probs,
 two-sided clip) from hidden (N, H) and an LM head (V, H), each measured in its own process.
@@ -110,7 +110,7 @@ def options_main(argv):
     H, V = (int(x) for x in args.hv.split(","))
     base = dict(H=H, V=V, dtype="float32", repeats=args.repeats)
     providers = (["grpo_fast"] + [f"grpo_fast:{k}" for k in OPTIONS]) * args.rounds + ["grpo_fast"]
-    runs = sweep("bench_loss", providers, [int(n) for n in args.ns.split(",")], ["fwd_bwd"], base)
+    runs = sweep("kernels.loss", providers, [int(n) for n in args.ns.split(",")], ["fwd_bwd"], base)
     rows = []  # per (N, option): the median over rounds of each process's median
     for n in sorted({r["N"] for r in runs}):
         for p in dict.fromkeys(providers):
@@ -177,7 +177,8 @@ def measure_one(a):
 def main(argv=None):
     sweep_main(
         argv,
-        module="bench_loss",
+        module="kernels.loss",
+        name="bench_loss",
         doc=__doc__,
         providers=PROVIDERS,
         title="GRPO loss from hidden states (dapo, beta 0.04)",

@@ -1,6 +1,6 @@
 """The memory frontier: the longest completions that train within one memory budget, TRL vs grpo-fast.
 
-    python -m bench.bench_frontier [--budget-gb 2] [--layers 4] [--start 256] [--max-length 8192]
+    python -m bench.models.frontier [--budget-gb 2] [--layers 4] [--start 256] [--max-length 8192]
                                    [--precision fp32|bf16]      (make bench-frontier: fp32)
 
 A model of SmolLM2-135M-Instruct's shape and vocabulary (49,152) with `--layers` of its 30 layers, random
@@ -53,7 +53,7 @@ def _watchdog(limit_mib: float):
 
 
 def measure_one(a: dict) -> dict:
-    from bench import bench_e2e
+    from bench.models import e2e as bench_e2e
     from grpo_fast.trainer.memory import current_mib
 
     bench_e2e._import_libraries()
@@ -63,8 +63,8 @@ def measure_one(a: dict) -> dict:
 
 
 def run(budget_gb: float, layers: int, start: int, max_length: int, precision: str = "fp32") -> dict:
-    from bench.bench_e2e import word_prompts
-    from bench.bench_memory import smollm2_shaped_dir
+    from bench.models.e2e import word_prompts
+    from bench.models.memory import smollm2_shaped_dir
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -84,7 +84,7 @@ def run(budget_gb: float, layers: int, start: int, max_length: int, precision: s
             C = start
             while C <= max_length:
                 t0 = time.time()
-                res = run_worker("bench_frontier", {**common, **extra, "C": C}, timeout=3600)
+                res = run_worker("models.frontier", {**common, **extra, "C": C}, timeout=3600)
                 row = dict(provider=name, C=C, wall_s=time.time() - t0)
                 if "steps" in res:
                     peak = res["peak_mem_mb"]

@@ -2,7 +2,7 @@
 real model's training shapes, what `grpo-fast train` measures to choose, and every optimizer's step time,
 bytes per parameter and exactness.
 
-    python -m bench.bench_precision [--tokens 256 4096] [--repeats 5]
+    python -m bench.models.precision [--tokens 256 4096] [--repeats 5]
 
 0. `calibration`: grpo_fast.trainer.calibrate's measurement at SmolLM2-135M's shapes (what --bf16 unset and
    --rollout-dtype auto decide by), its choices and its cost in seconds.
@@ -98,7 +98,7 @@ OPTIMIZER_ROWS = [
 def _smollm2_params(dtype):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from bench.bench_memory import SMOLLM2_SHAPE
+    from bench.models.memory import SMOLLM2_SHAPE
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**SMOLLM2_SHAPE)).to(dtype)

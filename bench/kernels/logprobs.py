@@ -1,6 +1,6 @@
 """Per-token log-probs from hidden states and an LM head, forward and forward+backward, side by side.
 
-    python -m bench.bench_logprobs [--quick]
+    python -m bench.kernels.logprobs [--quick]
 
 Providers: naive torch (full logits, log_softmax, gather), TRL's selective_log_softmax on full logits,
 TRL 1.16's tiled LM-head path (ChunkedLogProbFunction), Cut Cross-Entropy's torch_compile implementation
@@ -55,7 +55,8 @@ def measure_one(a):
 def main(argv=None):
     sweep_main(
         argv,
-        module="bench_logprobs",
+        module="kernels.logprobs",
+        name="bench_logprobs",
         doc=__doc__,
         providers=PROVIDERS,
         title="Token log-probs from hidden states",

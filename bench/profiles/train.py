@@ -5,7 +5,7 @@ shared-prefix layout, the fused loss, backward, clipping, the optimizer step) on
 each right after a measurement of the GEMM rate (the median pair reported), and one under the profiler (the
 shares), all on one rollout, sampled in fp32 with the run's seed: `--bf16` trains on the same tokens.
 
-    python -m bench.profile_train [--top 15] [--bf16] [--optim adamw_torch_fused] [--attention mask]
+    python -m bench.profiles.train [--top 15] [--bf16] [--optim adamw_torch_fused] [--attention mask]
 
 The phase's GEMM work is counted exactly: each decoder layer's linear layers (forward, d input, d weight:
 6 FLOPs per weight per token) over the tokens the forward runs (each prompt once per group), and the LM head
@@ -72,7 +72,7 @@ def main(argv=None) -> None:
 
     import grpo_fast.trainer.modeling as modeling
     import grpo_fast.trainer.train as train_mod
-    from bench.bench_e2e import SHAPES, build_real_work
+    from bench.models.e2e import SHAPES, build_real_work
     from grpo_fast.models.model_parts import decoder_of
     from grpo_fast.trainer.config import GRPOConfig
     from grpo_fast.trainer.step import optimize, rollout, score_rollout
@@ -85,7 +85,7 @@ def main(argv=None) -> None:
         model_dir, data, _ = build_real_work(Path(tmp), 8)
         cfg = GRPOConfig(
             model=str(model_dir), dataset=str(data),
-            reward=[f"{Path(__file__).resolve().parent / 'bench_e2e.py'}:real_reward"],
+            reward=[f"{Path(__file__).resolve().parents[1] / 'models' / 'e2e.py'}:real_reward"],
             num_generations=shape["G"], prompts_per_step=shape["prompts_per_step"],
             max_prompt_length=shape["P"], max_completion_length=shape["C"], learning_rate=1e-6,
             bf16=args.bf16, optim=args.optim, output_dir=str(Path(tmp) / "run"), max_steps=10,

@@ -1,0 +1,195 @@
+"""The rollout dtype: which one a run samples in (`check_rollout_dtype`; "auto": `auto_rollout_dtype`, from
+what the machine multiplies natively, `cpu_flags`) and how the native engine's decode step runs a linear layer
+in it (`LINEAR_FORMATS`: the policy's weights copied once per call, oneDNN-packed fp32 / bf16 / fp16, or W8A8
+int8 / fp8; `fused_linear` concatenates a layer's projections into one such matrix)."""
+
+import functools
+
+import torch
+
+from ..models.model_parts import merged_lora_weight
+
+
+def _weight_of(m):
+    """(weight, bias) of a Linear, or of a LoRA layer with its adapters merged (W + scale * B A)."""
+    if type(m) is torch.nn.Linear:
+        return m.weight.detach(), m.bias
+    return merged_lora_weight(m), m.get_base_layer().bias
+
+
+def _packed(w, bias, rows, dtype):
+    """`w` copied into `dtype`, its inputs cast to it and its outputs left in it (the step casts only where
+    fp32 is needed: a residual add promotes on its own, and the MLP's product feeds the next 16-bit linear
+    as it is): oneDNN-packed on a CPU whose oneDNN runs that dtype natively, else a plain `F.linear` in it
+    (a GPU; fp16 on a CPU without avx512_fp16 / AMX-fp16)."""
+    b = None if bias is None else bias.detach().to(dtype)
+    if w.device.type == "cpu" and dtype in _ONEDNN_NATIVE and _ONEDNN_NATIVE[dtype]():
+        packed = torch.ops.mkldnn._reorder_linear_weight(w.to(dtype), rows)
+        linear = torch.ops.mkldnn._linear_pointwise
+        return lambda x: linear(x if x.dtype == dtype else x.to(dtype), packed, b, "none", [], "")
+    wd = w.detach().to(dtype)
+    return lambda x: torch.nn.functional.linear(x if x.dtype == dtype else x.to(dtype), wd, b)
+
+
+_ONEDNN_NATIVE = {
+    torch.float32: lambda: True,
+    torch.bfloat16: torch.ops.mkldnn._is_mkldnn_bf16_supported,
+    torch.float16: torch.ops.mkldnn._is_mkldnn_fp16_supported,
+}
+
+
+def _scales(t, qmax):
+    """Symmetric scales, one per row of `t` (its last dimension reduced), so that t / scale fits +-qmax."""
+    return (t.abs().amax(-1, keepdim=True).float() / qmax).clamp(min=1e-12)
+
+
+def _w8a8(w, bias, qmax, to_8bit, matmul):
+    """An 8-bit layer: weights with one symmetric scale per output channel, activations quantized per row
+    at every call (dynamic, per token); `matmul(x8, w8, x_scales, w_scales)`: the dequantized fp32 product."""
+    ws = _scales(w, qmax)  # (N, 1)
+    wq = to_8bit(w.float() / ws).t()  # (K, N), column-major
+    ws, b = ws.view(1, -1), None if bias is None else bias.detach().float()
+
+    def run(x):
+        xs = _scales(x, qmax)
+        y = matmul(to_8bit(x / xs), wq, xs, ws)
+        return (y if b is None else y + b).to(x.dtype)
+
+    return run
+
+
+def _int8(w, bias, rows):
+    """W8A8 int8, int8 x int8 -> int32 products (`torch._int_mm`: oneDNN VNNI / AMX on x86)."""
+    to_int8 = lambda t: torch.round(t).to(torch.int8)  # noqa: E731 - |t| <= 127 by the scales
+    return _w8a8(w, bias, 127, to_int8, lambda x8, w8, xs, ws: torch._int_mm(x8, w8) * (xs * ws))
+
+
+def _fp8(w, bias, rows):
+    """W8A8 fp8 (e4m3), the same scales, run by `torch._scaled_mm` (fp8 tensor cores on a GPU of compute
+    capability >= 8.9; emulated, slowly, on a CPU)."""
+    e4m3 = torch.float8_e4m3fn
+    out = torch.bfloat16 if w.is_cuda else torch.float32  # row-wise scaled outputs are bf16 on CUDA
+
+    def matmul(x8, w8, xs, ws):
+        return torch._scaled_mm(x8, w8, scale_a=xs, scale_b=ws, out_dtype=out).float()
+
+    return _w8a8(w, bias, torch.finfo(e4m3).max, lambda t: t.to(e4m3), matmul)
+
+
+# how the decode step runs a linear layer, by rollout dtype (weights copied from the policy per call)
+LINEAR_FORMATS = {
+    "fp32": lambda w, b, rows: _packed(w, b, rows, torch.float32),
+    "bf16": lambda w, b, rows: _packed(w, b, rows, torch.bfloat16),
+    "fp16": lambda w, b, rows: _packed(w, b, rows, torch.float16),
+    "int8": _int8,
+    "fp8": _fp8,
+}
+# the LM head's format per rollout dtype (the 8-bit ones keep an fp32 head: the logits are what is sampled)
+HEAD_FORMATS = {"fp32": "fp32", "bf16": "bf16", "fp16": "fp16", "int8": "fp32", "fp8": "fp32"}
+ROLLOUT_DTYPES = ("model", "auto", *LINEAR_FORMATS)
+
+
+def fused_linear(mods, fmt, rows: int):
+    """x -> the outputs of the Linear modules `mods` on x, concatenated. With a format (LINEAR_FORMATS) their
+    weights are copied once per call into one matrix of that format (fp32 oneDNN-packed: 3-4x faster than
+    `F.linear` for the LM head at 16 rows, 1.5x for the layers); None: the modules run as they are."""
+    if fmt is not None:
+        weights, biases = zip(*(_weight_of(m) for m in mods))
+        w = torch.cat(weights) if len(mods) > 1 else weights[0]
+        bias = None
+        if any(b is not None for b in biases):
+            bias = torch.cat(
+                [b if b is not None else w.new_zeros(m.out_features) for b, m in zip(biases, mods)]
+            )
+        return LINEAR_FORMATS[fmt](w, bias, rows)
+    if len(mods) == 1:
+        return mods[0]
+    return lambda x: torch.cat([m(x) for m in mods], dim=-1)
+
+
+def packable(m, fmt) -> bool:
+    """Whether `m` can be copied into `fmt`: a plain Linear, or (low precision) a LoRA layer, merged."""
+    if type(m) is torch.nn.Linear:
+        return True
+    base = getattr(m, "get_base_layer", None)
+    return fmt != "fp32" and base is not None and type(base()) is torch.nn.Linear
+
+
+def check_rollout_dtype(rollout_dtype, device, model_dtype) -> str:
+    """The rollout dtype as the engine runs it ("model" = the policy's own), or a ValueError saying why."""
+    if rollout_dtype not in ROLLOUT_DTYPES:
+        raise ValueError(f"rollout_dtype must be one of {ROLLOUT_DTYPES}, got {rollout_dtype!r}")
+    if rollout_dtype == "auto":
+        rollout_dtype = auto_rollout_dtype(device, model_dtype)[0]
+    if rollout_dtype == "int8" and device.type != "cpu":
+        raise ValueError(
+            f"rollout_dtype='int8' runs on the CPU (oneDNN's int8 kernels); on {device.type} use 'fp8' or "
+            "'bf16'"
+        )
+    if rollout_dtype == "fp8" and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        raise ValueError(
+            f"rollout_dtype='fp8' needs fp8 tensor cores (compute capability >= 8.9), got "
+            f"{torch.cuda.get_device_capability(device)}; use 'bf16'"
+        )
+    if rollout_dtype in HALF and model_dtype != torch.float32:
+        if HALF[rollout_dtype] == model_dtype:
+            return "model"
+        raise ValueError(
+            f"rollout_dtype={rollout_dtype!r} is a copy of an fp32 policy, got a {model_dtype} one "
+            "(a 16-bit policy samples in its own dtype, 'fp8' or 'int8')"
+        )
+    return "model" if rollout_dtype == "fp32" else rollout_dtype
+
+
+HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@functools.cache
+def cpu_info() -> dict:
+    """The first processor's fields of /proc/cpuinfo (empty where there is none)."""
+    try:
+        text = open("/proc/cpuinfo").read()
+    except OSError:
+        return {}
+    first = text.split("\n\n", 1)[0]
+    return {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in first.splitlines())}
+
+
+def cpu_flags() -> set:
+    return set(cpu_info().get("flags", "").split())
+
+
+def cpu_vendor() -> str:
+    """GenuineIntel, AuthenticAMD, ... ("" where /proc/cpuinfo does not say)."""
+    return cpu_info().get("vendor_id", "")
+
+
+_auto_said: set = set()
+AUTO_MISMATCH_K3 = 5e-3  # the largest mean k3 (rollout vs fp32 trainer) that "auto" takes
+
+
+def auto_rollout_dtype(device, model_dtype) -> tuple[str, str]:
+    """(rollout dtype, reason) for "auto": bf16 for an fp32 policy where the machine multiplies bf16 natively
+    (a CPU with avx512_bf16 / AMX-bf16, a GPU of compute capability >= 8.0), else the policy's dtype: the
+    fastest choice whose mismatch to the fp32 trainer stays under AUTO_MISMATCH_K3 in the measured table
+    (bench/results/zen4/bench_generate_rollout_dtype.md; SmolLM2-135M, AMD EPYC with avx512_bf16: bf16 1.18x
+    fp32 at mean k3 8.8e-4; fp16 0.61x, no avx512_fp16; int8 1.27x at k3 0.032, fp8 emulated 0.19x at k3
+    0.042: both over the bound, asked for by name only)."""
+    flags = cpu_flags() if device.type == "cpu" else set()
+    bf16 = flags & {"avx512_bf16", "amx_bf16"}
+    gpu = device.type == "cuda" and torch.cuda.is_available()
+    cap = torch.cuda.get_device_capability(device) if gpu else None
+    if model_dtype != torch.float32:
+        pick, why = "model", f"the policy is {model_dtype}"
+    elif cap is not None and cap >= (8, 0):
+        pick, why = "bf16", f"the GPU's compute capability {cap} >= 8.0"
+    elif device.type != "cpu":
+        pick, why = "model", f"{device.type}: no native bf16 known"
+    elif bf16:
+        pick, why = "bf16", f"the CPU has {', '.join(sorted(bf16))}"
+    else:
+        pick, why = "model", "the CPU has no native bf16 (avx512_bf16 / amx_bf16)"
+    if why not in _auto_said:
+        _auto_said.add(why)
+        print(f"grpo-fast rollout dtype auto: {pick if pick != 'model' else 'fp32'} ({why})", flush=True)
+    return pick, why
