@@ -14,8 +14,8 @@ from .shared_attention import shared_prefix_attention_over
 
 
 def decode(
-    step, logits, max_new_tokens, *, temperature, top_p, top_k, eos_token_id, generator, all_done=None,
-    return_logprobs=False,
+    step, logits, max_new_tokens, *, temperature=1.0, top_p=1.0, top_k=0, eos_token_id=None, generator=None,
+    all_done=None, return_logprobs=False,
 ):  # fmt: skip
     """Sample up to `max_new_tokens` per row from `logits` (rows, V); `step(tokens)` feeds the sampled tokens
     to the model and returns the next logits. Rows stop at EOS (kept, mask 1); later tokens are padding.
@@ -50,22 +50,10 @@ def decode(
 
 
 @torch.no_grad()
-def generate_plain(
-    model,
-    prompt_ids,
-    prompt_mask,
-    num_generations,
-    max_new_tokens,
-    *,
-    temperature=1.0,
-    top_p=1.0,
-    top_k=0,
-    eos_token_id=None,
-    generator=None,
-    all_done=None,
-    return_logprobs=False,
-):
-    """`generate_groups` (grpo_fast.rollout) with every prompt repeated G times and prefilled per sample."""
+def generate_plain(model, prompt_ids, prompt_mask, num_generations, max_new_tokens, **sampling):
+    """`generate_groups` (grpo_fast.rollout) with every prompt repeated G times and prefilled per sample;
+    `sampling`: `decode`'s options (temperature, top_p, top_k, eos_token_id, generator, all_done,
+    return_logprobs)."""
     check_counts(num_generations, max_new_tokens)
     ids = prompt_ids.repeat_interleave(num_generations, 0)
     mask = prompt_mask.repeat_interleave(num_generations, 0).long()
@@ -85,46 +73,13 @@ def generate_plain(
         state["cache"], state["pos"] = cache_of(out), state["pos"] + 1
         return out.logits[:, -1]
 
-    return decode(
-        step,
-        res.logits[:, -1],
-        max_new_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        eos_token_id=eos_token_id,
-        generator=generator,
-        all_done=all_done,
-        return_logprobs=return_logprobs,
-    )
+    return decode(step, res.logits[:, -1], max_new_tokens, **sampling)
 
 
 @torch.no_grad()
-def generate_shared(
-    model,
-    prompt_ids,
-    prompt_mask,
-    num_generations,
-    max_new_tokens,
-    *,
-    temperature=1.0,
-    top_p=1.0,
-    top_k=0,
-    eos_token_id=None,
-    generator=None,
-    all_done=None,
-    return_logprobs=False,
-):
-    """`generate_groups` (grpo_fast.rollout) with each prompt prefilled once and its KV kept once."""
-    kw = dict(
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        eos_token_id=eos_token_id,
-        generator=generator,
-        all_done=all_done,
-        return_logprobs=return_logprobs,
-    )
+def generate_shared(model, prompt_ids, prompt_mask, num_generations, max_new_tokens, **sampling):
+    """`generate_groups` (grpo_fast.rollout) with each prompt prefilled once and its KV kept once;
+    `sampling`: `decode`'s options, as `generate_plain`'s."""
     check_counts(num_generations, max_new_tokens)
     G = num_generations
     # 1. prefill each prompt once; its KV stays (n, kvh, P, d), shared by the group
@@ -144,4 +99,4 @@ def generate_shared(
         return out.logits[:, -1]
 
     with shared_prefix_attention_over(model, keys, values, prompt_mask, G):
-        return decode(step, res.logits[:, -1].repeat_interleave(G, 0), max_new_tokens, **kw)
+        return decode(step, res.logits[:, -1].repeat_interleave(G, 0), max_new_tokens, **sampling)

@@ -5,7 +5,24 @@ made up front (the native engine: its step holds no RNG state, so CUDA graphs ca
 logits the same way (`filtered`).
 """
 
+from dataclasses import dataclass
+
 import torch
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How a rollout samples, `generate_groups`' options with their defaults: softmax(logits / temperature)
+    (0: greedy) after top-k (0: off) and top-p, stopping at `eos_token_id` (an id or a list), drawing from
+    `generator`, with the sampled tokens' log-probs when `return_logprobs`. An engine that takes them as
+    `**options` builds one (an unknown option is a TypeError naming it)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    eos_token_id: object = None
+    generator: object = None
+    return_logprobs: bool = False
 
 
 def eos_and_pad(eos_token_id) -> tuple[list, int]:

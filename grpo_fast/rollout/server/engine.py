@@ -23,7 +23,7 @@ import torch
 
 from ...models.model_parts import causal_lm
 from .. import lora_adapters
-from ..sampling import eos_and_pad
+from ..sampling import Sampling, eos_and_pad
 from ..vllm_engine import check_logprobs_mode, pad_rows
 from .adapters import Adapters
 from .client import CHECK_TIMEOUT_S, LEAVING_TIMEOUT_S, Server, ServerError
@@ -178,34 +178,24 @@ class ServerEngine(Pushes, Verification, Adapters):
                     )
 
     # ---- generation -------------------------------------------------------------------------------------
-    def generate(
-        self,
-        model,
-        prompt_ids,
-        prompt_mask,
-        num_generations,
-        max_new_tokens,
-        *,
-        temperature=1.0,
-        top_p=1.0,
-        top_k=0,
-        eos_token_id=None,
-        generator=None,
-        return_logprobs=False,
-    ):
+    def generate(self, model, prompt_ids, prompt_mask, num_generations, max_new_tokens, **options):
+        """`generate_groups` on the servers (`options`: rollout.sampling.Sampling's): G completions of each
+        prompt, pushed first when `auto_push`, the servers checked to be this run's before they are used."""
+        o = Sampling(**options)
+        temperature, top_p, top_k, return_logprobs = o.temperature, o.top_p, o.top_k, o.return_logprobs
         if return_logprobs and temperature != 0:
             check_logprobs_mode(self.logprobs_mode, temperature, top_p, top_k)
         if self.auto_push:
             self.push(model)
         n, G, C = prompt_ids.shape[0], num_generations, max_new_tokens
-        eos, pad = eos_and_pad(eos_token_id)
+        eos, pad = eos_and_pad(o.eos_token_id)
         greedy = temperature == 0
         seeds = [None] * n
-        if generator is not None and self.servers[0].info.get("device", "cpu") != "cpu":
+        if o.generator is not None and self.servers[0].info.get("device", "cpu") != "cpu":
             # per-request seeds; not on a CPU server: vLLM 0.32's CPU runner crashes its engine on a seeded
             # request whose prefill is chunked (`CPU Generator does not use offset`), so there the server's
             # own seed (--seed 0) drives sampling and a run is not reproducible sample for sample
-            seeds = torch.randint(2**31 - 1, (n,), generator=generator).tolist()
+            seeds = torch.randint(2**31 - 1, (n,), generator=o.generator).tolist()
         base = {
             "max_tokens": C,
             "temperature": 0.0 if greedy else float(temperature),

@@ -99,6 +99,16 @@ def environment(cpu: bool, kv_cache_gb: float, cores: str | None, lora_rank: int
     return env
 
 
+def server_command(
+    model: str, *, python=None, cpu: bool, kv_cache_gb: float = 2.0, cores=None, lora_rank=0, **options
+) -> tuple[list[str], dict]:
+    """(vLLM's command line, the environment settings it runs with) for a server of `model`; `options`:
+    `command`'s (host, port, dtype, max_model_len, extra). What `launch` starts and `grpo-fast serve`
+    prints."""
+    cmd = command(model, python=python or sys.executable, cpu=cpu, lora_rank=lora_rank, **options)
+    return cmd, environment(cpu, kv_cache_gb, cores, lora_rank)
+
+
 class Launched(str):
     """The URL of a server that launch() started (a str), with `token`, the launch token the server
     reports (the trainer checks it when $GRPO_FAST_SERVER_TOKEN is set), `pid`, its process (and process
@@ -189,19 +199,11 @@ def launch(
     refuse_busy_port(url, address, port)
     if cpu is None:
         cpu = not _has_cuda()
-    cmd = command(
-        model,
-        python=python,
-        host=host,
-        port=port,
-        dtype=dtype,
-        max_model_len=max_model_len,
-        cpu=cpu,
-        lora_rank=lora_rank,
-        extra=extra,
-    )
+    cmd, settings = server_command(model, python=python, host=host, port=port, dtype=dtype,
+                                   max_model_len=max_model_len, cpu=cpu, lora_rank=lora_rank, extra=extra,
+                                   kv_cache_gb=kv_cache_gb, cores=cores)  # fmt: skip
     token = secrets.token_hex(16)
-    env = {**os.environ, **environment(cpu, kv_cache_gb, cores, lora_rank), LAUNCH_TOKEN_ENV: token}
+    env = {**os.environ, **settings, LAUNCH_TOKEN_ENV: token}
     if env.get("VLLM_PLUGINS"):  # an allow-list of vLLM plugins: ours too (its processes die with us)
         env["VLLM_PLUGINS"] += "," + PLUGIN
     if gpus is not None:  # the server's own GPU(s); the trainer keeps the others
@@ -523,38 +525,16 @@ def main(argv=None) -> None:
     trainer_cores = None
     if train_argv is not None and cpu and args.cores is None:
         args.cores, trainer_cores = split_cores()
-    cmd = command(
-        args.model,
-        python=args.python or sys.executable,
-        host=args.host,
-        port=args.port,
-        dtype=args.dtype,
-        max_model_len=args.max_model_len,
-        cpu=cpu,
-        lora_rank=args.lora_rank,
-        extra=extra,
-    )
-    env = environment(cpu, args.kv_cache_gb, args.cores, args.lora_rank)
+    opts = dict(host=args.host, port=args.port, python=args.python, dtype=args.dtype, cpu=cpu, extra=extra,
+                max_model_len=args.max_model_len, kv_cache_gb=args.kv_cache_gb, cores=args.cores,
+                lora_rank=args.lora_rank)  # fmt: skip
+    cmd, env = server_command(args.model, **opts)
     signal.signal(signal.SIGTERM, _interrupt)  # killed politely: the trainer saves, the server goes with us
     print(
         "grpo-fast serve: " + " ".join(f"{k}={v}" for k, v in env.items()) + " " + shlex.join(cmd), flush=True
     )
     try:
-        with launch(
-            args.model,
-            port=args.port,
-            host=args.host,
-            python=args.python,
-            dtype=args.dtype,
-            max_model_len=args.max_model_len,
-            cpu=cpu,
-            kv_cache_gb=args.kv_cache_gb,
-            cores=args.cores,
-            gpus=args.gpus,
-            lora_rank=args.lora_rank,
-            wait_s=args.wait_s,
-            extra=extra,
-        ) as url:
+        with launch(args.model, gpus=args.gpus, wait_s=args.wait_s, **opts) as url:
             if train_argv is not None:
                 code = train_against(url, train_argv, trainer_cores, url.token)
                 if code:
