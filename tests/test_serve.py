@@ -451,6 +451,17 @@ def test_the_plugin_ties_each_process_and_its_forks_to_its_parent(launched):
         kill_group(leader.pid)
 
 
+def test_a_server_runs_vllms_engine_in_processes_of_its_own(fake_python, monkeypatch):
+    """The in-process vLLM engine sets VLLM_ENABLE_V1_MULTIPROCESSING=0 in its process: a server launched from
+    that process must not inherit it (its engine core and workers would run inside the API server, and a
+    killed worker could not be told apart)."""
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    with serve.launch("model", port=free_port(), python=fake_python, cpu=True, wait_s=20) as url:
+        env = Path(f"/proc/{url.pid}/environ").read_bytes().split(b"\0")
+        assert b"GRPO_FAST_LAUNCH_TOKEN=" + url.token.encode() in env
+        assert not [e for e in env if e.startswith(b"VLLM_ENABLE_V1_MULTIPROCESSING=")]
+
+
 def test_the_launcher_watch_returns_non_zero_when_a_server_process_dies(fake_python, monkeypatch):
     """launch() records the server's processes once it answers; one of them killed, `watch` says which and
     returns 1 within seconds, interrupting a trainer still running first."""

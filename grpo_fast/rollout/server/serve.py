@@ -204,6 +204,9 @@ def launch(
                                    kv_cache_gb=kv_cache_gb, cores=cores)  # fmt: skip
     token = secrets.token_hex(16)
     env = {**os.environ, **settings, LAUNCH_TOKEN_ENV: token}
+    # a server runs vLLM's engine core and workers in processes of their own; this process's in-process vLLM
+    # engine (rollout.vllm_engine) sets this to 0, which a server it launches must not inherit
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     if env.get("VLLM_PLUGINS"):  # an allow-list of vLLM plugins: ours too (its processes die with us)
         env["VLLM_PLUGINS"] += "," + PLUGIN
     if gpus is not None:  # the server's own GPU(s); the trainer keeps the others
