@@ -218,14 +218,13 @@ def resolve_agreed(cfg, device: torch.device, dist):
     takes its decision (ranks that decided apart would train apart)."""
     if not dist.on or (cfg.bf16 is not None and cfg.rollout_dtype != "auto"):
         return resolve(cfg, device)
-    import torch.distributed as td
+    from .distributed import from_rank0
 
-    box = [None]
-    if dist.main:
+    def decide():
         decided, _ = resolve(cfg, device)
-        box = [(decided.bf16, decided.rollout_dtype)]
-    td.broadcast_object_list(box, src=0)
-    bf16, rollout = box[0]
+        return decided.bf16, decided.rollout_dtype
+
+    bf16, rollout = from_rank0(decide, dist)
     return resolve(replace(cfg, bf16=bf16, rollout_dtype=rollout), device)
 
 

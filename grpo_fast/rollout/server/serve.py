@@ -39,7 +39,7 @@ import time
 from ..lora_adapters import served_rank
 from .client import TOKEN_ENV, Server, ServerError
 from .connect import EXTENSION
-from .vllm_worker import LAUNCH_TOKEN_ENV
+from .vllm_worker import LAUNCH_TOKEN_ENV, PR_SET_PDEATHSIG, PRCTL
 
 PLUGIN = "grpo_fast_tie_to_parent"  # our vLLM general plugin's entry point name (pyproject.toml)
 
@@ -323,24 +323,12 @@ def _interrupt(*_):
     raise KeyboardInterrupt
 
 
-def _libc_prctl():
-    try:
-        import ctypes
-
-        return ctypes.CDLL("libc.so.6", use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-
-
-_PRCTL = _libc_prctl()  # looked up here: after fork in a threaded process, nothing may load a library
-
-
 def _die_with_parent() -> None:
     """In the server's process, before exec (Linux): SIGTERM when the process that launched it dies, even by
     SIGKILL, so that a killed trainer or benchmark leaves no server behind (vLLM's engine processes follow
     their API server)."""
-    if _PRCTL is not None:
-        _PRCTL(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if PRCTL is not None:
+        PRCTL(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def stop(proc: subprocess.Popen, grace_s: float = 15.0) -> None:

@@ -16,7 +16,21 @@ import time
 
 LAUNCH_TOKEN_ENV = "GRPO_FAST_LAUNCH_TOKEN"  # set by `grpo-fast serve` (launch()): the token of the launch
 PR_SET_PDEATHSIG = 1
-_tied = {"pid": None, "forks": False, "prctl": None}  # the process last tied; forks tied too; libc's prctl
+
+
+def _libc_prctl():
+    try:
+        import ctypes
+
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):  # not Linux: the launcher's watchdog alone
+        return None
+
+
+# looked up at import: after a fork in a threaded process no library may load (the launcher's preexec_fn, the
+# forked children of vLLM's processes)
+PRCTL = _libc_prctl()
+_tied = {"pid": None, "forks": False}  # the process last tied; whether its forks are tied too
 _parent = {"pid": None}  # the forking process's pid, read by its child right after a fork
 
 
@@ -28,15 +42,8 @@ def tie_to_parent() -> None:
     (it left the server's process group) kills itself. The API server itself gets SIGTERM from the launcher's
     death (set at its start), so that it stops its children; the launcher's watchdog is the last resort.
     Does nothing in a vLLM that grpo-fast did not launch."""
-    if not os.environ.get(LAUNCH_TOKEN_ENV) or not hasattr(os, "register_at_fork"):
+    if not os.environ.get(LAUNCH_TOKEN_ENV) or not hasattr(os, "register_at_fork") or PRCTL is None:
         return
-    if _tied["prctl"] is None:  # looked up here: after a fork in a threaded process no library may load
-        import ctypes
-
-        try:
-            _tied["prctl"] = ctypes.CDLL(None, use_errno=True).prctl
-        except (OSError, AttributeError):  # not Linux: the launcher's watchdog alone
-            return
     if not _tied["forks"]:  # vLLM forks its engine and workers where it can: a fork clears the setting
         os.register_at_fork(before=_remember_parent, after_in_child=_tie_forked)
         _tied["forks"] = True
@@ -55,7 +62,7 @@ def _tie_forked() -> None:
 
 def _tie(parent_is_ours) -> None:
     """SIGKILL when the parent dies; at once if it died before the setting took (`parent_is_ours()` false)."""
-    if _tied["prctl"](PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
+    if PRCTL(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
         return
     _tied["pid"] = os.getpid()
     try:
