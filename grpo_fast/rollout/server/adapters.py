@@ -81,7 +81,8 @@ class Adapters:
         name; the requests that follow name it."""
         self.adapter_version += 1
         name = f"{lora_adapters.NAME_PREFIX}{self.adapter_tag}-v{self.adapter_version}"
-        mine = WEIGHT_FILE.format(host=socket.gethostname()) + f"{os.getpid()}-{id(self)}"
+        # the engine's random tag, not id(self): a collected engine's id comes back, its directories linger
+        mine = WEIGHT_FILE.format(host=socket.gethostname()) + f"{os.getpid()}-{self.adapter_tag}"
         directory = os.path.join(self.weight_dir, f"{mine}-adapter-v{self.adapter_version}")
         try:
             lora_adapters.write_adapter(directory, tensors, self.lora)
