@@ -75,9 +75,11 @@ demo: setup
 	$(VPY) -m grpo_fast.train --output-dir runs/demo --overwrite-output-dir
 
 # a real pretrained model: SmolLM2-135M-Instruct (built offline, make smollm2) on additions and two-step word
-# problems (grpo_fast/tasks/arithmetic.py), math-verify the reward; held-out greedy accuracy before and after
+# problems (grpo_fast/tasks/arithmetic.py), the stated integer the reward; then held-out greedy accuracy before
+# and after by an evaluator of its own (transformers generate, the last integer, expressions counted)
 demo-smollm2: setup smollm2
 	$(VPY) -m grpo_fast.train --task smollm2 --output-dir runs/demo-smollm2 --overwrite-output-dir
+	$(VPY) -m grpo_fast.tasks.arithmetic_eval runs/demo-smollm2
 
 # the embedded multi-turn task: the shop problems with a calculator tool (grpo_fast/tasks/tools_task.py), its own
 # base model; rollouts call the tool, the tool's tokens stay out of the loss

@@ -1,6 +1,10 @@
 """The real-model task (`--task smollm2`, `make demo-smollm2`): its questions' answers checked by arithmetic
-written here from the question's own words, the held-out split disjoint from training, math-verify's reward
-paying the right number only, and `grpo-fast train --task smollm2` training SmolLM2 on it end to end."""
+written here from the question's own words; the held-out split sharing no problem with training in any guise
+(operands swapped, another name or item), read off the texts by this file's own regexes; the task's reward
+(`integer_answer`) paying a stated right integer in any wording and nothing for the question's own expression,
+a list of candidates or the question restated (which math-verify's `accuracy` pays); the independent held-out
+evaluator agreeing with transformers' own loading and generation; and `grpo-fast train --task smollm2`
+training SmolLM2 on it end to end."""
 
 import json
 import re
@@ -45,21 +49,81 @@ def test_every_answer_is_the_arithmetic_of_its_question(split):
                 for r in rows} == set(range(len(READERS)))  # fmt: skip
 
 
-def test_held_out_questions_are_never_trained_on_and_the_split_is_fixed():
-    train = {r["prompt"][0]["content"] for r in arithmetic.dataset_rows("train")}
+def _same_problem(question: str) -> tuple:
+    """What makes two questions one problem, read off the text: an addition's operands as a set, a word
+    problem's template (which reader matches) and its numbers in order."""
+    for i, (pattern, _) in enumerate(READERS):
+        m = re.search(pattern, question)
+        if m:
+            nums = tuple(map(int, m.groups()))
+            return ("add", frozenset(nums), len(set(nums))) if i == 0 else (i, nums)
+    raise AssertionError(f"no reader for {question!r}")
+
+
+def test_held_out_questions_are_never_trained_on_in_any_guise_and_the_split_is_fixed():
+    train_q = [r["prompt"][0]["content"] for r in arithmetic.dataset_rows("train")]
     held = [r["prompt"][0]["content"] for r in arithmetic.dataset_rows("eval")]
     assert len(set(held)) == len(held) == 2 * arithmetic.N_EVAL_PER_KIND
-    assert not train & set(held)
+    assert not set(train_q) & set(held)
+    train_keys = {_same_problem(q) for q in train_q}
+    twins = [q for q in held if _same_problem(q) in train_keys]
+    assert not twins, f"{len(twins)} held-out problems are training problems in another guise: {twins[:3]}"
+    assert len({_same_problem(q) for q in held}) == len(held)  # nor twice in the held-out set
     assert held == [r["prompt"][0]["content"] for r in arithmetic.dataset_rows("eval")]
 
 
-def test_the_reward_pays_the_stated_right_number_only():
-    q = {"What is 37 + 45? Answer with the number.": "82"}
-    [(_, gold)] = q.items()
-    completions = ["37 + 45 = 82", "The answer is 82.", "82", "37 + 45 = 81", "37 + 45", "Let me think"]
-    assert accuracy_reward(None, completions, [gold] * len(completions)) == [1.0, 1.0, 1.0, 0.0, 0.0, 0.0]
+def _gaming_answers(question: str) -> list[str]:
+    """Completions that state no computed answer: the question's own expression (boxed, bare, in LaTeX), the
+    question restated, candidates listed around the right answer."""
+    m = re.search(r"What is (\d+) \+ (\d+)\?", question)
+    if m:
+        expr = f"{m[1]} + {m[2]}"
+    else:  # the word problem's numbers as the expression its template asks for
+        found = [(i, re.search(p, question)) for i, (p, _) in enumerate(READERS) if i]
+        [(i, nums)] = [(i, tuple(map(int, m.groups()))) for i, m in found if m]
+        a, b, c = nums if i != 3 else (nums[2], nums[1], nums[0])
+        expr = [f"{a} + {b} \\times {c}", f"{a} - {b} + {c}", f"{b} \\times {c} + {a}"][i - 1]
+    right = _expected(question)
+    return [
+        f"The answer is \\boxed{{{expr}}}.", f"\\boxed{{{expr}}}", f"The answer is {expr}.", f"${expr}$",
+        question, question.removesuffix(" Answer with the number."),
+        f"It is {right - 1}, {right} or {right + 1}.", f"\\boxed{{{right - 1}, {right}}}",
+        f"{right - 2}, {right - 1}, {right}", f"Either {right + 1} or {right}",
+    ]  # fmt: skip
+
+
+def test_the_tasks_reward_pays_no_expression_list_or_restated_question_that_math_verify_pays():
+    from grpo_fast.rewards import load_reward
+    from grpo_fast.trainer.config import SMOLLM2_TASK_PRESET
+
+    [task_reward] = [load_reward(r) for r in SMOLLM2_TASK_PRESET["reward"]]
+    rows = arithmetic.dataset_rows("eval")
+    boxed_paid = 0
+    for r in rows:
+        q = r["prompt"][0]["content"]
+        gaming = _gaming_answers(q)
+        assert task_reward(None, gaming, [r["answer"]] * len(gaming)) == [0.0] * len(gaming), q
+        boxed_paid += accuracy_reward(None, gaming[:1], [r["answer"]])[0]
+    assert boxed_paid == len(rows)  # the hole it closes: math-verify evaluates the boxed expression and pays
+
+
+def test_the_tasks_reward_pays_the_right_integer_in_any_wording():
+    from grpo_fast.rewards import integer_answer_reward
+
+    for r in arithmetic.dataset_rows("eval")[::16]:
+        n = int(r["answer"])
+        right = [f"{n}", f"The answer is {n}.", f"\\boxed{{{n}}}", f"The answer is $\\boxed{{{n}}}$.",
+                 f"19 + 61 = 80, so wait, it is {n}", f"She has {n} stickers now.", f"**{n}**",
+                 f"Answer: {n}!", f"{n}.0", f"That makes {n} apples in all.\nFinal answer: {n}",
+                 f"23 + 24 = {n}"]  # fmt: skip
+        wrong = [f"{n + 1}", f"The answer is {n - 1}.", f"\\boxed{{{n + 10}}}", f"{n}.5", "Let me think",
+                 f"{n}0", f"{n} + 1", f"\\boxed{{{n}}} or \\boxed{{{n + 1}}}"]  # fmt: skip
+        got = integer_answer_reward(None, right + wrong, [r["answer"]] * (len(right) + len(wrong)))
+        assert got == [1.0] * len(right) + [0.0] * len(wrong), (n, got)
     chat = [[{"role": "assistant", "content": "It is 82."}]]
-    assert accuracy_reward(None, chat, [gold]) == [1.0]
+    assert integer_answer_reward(None, chat, ["82"]) == [1.0]
+    with pytest.raises(ValueError, match="answer column must hold integers"):
+        integer_answer_reward(None, ["1"], ["1/2"])
 
 
 def test_task_smollm2_is_the_preset_the_model_and_the_rows():
@@ -68,7 +132,7 @@ def test_task_smollm2_is_the_preset_the_model_and_the_rows():
     from grpo_fast.trainer.modeling import model_path
 
     cfg = parse_config(["--task", "smollm2", "--learning-rate", "3e-6"])
-    assert cfg.reward == ["accuracy"] and cfg.learning_rate == 3e-6
+    assert cfg.reward == ["integer_answer"] and cfg.learning_rate == 3e-6
     assert cfg.max_completion_length == SMOLLM2_TASK_PRESET["max_completion_length"]
     assert (Path(model_path(cfg)) / "config.json").is_file()
     train, held = train_and_eval_rows(cfg)
@@ -79,8 +143,9 @@ def test_task_smollm2_is_the_preset_the_model_and_the_rows():
 def test_train_task_smollm2_end_to_end(tmp_path):
     """Two steps of `grpo-fast train --task smollm2` (small): SmolLM2 from the offline build, chat prompts,
     the held-out evaluation before and after, a checkpoint that loads in transformers."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from grpo_fast.tasks import arithmetic_eval
     from grpo_fast.trainer.config import parse_config
     from grpo_fast.trainer.train import train
 
@@ -94,7 +159,25 @@ def test_train_task_smollm2_end_to_end(tmp_path):
     assert [r["step"] for r in recs if "eval_accuracy" in r] == [0, 2]
     assert [r["step"] for r in recs if "loss" in r] == [1, 2]
     assert all(r["completion_len_max"] <= 6 for r in recs if "loss" in r)
-    AutoModelForCausalLM.from_pretrained(out / "checkpoint-2")
+    model = AutoModelForCausalLM.from_pretrained(out / "checkpoint-2")
+
+    # the independent evaluator on the run: its answers for the trained weights are what transformers'
+    # own loading of the checkpoint generates (greedy), and it states the base model's and the gain
+    arithmetic_eval.main([str(out), "--n-eval", "4"])
+    got = json.loads((out / "heldout_eval.json").read_text())
+    assert got["checkpoint"].endswith("checkpoint-2") and got["n_eval"] == 4 and got["max_new_tokens"] == 6
+    assert got["gain"] == got["trained"]["accuracy"] - got["base"]["accuracy"]
+    tok = AutoTokenizer.from_pretrained(out / "checkpoint-2")
+    held = arithmetic.dataset_rows("eval")
+    rows = [r for k in ("add", "two-step") for r in [x for x in held if x["kind"] == k][:2]]  # 2 a kind
+    texts = []
+    for r in rows:
+        ids = tok.apply_chat_template(
+            r["prompt"], add_generation_prompt=True, return_tensors="pt", return_dict=True
+        )
+        new = model.generate(**ids, max_new_tokens=6, do_sample=False)[0, ids["input_ids"].shape[1] :]
+        texts.append(tok.decode(new, skip_special_tokens=True))
+    assert got["trained"]["examples"] == texts
 
 
 def test_every_task_choice_has_its_rows_and_its_model():

@@ -1,11 +1,11 @@
 """Learning against TRL, same everything: TRL 1.16's `GRPOTrainer` and `grpo-fast train` on
-SmolLM2-135M-Instruct and the real-model task (`--task smollm2`: grpo_fast/tasks/arithmetic.py, math-verify's
-`accuracy` reward), with the same G, prompts per step, completion length, learning rate and schedule, loss
-type, temperature and seeds; each run in its own process, one at a time.
+SmolLM2-135M-Instruct and the real-model task (`--task smollm2`: grpo_fast/tasks/arithmetic.py, its
+`integer_answer` reward), with the same G, prompts per step, completion length, learning rate and schedule,
+loss type, temperature and seeds; each run in its own process, one at a time.
 
     python -m bench.learning.vs_trl [--seeds 1,2,3] [--steps 30] [--eval-every 5]
         [--rows trl,ours,ours_fastest] [--set num_generations=8 prompts_per_step=4 ...]
-        [--out bench/results/<machine>]
+        [--out bench/results/<machine>] [--work DIR --reuse]
 
 Rows: `trl` (TRL at its defaults for what is not shared: bf16=True, HF generate), `ours` (`grpo-fast train` at
 its defaults: the precision this machine measured faster), `ours_fastest` (plus `--max-staleness 1
@@ -15,16 +15,20 @@ its defaults: the precision this machine measured faster), `ours_fastest` (plus 
 
 Per step: the mean reward of the step's own samples (fresh training prompts) and the step's seconds
 (generation, reward, training; no evaluation or checkpoint). Every --eval-every steps each run saves its
-weights; one evaluator (transformers' `generate`, greedy, fp32, outside every trainer) scores them on the
-held-out split with the same reward, so both trainers are judged by the same code. One checkpoint's greedy
-accuracy swings by +-0.1 between evaluations a few steps apart (the demo's run: 0.289 at step 20, 0.109 at
-step 40), so a run's held-out figure is the mean of its evaluations after the first half of the steps
-("late").
+weights; one evaluator outside every trainer and independent of the training reward
+(grpo_fast/tasks/arithmetic_eval.py: transformers' `generate`, greedy, fp32, the last integer of the answer,
+and the share of answers that are expressions) scores them on the held-out split, so both trainers are judged
+by the same code. One checkpoint's greedy accuracy swings by +-0.1 between evaluations a few steps apart, so a
+run's held-out figure is the mean of its evaluations after the first half of the steps ("late").
 Our rows also report the rollout mismatch the trainer measured (median over steps of the mean |log-prob
-difference| per token and of the sequence-level correction's extreme ratios). Writes
-learning_vs_trl.{md,json,png} and merges the summary keys into summary.json of --out:
-  learning_heldout_gain          ours: late held-out accuracy minus at step 0, mean over seeds (and
+difference| per token and of the sequence-level correction's extreme ratios). Each scored run is kept in
+--work as <row>-<seed>.json; --reuse takes those with the same settings (seeds added later, or another day).
+Writes learning_vs_trl.{md,json,png} and puts the summary keys into summary.json of --out (replacing every
+earlier learning_* key there):
+  learning_heldout_gain_strict   ours: late held-out accuracy minus at step 0, mean over seeds (and
                                  *_trl, *_fastest; *_se: the standard error over seeds)
+  learning_heldout_gap_vs_trl_in_se   (ours - TRL) in held-out gain over the s.e. of the difference
+  learning_heldout_expressions_max    the largest share of held-out answers that are expressions, any run
   learning_per_step_gap_vs_trl   mean over steps of |ours - TRL| in the step's mean reward, each the mean over
                                  seeds
   learning_seed_spread           the same statistic between TRL's own seeds (mean over pairs of seeds)
@@ -37,6 +41,7 @@ learning_vs_trl.{md,json,png} and merges the summary keys into summary.json of -
 import argparse
 import itertools
 import json
+import math
 import shutil
 import statistics
 import subprocess
@@ -46,6 +51,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+from grpo_fast.tasks.arithmetic_eval import HeldOut  # noqa: E402
 
 # our rows: the flags each adds to the shared settings
 OUR_ROWS = {
@@ -126,8 +132,9 @@ def trl_worker(a: dict) -> None:
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, TrainerCallback
 
-    from grpo_fast.rewards import accuracy_reward
+    from grpo_fast.rewards import load_reward
     from grpo_fast.tasks import arithmetic, smollm2
+    from grpo_fast.trainer.config import SMOLLM2_TASK_PRESET
     from grpo_fast.trainer.modeling import load_tokenizer
 
     warnings.simplefilter("ignore", FutureWarning)
@@ -159,7 +166,7 @@ def trl_worker(a: dict) -> None:
         logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, disable_tqdm=True,
     )  # fmt: skip
     trainer = trl.GRPOTrainer(
-        model=model, reward_funcs=accuracy_reward, args=config,
+        model=model, reward_funcs=[load_reward(r) for r in SMOLLM2_TASK_PRESET["reward"]], args=config,
         train_dataset=Dataset.from_list(arithmetic.dataset_rows("train")),
         processing_class=load_tokenizer(model_dir), callbacks=[Clock(), Saver()],
     )  # fmt: skip
@@ -170,60 +177,6 @@ def trl_worker(a: dict) -> None:
     weights = {int(d.name.split("-")[1]): str(d) for d in out.glob("checkpoint-*")}
     (out / "trl_run.json").write_text(json.dumps(dict(steps=steps, weights=weights, precision=dict(
         bf16=config.bf16, rollout="HF generate, the training model"))))  # fmt: skip
-
-
-# ---------------------------------------------------------------------------------------------------------
-# One evaluator for every run
-# ---------------------------------------------------------------------------------------------------------
-class Evaluator:
-    """Greedy held-out accuracy of saved weights: transformers' `generate` (fp32, left-padded batches), the
-    run's completion length, math-verify's accuracy reward; per kind too."""
-
-    def __init__(self, max_new_tokens: int, n_eval: int):
-        import torch
-        from transformers import AutoModelForCausalLM
-
-        from grpo_fast.tasks import arithmetic, smollm2
-        from grpo_fast.trainer.modeling import load_tokenizer
-
-        self.dir = str(smollm2.build())
-        self.tok = load_tokenizer(self.dir)
-        self.tok.padding_side = "left"
-        self.model = AutoModelForCausalLM.from_pretrained(self.dir, dtype=torch.float32).eval()
-        self.base = {k: v.clone() for k, v in self.model.state_dict().items()}
-        rows = arithmetic.dataset_rows("eval")
-        kinds = sorted({r["kind"] for r in rows})
-        self.rows = [r for k in kinds for r in [x for x in rows if x["kind"] == k][: n_eval // len(kinds)]]
-        self.max_new_tokens = max_new_tokens
-
-    def __call__(self, weights: str | None) -> dict:
-        import torch
-        from safetensors.torch import load_file
-
-        from grpo_fast.rewards import accuracy_reward
-
-        saved = load_file(str(Path(weights) / "model.safetensors")) if weights else {}
-        state = {**self.base, **saved}
-        if self.model.config.tie_word_embeddings and "lm_head.weight" not in saved:
-            state["lm_head.weight"] = state["model.embed_tokens.weight"]  # tied: saved once, as the embedding
-        self.model.load_state_dict(state)
-        texts = []
-        for i in range(0, len(self.rows), 32):
-            chunk = self.rows[i : i + 32]
-            prompts = [self.tok.apply_chat_template(r["prompt"], tokenize=False, add_generation_prompt=True)
-                       for r in chunk]  # fmt: skip
-            enc = self.tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
-            with torch.no_grad():
-                pad = self.tok.pad_token_id or self.tok.eos_token_id
-                ids = self.model.generate(
-                    **enc, max_new_tokens=self.max_new_tokens, do_sample=False, pad_token_id=pad
-                )
-            texts += self.tok.batch_decode(ids[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
-        hits = accuracy_reward(None, texts, [r["answer"] for r in self.rows])
-        out = {"accuracy": statistics.mean(hits)}
-        for kind in sorted({r["kind"] for r in self.rows}):
-            out[kind] = statistics.mean(h for h, r in zip(hits, self.rows) if r["kind"] == kind)
-        return out
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -261,18 +214,27 @@ def summarize(results: dict) -> dict:
         if pairs
         else float("nan"),  # one seed: no spread to compare with
     }
-    summary["learning_heldout_gain_trl"], summary["learning_heldout_gain_trl_se"] = heldout_gain(trl)
+    gain_trl, se_trl = heldout_gain(trl)
+    summary["learning_heldout_gain_strict_trl"] = gain_trl
+    summary["learning_heldout_gain_strict_trl_se"] = se_trl
     for row, runs in results.items():  # ours: the keys as named; our other rows suffixed (_fastest, ...)
         if row == "trl" or not runs:
             continue
         tail = row.removeprefix("ours")
         gain, se = heldout_gain(runs)
-        summary[f"learning_heldout_gain{tail}"], summary[f"learning_heldout_gain{tail}_se"] = gain, se
+        summary[f"learning_heldout_gain_strict{tail}"] = gain
+        summary[f"learning_heldout_gain_strict{tail}_se"] = se
+        # the gap held out in standard errors of the difference (negative: ours below TRL)
+        summary[f"learning_heldout_gap_vs_trl_in_se{tail}"] = (gain - gain_trl) / math.hypot(se, se_trl)
         summary[f"learning_per_step_gap_vs_trl{tail}"] = curve_gap(mean_curve(runs), mean_curve(trl))
         summary[f"learning_pair_gap_vs_trl{tail}"] = statistics.mean(
             curve_gap(single(a), single(b)) for a in runs for b in trl
         )
         summary[f"learning_wall_speedup_vs_trl{tail}"] = step_s(trl) / step_s(runs)
+    # answers that are expressions instead of numbers, at any evaluation of any run (should be ~0)
+    summary["learning_heldout_expressions_max"] = max(
+        d["expressions"] for runs in results.values() for r in runs for d in r["heldout_detail"]
+    )
     return summary
 
 
@@ -312,8 +274,8 @@ def render(payload: dict) -> str:
 
     s, summary = payload["settings"], payload["summary"]
     head = ["row", "seed", "held-out step 0", "held-out late", "held-out last", "add (last)",
-            "two-step (last)", "reward, first quarter", "reward, last quarter", "s/step (median)",
-            "precision", "rollout mismatch"]  # fmt: skip
+            "two-step (last)", "expressions (last)", "reward, first quarter", "reward, last quarter",
+            "s/step (median)", "precision", "rollout mismatch"]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row, runs in payload["results"].items():
         for r in runs:
@@ -327,6 +289,7 @@ def render(payload: dict) -> str:
             lines.append(
                 f"| {ROW_TITLES[row]} | {r['seed']} | {r['heldout'][0][1]:.3f} | {late_heldout(r):.3f} | "
                 f"{r['heldout'][-1][1]:.3f} | {last['add']:.3f} | {last['two-step']:.3f} | "
+                f"{last['expressions']:.3f} | "
                 f"{statistics.mean(rew[:q]):.3f} | {statistics.mean(rew[-q:]):.3f} | {step_s:.2f} | "
                 f"{json.dumps(r['precision'])} | {mismatch} |"
             )
@@ -337,7 +300,9 @@ def render(payload: dict) -> str:
         "at a time, interleaved by seed. Held-out: "
         f"{payload['n_eval']} problems of grpo_fast/tasks/arithmetic.py's eval split, greedy, scored by one "
         "evaluator (transformers' generate, fp32) on each run's saved weights; late: the mean of a run's "
-        "evaluations after the first half of the steps. Rollout mismatch (ours): the trainer's median over "
+        "evaluations after the first half of the steps; its answer is the last integer it states (not the "
+        "training reward: grpo_fast/tasks/arithmetic_eval.py), and expressions is the share of answers that "
+        "end in an expression. Rollout mismatch (ours): the trainer's median over "
         "steps of the mean |log-prob difference| per token between the rollout and the training forward, and "
         "of the smallest and largest sequence-level correction ratio.\n\n"
         + "\n".join(lines)
@@ -369,7 +334,7 @@ def main(argv=None) -> None:
         raise SystemExit(f"--rows: trl and one or more of {', '.join(OUR_ROWS)} (the summary compares them)")
     work, out = Path(args.work), Path(args.out) if args.out else RESULTS / machine_name()
     work.mkdir(parents=True, exist_ok=True)
-    evaluator = Evaluator(s["max_completion_length"], args.n_eval)
+    evaluator = HeldOut(s["max_completion_length"], args.n_eval)
     base = evaluator(None)
     results = {row: [] for row in rows}
     for seed in seeds:
@@ -405,8 +370,9 @@ def main(argv=None) -> None:
     (out / "learning_vs_trl.md").write_text(md)
     summary_file = out / "summary.json"
     merged = {"machine": payload["machine"]}
-    if summary_file.is_file():
-        merged = json.loads(summary_file.read_text())
+    if summary_file.is_file():  # every learning_* key is this run's (earlier tasks' keys would mislead)
+        earlier = json.loads(summary_file.read_text())
+        merged = {k: v for k, v in earlier.items() if not k.startswith("learning_")}
     merged.update(payload["summary"])
     summary_file.write_text(json.dumps(merged, indent=2))
     print(md)

@@ -99,6 +99,62 @@ def accuracy_reward(prompts, completions, answer, **_):
     return out
 
 
+# integer_answer: an integer literal (1,234 read as one number; 82.0 an integer), not part of a longer token
+_INTEGER = re.compile(r"(?<![\w.])(\d{1,3}(?:,\d{3})+|\d+)(\.\d+)?(?![\w]|\.\d|,\d{3})")
+# what, just before a stated number, makes it an operand instead: a binary operator after a number
+# ("19 + 61", "4 x 6", "(3) * 2"; not markdown's "**82**" nor a sign)
+_OPERATOR_BEFORE = re.compile(r"[\d)\]}]\s*(?:[-+*/×÷^·xX]|\\times|\\cdot|\\div)$")
+# ... or a list of numbers ("78, 79 or 80")
+_LIST_BEFORE = re.compile(r"\d\s*(?:,|;|&|\bor|\band)$")
+_PLAIN_INTEGER = re.compile(r"-?\s*(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.0+)?")
+
+
+def stated_integer(completion: str) -> int | None:
+    """The integer a completion states as its answer, or None when it states none or states something else.
+
+    The answer is the last \\boxed{} when there is one, and counts only when it holds a plain integer (an
+    expression, a list or words inside it: None). Without a box it is the last integer literal in the text,
+    unless that number is an operand or a list item: preceded by an operator ("19 + 61", "4 x 6") or by
+    another number and a separator ("78, 79 or 80"), so that restating the question, leaving an expression or
+    listing candidates states no answer. A leading minus sign after a non-number is the number's sign."""
+    text = final_answer_text(completion)
+    boxed = extract_boxed(text)
+    if boxed is not None:
+        inner = boxed.strip().strip("$").strip().rstrip(".").strip()
+        if not _PLAIN_INTEGER.fullmatch(inner):
+            return None
+        return int(float(inner.replace(",", "").replace(" ", "")))
+    found = list(_INTEGER.finditer(text))
+    if not found:
+        return None
+    last = found[-1]
+    if last.group(2) and set(last.group(2)[1:]) != {"0"}:
+        return None  # 47.5: not an integer
+    value = int(last.group(1).replace(",", ""))
+    before = text[: last.start()].rstrip()
+    if _OPERATOR_BEFORE.search(before) or _LIST_BEFORE.search(before):
+        return None
+    if before.endswith("-"):  # not after a number (that was a subtraction): the number's sign
+        value = -value
+    return value
+
+
+def integer_answer_reward(prompts, completions, answer, **_):
+    """1.0 when the integer the completion states (`stated_integer`: the last integer, a \\boxed{} only when
+    it holds a plain integer) equals the integer `answer` column, else 0.0: an expression, a list of
+    candidates or the question restated states no answer and scores 0 (math-verify's `accuracy` would
+    evaluate a boxed "19 + 61" and pay it).
+    For tasks whose answers are integers (the `smollm2` task's reward)."""
+    out = []
+    for i, (comp, gold) in enumerate(zip(completions, answer)):
+        try:
+            want = int(str(gold).strip())
+        except ValueError:
+            raise ValueError(f"integer_answer: the answer column must hold integers, got {gold!r} (row {i})")
+        out.append(1.0 if stated_integer(_to_text(comp)) == want else 0.0)
+    return out
+
+
 _FORMAT = re.compile(r"^\s*<think>.*?</think>\s*\S.*$", re.DOTALL)
 
 
@@ -199,6 +255,7 @@ def shop_answer_reward(prompts, completions, answer, **kw):
 
 BUILTINS = {
     "accuracy": accuracy_reward,
+    "integer_answer": integer_answer_reward,
     "format": format_reward,
     "partial": partial_credit_reward,
     "code": code_reward,
@@ -207,8 +264,9 @@ BUILTINS = {
 
 
 def load_reward(spec: str, max_completion_length: int = 256, allow_unsandboxed_code: bool = False):
-    """A built-in by name ("accuracy", "format", "partial", "code", "shop_answer", "overlong[:CACHE]") or
-    a user function as "path/to/file.py:function". "code" checks here that its OS sandbox can run."""
+    """A built-in by name ("accuracy", "integer_answer", "format", "partial", "code", "shop_answer",
+    "overlong[:CACHE]") or a user function as "path/to/file.py:function". "code" checks here that its OS
+    sandbox can run."""
     if spec == "code":
         try:
             kind = check_available(allow_unsandboxed_code)

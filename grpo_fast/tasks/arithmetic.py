@@ -1,16 +1,19 @@
-"""The real-model task (`make demo-smollm2`, `--task smollm2`): chat questions for SmolLM2-135M-Instruct whose
-answers math-verify checks (the built-in `accuracy` reward), in two kinds:
+"""The real-model task (`make demo-smollm2`, `--task smollm2`): chat questions for SmolLM2-135M-Instruct with
+integer answers, scored by the `integer_answer` reward (the integer the completion states; an expression, a
+list or the question restated scores 0), in two kinds:
 
 - `add`: "What is 37 + 45? Answer with the number." (a, b in 10..99);
 - `two-step`: word problems from templates, two operations on three numbers ("Mia has 23 stickers. She buys
   4 packs of 6 stickers. How many stickers does she have now? Answer with the number." -> 47), where the base
   model is weak.
 
-Held out: a fixed set of problems (half of each kind) that no training prompt repeats, numbers and template
-alike; the split is a pure function of SPLIT_SEED. The base model often explains at length and is cut by
-`--max-completion-length` before it states a number, or slips in the arithmetic: GRPO rewards the completions
-that state the right number in time, and held-out greedy accuracy measures whether that carries to unseen
-problems.
+Held out: a fixed set of problems (half of each kind) none of which is a training problem in another guise:
+the split deduplicates on what makes two problems the same (`same_problem`: an addition's operands in either
+order; a word problem's template and numbers, whatever its name and item). It is a pure function of
+SPLIT_SEED. The base model often explains at length and is cut by `--max-completion-length` before it states
+a number, or slips in the arithmetic: GRPO rewards the completions that state the right number in time, and
+held-out greedy accuracy, scored by an evaluator of its own (`arithmetic_eval`), measures whether that carries
+to unseen problems.
 """
 
 import random
@@ -55,8 +58,16 @@ def question(p: tuple) -> tuple[str, int]:
     return words + SUFFIX, answer(a, b, c)
 
 
+def same_problem(p: tuple) -> tuple:
+    """What two problems share when they are the same problem in another guise: an addition's operands as a
+    set (37 + 45 is 45 + 37), a word problem's template and numbers (the name and the item are decoration)."""
+    kind, t, a, b, c, _, _ = p
+    return (kind, min(a, b), max(a, b)) if kind == "add" else (kind, t, a, b, c)
+
+
 def split_problems() -> dict[str, list[tuple]]:
-    """{"train", "eval"}: disjoint lists of problem tuples, half of each list of each kind (deterministic)."""
+    """{"train", "eval"}: lists of problem tuples, half of each list of each kind (deterministic), no two of
+    them (within or across the lists) the same problem by `same_problem`."""
     rng = random.Random(SPLIT_SEED)
     out = {"eval": [], "train": []}
     seen = set()
@@ -65,15 +76,15 @@ def split_problems() -> dict[str, list[tuple]]:
             got = 0
             while got < n:
                 p = make(rng)
-                if p not in seen:
-                    seen.add(p)
+                if same_problem(p) not in seen:
+                    seen.add(same_problem(p))
                     out[split].append(p)
                     got += 1
     return out
 
 
 def dataset_rows(split: str) -> list[dict]:
-    """Rows for the trainer (split "train" or "eval"): a chat `prompt`, the `answer` the accuracy reward reads
+    """Rows for the trainer (split "train" or "eval"): a chat `prompt`, the `answer` the reward reads
     and the problem's `kind` (add or two-step), train rows shuffled."""
     rows = []
     for p in split_problems()[split]:

@@ -66,7 +66,10 @@ class GRPOConfig:
     max_prompt_length: int = _f(512, "prompts are cut to their last N tokens")
     # --- rewards ---
     reward: list = _f(
-        None, "reward function: built-in name or path/file.py:func (repeatable)", action="append"
+        None,
+        "reward function (repeatable): a built-in (accuracy: math-verify; integer_answer: the stated "
+        "integer, expressions and lists score 0; format; partial; overlong[:N]; code) or path/file.py:func",
+        action="append",
     )
     reward_weights: list = _f(None, "one weight per reward function (default 1 each)", nargs="+", type=float)
     allow_unsandboxed_code: bool = _f(
@@ -298,7 +301,7 @@ TOOLS_TASK_PRESET = dict(
 # make demo-smollm2: a real pretrained model (grpo_fast/tasks/smollm2.py) on grpo_fast/tasks/arithmetic.py,
 # math-verify's accuracy the reward; held-out greedy accuracy rises by >= 0.10 within 10 minutes on 2 cores
 SMOLLM2_TASK_PRESET = dict(
-    reward=["accuracy"],
+    reward=["integer_answer"],
     num_generations=8,
     prompts_per_step=4,
     max_completion_length=32,
