@@ -469,7 +469,10 @@ def test_the_launcher_watch_returns_non_zero_when_a_server_process_dies(fake_pyt
     with serve.launch("model", port=free_port(), python=fake_python, cpu=True, wait_s=20, grace_s=1) as url:
         assert len(url.members) == 3, url.members  # the "API server" and its two "engine" processes
         assert url.lost() is None
-        trainer = subprocess.Popen(["sleep", "600"])
+        # the stand-in trainer takes SIGINT as a trainer does, also where SIGINT is ignored here (a background
+        # job of a non-interactive shell: `sleep` would inherit that and outlive watch's 60 s wait)
+        dfl = lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)  # noqa: E731
+        trainer = subprocess.Popen(["sleep", "600"], preexec_fn=dfl)
         engine = next(pid for pid in url.members if pid != url.pid)
         os.kill(engine, signal.SIGKILL)
         t0 = time.monotonic()
