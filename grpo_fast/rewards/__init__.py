@@ -123,7 +123,7 @@ def stated_integer(completion: str) -> int | None:
         inner = boxed.strip().strip("$").strip().rstrip(".").strip()
         if not _PLAIN_INTEGER.fullmatch(inner):
             return None
-        return int(float(inner.replace(",", "").replace(" ", "")))
+        return int(re.sub(r"[,\s]|\.0+$", "", inner))  # exact for any size (no float on the way)
     found = list(_INTEGER.finditer(text))
     if not found:
         return None
