@@ -139,6 +139,31 @@ def test_task_smollm2_is_the_preset_the_model_and_the_rows():
     assert train == arithmetic.dataset_rows("train") and held == arithmetic.dataset_rows("eval")
 
 
+def test_task_smollm2_two_step_is_the_word_problems_alone_with_the_same_held_out_set():
+    """--task smollm2-two-step: only word problems, every one a word problem of the
+    mixed task's own split (a held-out problem stays held out), none of its held-out problems trained on in
+    any guise (the test's own reading of the texts), and its preset's longer completions."""
+    from grpo_fast.tasks.arithmetic_eval import HeldOut
+    from grpo_fast.trainer.config import TASK_PRESETS, parse_config
+    from grpo_fast.trainer.data import train_and_eval_rows
+
+    cfg = parse_config(["--task", "smollm2-two-step"])
+    train, held = train_and_eval_rows(cfg)
+    assert cfg.reward == ["integer_answer"]
+    assert cfg.max_completion_length == TASK_PRESETS["smollm2-two-step"]["max_completion_length"] > 32
+    word = lambda rows: [r for r in rows if not r["prompt"][0]["content"].startswith("What is")]  # noqa: E731
+    assert word(train) == train and word(held) == held and len(held) == 64
+    mixed_train, mixed_held = (arithmetic.dataset_rows(s) for s in ("train", "eval"))
+    assert sorted(map(str, train)) == sorted(map(str, word(mixed_train)))
+    assert held == word(mixed_held)
+    trained = {_same_problem(r["prompt"][0]["content"]) for r in train}
+    assert not trained & {_same_problem(r["prompt"][0]["content"]) for r in held}
+    with pytest.raises(ValueError, match="kinds"):
+        arithmetic.dataset_rows("train", ("sub",))
+    with pytest.raises(ValueError, match="task: one of"):
+        HeldOut(8, task="shop")
+
+
 @pytest.mark.slow
 def test_train_task_smollm2_end_to_end(tmp_path):
     """Two steps of `grpo-fast train --task smollm2` (small): SmolLM2 from the offline build, chat prompts,

@@ -5,6 +5,7 @@ loss type, temperature and seeds; each run in its own process, one at a time.
 
     python -m bench.learning.vs_trl [--seeds 1,2,3] [--steps 30] [--eval-every 5]
         [--rows trl,ours,ours_fastest] [--set num_generations=8 prompts_per_step=4 ...]
+        [--task smollm2|smollm2-two-step] [--time-budget-s S]
         [--out bench/results/<machine>] [--work DIR --reuse]
 
 Rows: `trl` (TRL at its defaults for what is not shared: bf16=True, HF generate), `ours` (`grpo-fast train` at
@@ -12,6 +13,11 @@ its defaults: the precision this machine measured faster), `ours_fastest` (plus 
 --rollout-dtype bf16`: both corrected by TRL's rollout-mismatch correction), and for diagnoses
 `ours_uncorrected` (the defaults without the mismatch correction, as TRL's HF-generate path runs) and
 `ours_fp32` (`--no-bf16`: fp32 training and rollouts).
+
+`--task smollm2-two-step` runs the word problems alone at their preset (128-token completions) and
+writes into <out>/learning-smollm2-two-step/. `--time-budget-s` stops each run when its steps' seconds reach
+it (ours: its own --time-budget-s; TRL: a callback on the same clock), so both trainers get the same time:
+--steps is then a ceiling.
 
 Per step: the mean reward of the step's own samples (fresh training prompts) and the step's seconds
 (generation, reward, training; no evaluation or checkpoint). Every --eval-every steps each run saves its
@@ -51,7 +57,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-from grpo_fast.tasks.arithmetic_eval import HeldOut  # noqa: E402
+from grpo_fast.tasks.arithmetic_eval import TASKS, HeldOut  # noqa: E402
 
 # our rows: the flags each adds to the shared settings
 OUR_ROWS = {
@@ -70,26 +76,28 @@ ROW_TITLES = {
 SHARED = (
     "num_generations", "prompts_per_step", "max_completion_length", "learning_rate", "lr_scheduler_type"
 )  # fmt: skip
+# settings added after runs were kept: a kept run without them ran at these
+LATER_SETTINGS = dict(task="smollm2", time_budget_s=0.0)
 
 
-def shared_settings(steps: int, overrides: dict) -> dict:
-    """What both trainers run with: the demo's preset, the loss and sampling settings TRL and we default to,
+def shared_settings(task: str, steps: int, budget_s: float, overrides: dict) -> dict:
+    """What both trainers run with: the task's preset, the loss and sampling settings TRL and we default to,
     and --set overrides (strings, as flags)."""
-    from grpo_fast.trainer.config import SMOLLM2_TASK_PRESET
+    from grpo_fast.trainer.config import TASK_PRESETS
 
-    s = {k: SMOLLM2_TASK_PRESET[k] for k in SHARED}
+    s = {k: TASK_PRESETS[task][k] for k in SHARED}
     s.update(loss_type="dapo", beta=0.0, temperature=1.0, max_grad_norm=1.0, max_steps=steps)
     for k, v in overrides.items():
         s[k] = type(s[k])(v) if k in s else v
-    return s
+    return dict(s, task=task, time_budget_s=budget_s)
 
 
 # ---------------------------------------------------------------------------------------------------------
 # The runs, each in its own process
 # ---------------------------------------------------------------------------------------------------------
 def run_ours(extra: list, s: dict, seed: int, eval_every: int, out: Path) -> dict:
-    flags = ["--task", "smollm2", "--seed", str(seed), "--eval-steps", "0", "--eval-max-samples", "0",
-             "--save-steps", str(eval_every), "--save-total-limit", "1000", "--time-budget-s", "0",
+    flags = ["--seed", str(seed), "--eval-steps", "0", "--eval-max-samples", "0",
+             "--save-steps", str(eval_every), "--save-total-limit", "1000",
              "--output-dir", str(out), "--overwrite-output-dir"]  # fmt: skip
     flags += [f"--{k.replace('_', '-')}={v}" for k, v in s.items()] + extra
     proc = subprocess.run([sys.executable, "-m", "grpo_fast.train", *flags], cwd=ROOT, capture_output=True,
@@ -133,8 +141,8 @@ def trl_worker(a: dict) -> None:
     from transformers import AutoModelForCausalLM, TrainerCallback
 
     from grpo_fast.rewards import load_reward
-    from grpo_fast.tasks import arithmetic, smollm2
-    from grpo_fast.trainer.config import SMOLLM2_TASK_PRESET
+    from grpo_fast.tasks import smollm2, task_rows
+    from grpo_fast.trainer.config import TASK_PRESETS
     from grpo_fast.trainer.modeling import load_tokenizer
 
     warnings.simplefilter("ignore", FutureWarning)
@@ -148,10 +156,16 @@ def trl_worker(a: dict) -> None:
 
         def on_step_end(self, args, state, control, **kw):
             steps.append(dict(step=state.global_step, seconds=time.perf_counter() - self.t0))
+            if s["time_budget_s"] and sum(x["seconds"] for x in steps) >= s["time_budget_s"]:
+                control.should_training_stop = True  # as ours stops: after the step that reached it
 
     class Saver(TrainerCallback):
         def on_step_end(self, args, state, control, model=None, **kw):
-            if state.global_step % every == 0 or state.global_step == s["max_steps"]:
+            if (
+                state.global_step % every == 0
+                or state.global_step == s["max_steps"]
+                or control.should_training_stop
+            ):
                 model.save_pretrained(out / f"checkpoint-{state.global_step}", safe_serialization=True)
 
     torch.manual_seed(a["seed"])
@@ -166,8 +180,8 @@ def trl_worker(a: dict) -> None:
         logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, disable_tqdm=True,
     )  # fmt: skip
     trainer = trl.GRPOTrainer(
-        model=model, reward_funcs=[load_reward(r) for r in SMOLLM2_TASK_PRESET["reward"]], args=config,
-        train_dataset=Dataset.from_list(arithmetic.dataset_rows("train")),
+        model=model, reward_funcs=[load_reward(r) for r in TASK_PRESETS[s["task"]]["reward"]], args=config,
+        train_dataset=Dataset.from_list(task_rows(s["task"])[0]),
         processing_class=load_tokenizer(model_dir), callbacks=[Clock(), Saver()],
     )  # fmt: skip
     trainer.train()
@@ -273,9 +287,10 @@ def render(payload: dict) -> str:
     from bench._utils import cpu_line
 
     s, summary = payload["settings"], payload["summary"]
-    head = ["row", "seed", "held-out step 0", "held-out late", "held-out last", "add (last)",
-            "two-step (last)", "expressions (last)", "reward, first quarter", "reward, last quarter",
-            "s/step (median)", "precision", "rollout mismatch"]  # fmt: skip
+    kinds = TASKS[s.get("task", "smollm2")]
+    head = ["row", "seed", "held-out step 0", "held-out late", "held-out last",
+            *(f"{k} (last)" for k in kinds), "expressions (last)", "reward, first quarter",
+            "reward, last quarter", "steps", "s/step (median)", "precision", "rollout mismatch"]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row, runs in payload["results"].items():
         for r in runs:
@@ -288,14 +303,15 @@ def render(payload: dict) -> str:
                         f"{mm['is_ratio_max']:.2f}" if "is_ratio_min" in mm else "-")  # fmt: skip
             lines.append(
                 f"| {ROW_TITLES[row]} | {r['seed']} | {r['heldout'][0][1]:.3f} | {late_heldout(r):.3f} | "
-                f"{r['heldout'][-1][1]:.3f} | {last['add']:.3f} | {last['two-step']:.3f} | "
-                f"{last['expressions']:.3f} | "
-                f"{statistics.mean(rew[:q]):.3f} | {statistics.mean(rew[-q:]):.3f} | {step_s:.2f} | "
+                f"{r['heldout'][-1][1]:.3f} | "
+                + "".join(f"{last[k]:.3f} | " for k in kinds)
+                + f"{last['expressions']:.3f} | {statistics.mean(rew[:q]):.3f} | "
+                f"{statistics.mean(rew[-q:]):.3f} | {len(rew)} | {step_s:.2f} | "
                 f"{json.dumps(r['precision'])} | {mismatch} |"
             )
     keys = "\n".join(f"- `{k}`: {v:.4g}" for k, v in summary.items())
     return (
-        "# Learning against TRL: SmolLM2-135M-Instruct on the real-model task\n\n"
+        f"# Learning against TRL: SmolLM2-135M-Instruct on the real-model task (--task {s['task']})\n\n"
         f"`{payload['command']}`. Shared: `{json.dumps(s)}`; {len(payload['seeds'])} seeds each, runs one "
         "at a time, interleaved by seed. Held-out: "
         f"{payload['n_eval']} problems of grpo_fast/tasks/arithmetic.py's eval split, greedy, scored by one "
@@ -316,9 +332,12 @@ def main(argv=None) -> None:
     ap.add_argument("--seeds", default="1,2,3")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--eval-every", type=int, default=5)
-    ap.add_argument("--n-eval", type=int, default=128, help="held-out problems (half of each kind)")
+    ap.add_argument("--n-eval", type=int, default=128, help="held-out problems (an equal share of each kind)")
     ap.add_argument("--rows", default="trl,ours,ours_fastest")
     ap.add_argument("--set", nargs="*", default=[], help="shared settings to override, name=value")
+    ap.add_argument("--task", default="smollm2", choices=tuple(TASKS), help="the task and its preset")
+    ap.add_argument("--time-budget-s", type=float, default=0.0,
+                    help="stop each run when its steps' seconds reach this (0: --steps steps)")  # fmt: skip
     ap.add_argument("--out", default="", help="results folder (default bench/results/<machine>)")
     ap.add_argument("--work", default="/tmp/learning-vs-trl")
     ap.add_argument("--reuse", action="store_true", help="take runs already scored in --work (same settings)")
@@ -328,19 +347,25 @@ def main(argv=None) -> None:
         return trl_worker(json.loads(args.trl_worker))
     from bench._utils import RESULTS, machine_info, machine_name
 
-    s = shared_settings(args.steps, dict(kv.split("=", 1) for kv in args.set))
+    s = shared_settings(args.task, args.steps, args.time_budget_s, dict(kv.split("=", 1) for kv in args.set))
     rows, seeds = args.rows.split(","), [int(x) for x in args.seeds.split(",")]
     if "trl" not in rows or not set(rows) & set(OUR_ROWS) or not set(rows) <= {"trl", *OUR_ROWS}:
         raise SystemExit(f"--rows: trl and one or more of {', '.join(OUR_ROWS)} (the summary compares them)")
     work, out = Path(args.work), Path(args.out) if args.out else RESULTS / machine_name()
+    if args.task != "smollm2":  # the machine folder's summary keys are the main task's
+        out = out / f"learning-{args.task}"
     work.mkdir(parents=True, exist_ok=True)
-    evaluator = HeldOut(s["max_completion_length"], args.n_eval)
+    evaluator = HeldOut(s["max_completion_length"], args.n_eval, task=args.task)
     base = evaluator(None)
     results = {row: [] for row in rows}
     for seed in seeds:
         for row in rows:
             d, record = work / f"{row}-{seed}", work / f"{row}-{seed}.json"
-            if args.reuse and record.is_file() and json.loads(record.read_text())["settings"] == s:
+            if (
+                args.reuse
+                and record.is_file()
+                and {**LATER_SETTINGS, **json.loads(record.read_text())["settings"]} == s
+            ):
                 results[row].append(json.loads(record.read_text())["run"])
                 continue
             shutil.rmtree(d, ignore_errors=True)
@@ -364,7 +389,7 @@ def main(argv=None) -> None:
                    machine=machine_info(), results=results)  # fmt: skip
     payload["summary"] = summarize(results)
     out.mkdir(parents=True, exist_ok=True)
-    plot(results, out / "learning_vs_trl.png", "SmolLM2-135M-Instruct, real-model task: TRL vs grpo-fast")
+    plot(results, out / "learning_vs_trl.png", f"SmolLM2-135M-Instruct, --task {args.task}: TRL vs grpo-fast")
     (out / "learning_vs_trl.json").write_text(json.dumps(payload, indent=1))
     md = render(payload)
     (out / "learning_vs_trl.md").write_text(md)

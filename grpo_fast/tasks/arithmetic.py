@@ -7,6 +7,9 @@ list or the question restated scores 0), in two kinds:
   4 packs of 6 stickers. How many stickers does she have now? Answer with the number." -> 47), where the base
   model is weak.
 
+`--task smollm2` trains and evaluates on both kinds; `--task smollm2-two-step` on the word
+problems alone, with the same held-out word problems (`dataset_rows(split, kinds)` filters one split).
+
 Held out: a fixed set of problems (half of each kind) none of which is a training problem in another guise:
 the split deduplicates on what makes two problems the same (`same_problem`: an addition's operands in either
 order; a word problem's template and numbers, whatever its name and item). It is a pure function of
@@ -19,6 +22,7 @@ to unseen problems.
 import random
 
 SPLIT_SEED = 46
+KINDS = ("add", "two-step")
 N_EVAL_PER_KIND = 64
 N_TRAIN_PER_KIND = 2000
 SUFFIX = " Answer with the number."
@@ -83,11 +87,16 @@ def split_problems() -> dict[str, list[tuple]]:
     return out
 
 
-def dataset_rows(split: str) -> list[dict]:
+def dataset_rows(split: str, kinds: tuple = KINDS) -> list[dict]:
     """Rows for the trainer (split "train" or "eval"): a chat `prompt`, the `answer` the reward reads
-    and the problem's `kind` (add or two-step), train rows shuffled."""
+    and the problem's `kind` (add or two-step), train rows shuffled; only the problems of `kinds` (the same
+    split whatever the kinds: a word problem is held out in both tasks or in neither)."""
+    if not kinds or not set(kinds) <= set(KINDS):
+        raise ValueError(f"kinds: one or more of {KINDS}, got {kinds!r}")
     rows = []
     for p in split_problems()[split]:
+        if p[0] not in kinds:
+            continue
         q, ans = question(p)
         rows.append({"prompt": [{"role": "user", "content": q}], "answer": str(ans), "kind": p[0]})
     if split == "train":

@@ -4,7 +4,7 @@ own rule (the last integer in the text), and the share of answers that end in an
 number (a policy that learned to copy the question or box "19 + 61" shows there, not as accuracy); an answer
 cut by the token budget mid-sum ("First, we add them: 61 + 33") is counted as cut, not as an expression.
 
-    python -m grpo_fast.tasks.arithmetic_eval RUN_DIR [--checkpoint DIR] [--n-eval 128]
+    python -m grpo_fast.tasks.arithmetic_eval RUN_DIR [--checkpoint DIR] [--n-eval N]
 
 scores the base model and the run's last checkpoint (or --checkpoint), prints both and the gain, and writes
 RUN_DIR/heldout_eval.json (`make demo-smollm2` ends with it). bench/learning/vs_trl.py scores every run's
@@ -23,6 +23,8 @@ from pathlib import Path
 
 from . import arithmetic, smollm2
 
+# --task name -> the kinds of problem it trains and is held out on
+TASKS = {"smollm2": arithmetic.KINDS, "smollm2-two-step": ("two-step",)}
 _DIGITS = re.compile(r"\d+")
 # an answer that ends in an expression: a boxed content with an operator, or an operator just before the last
 # number with no "=" after it ("The answer is 19 + 61.", "23 + 4 x 6")
@@ -41,12 +43,15 @@ def ends_in_expression(text: str) -> bool:
 
 
 class HeldOut:
-    """Greedy held-out accuracy of saved weights on the task's eval split (`n_eval` problems, half of each
-    kind), with `max_new_tokens` as the runs' completion length. Calling it with a checkpoint directory (a
-    `save_pretrained` one: model.safetensors) or None (the base model) gives accuracy, per kind, and the share
-    of answers that are expressions."""
+    """Greedy held-out accuracy of saved weights on the task's eval split (`n_eval` problems, an equal share
+    of each of the task's kinds), with `max_new_tokens` as the runs' completion length. Calling it with a
+    checkpoint directory (a `save_pretrained` one: model.safetensors) or None (the base model) gives accuracy,
+    per kind, and the share of answers that are expressions."""
 
-    def __init__(self, max_new_tokens: int, n_eval: int = 128, model_dir: str | None = None):
+    def __init__(self, max_new_tokens: int, n_eval: int = 128, model_dir: str | None = None,
+                 task: str = "smollm2"):  # fmt: skip
+        if task not in TASKS:
+            raise ValueError(f"task: one of {tuple(TASKS)} (the arithmetic tasks), got {task!r}")
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -55,7 +60,7 @@ class HeldOut:
         self.tok.padding_side = "left"
         self.model = AutoModelForCausalLM.from_pretrained(self.dir, dtype=torch.float32).eval()
         self.base = {k: v.clone() for k, v in self.model.state_dict().items()}
-        rows = arithmetic.dataset_rows("eval")
+        rows = arithmetic.dataset_rows("eval", TASKS[task])
         kinds = sorted({r["kind"] for r in rows})
         self.rows = [r for k in kinds for r in [x for x in rows if x["kind"] == k][: n_eval // len(kinds)]]
         self.max_new_tokens = max_new_tokens
@@ -111,14 +116,18 @@ def last_checkpoint(run_dir: Path) -> Path:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("run_dir", type=Path, help="a `grpo-fast train --task smollm2` output directory")
+    ap.add_argument(
+        "run_dir", type=Path, help="a `grpo-fast train --task smollm2[-two-step]` output directory"
+    )
     ap.add_argument("--checkpoint", type=Path, default=None, help="weights to score (default: the last)")
-    ap.add_argument("--n-eval", type=int, default=2 * arithmetic.N_EVAL_PER_KIND)
+    ap.add_argument("--n-eval", type=int, default=0, help="held-out problems (default: all of the task's)")
     args = ap.parse_args(argv)
     ckpt = args.checkpoint or last_checkpoint(args.run_dir)
     config = json.loads((args.run_dir / "config.json").read_text())
+    task = config.get("task", "smollm2")
+    n_eval = args.n_eval or len(TASKS.get(task, ())) * arithmetic.N_EVAL_PER_KIND
     t0 = time.perf_counter()
-    ev = HeldOut(config["max_completion_length"], args.n_eval, config.get("model") or None)
+    ev = HeldOut(config["max_completion_length"], n_eval, config.get("model") or None, task)
     base, trained = ev(None), ev(str(ckpt))
     result = dict(checkpoint=str(ckpt), n_eval=len(ev.rows), max_new_tokens=ev.max_new_tokens, base=base,
                   trained=trained, gain=trained["accuracy"] - base["accuracy"],
@@ -127,9 +136,9 @@ def main(argv=None) -> None:
     print(f"held-out, independent evaluator (transformers generate, greedy, last integer; {len(ev.rows)} "
           f"problems, {ev.max_new_tokens} new tokens):")  # fmt: skip
     for name, r in (("base", base), (ckpt.name, trained)):
-        print(f"  {name:>14}: accuracy {r['accuracy']:.3f} (add {r['add']:.3f}, two-step "
-              f"{r['two-step']:.3f}), answers that are expressions {r['expressions']:.3f}, cut by the budget "
-              f"{r['cut']:.3f}")  # fmt: skip
+        kinds = ", ".join(f"{k} {r[k]:.3f}" for k in TASKS[task])
+        print(f"  {name:>14}: accuracy {r['accuracy']:.3f} ({kinds}), answers that are expressions "
+              f"{r['expressions']:.3f}, cut by the budget {r['cut']:.3f}")  # fmt: skip
     print(f"  gain {result['gain']:+.3f}; written to {args.run_dir / 'heldout_eval.json'}")
 
 
