@@ -164,6 +164,19 @@ def test_task_smollm2_two_step_is_the_word_problems_alone_with_the_same_held_out
         HeldOut(8, task="shop")
 
 
+def test_the_evaluator_asks_which_problems_for_a_run_trained_through_dataset(tmp_path):
+    """A run trained on these problems through --dataset records --task's default (shop): the CLI stops and
+    names --task instead of scoring the wrong held-out set."""
+    from grpo_fast.tasks import arithmetic_eval
+
+    (tmp_path / "checkpoint-2").mkdir()
+    (tmp_path / "config.json").write_text(
+        json.dumps({"task": "shop", "max_completion_length": 8, "model": ""})
+    )
+    with pytest.raises(SystemExit, match="--task"):
+        arithmetic_eval.main([str(tmp_path)])
+
+
 @pytest.mark.slow
 def test_train_task_smollm2_end_to_end(tmp_path):
     """Two steps of `grpo-fast train --task smollm2` (small): SmolLM2 from the offline build, chat prompts,

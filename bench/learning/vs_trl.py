@@ -28,7 +28,8 @@ by the same code. One checkpoint's greedy accuracy swings by +-0.1 between evalu
 run's held-out figure is the mean of its evaluations after the first half of the steps ("late").
 Our rows also report the rollout mismatch the trainer measured (median over steps of the mean |log-prob
 difference| per token and of the sequence-level correction's extreme ratios). Each scored run is kept in
---work as <row>-<seed>.json; --reuse takes those with the same settings (seeds added later, or another day).
+--work as <row>-<seed>.json (<row>-<seed>-<task> for a task other than smollm2); --reuse takes those with the
+same settings (seeds added later, or another day).
 Writes learning_vs_trl.{md,json,png} and puts the summary keys into summary.json of --out (replacing every
 earlier learning_* key there):
   learning_heldout_gain_strict   ours: late held-out accuracy minus at step 0, mean over seeds (and
@@ -57,6 +58,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+from grpo_fast.tasks.arithmetic import N_EVAL_PER_KIND  # noqa: E402
 from grpo_fast.tasks.arithmetic_eval import TASKS, HeldOut  # noqa: E402
 
 # our rows: the flags each adds to the shared settings
@@ -88,6 +90,8 @@ def shared_settings(task: str, steps: int, budget_s: float, overrides: dict) -> 
     s = {k: TASK_PRESETS[task][k] for k in SHARED}
     s.update(loss_type="dapo", beta=0.0, temperature=1.0, max_grad_norm=1.0, max_steps=steps)
     for k, v in overrides.items():
+        if k in LATER_SETTINGS:
+            raise SystemExit(f"--set {k}: give it as --{k.replace('_', '-')}")
         s[k] = type(s[k])(v) if k in s else v
     return dict(s, task=task, time_budget_s=budget_s)
 
@@ -287,7 +291,8 @@ def render(payload: dict) -> str:
     from bench._utils import cpu_line
 
     s, summary = payload["settings"], payload["summary"]
-    kinds = TASKS[s.get("task", "smollm2")]
+    task = s.get("task", "smollm2")
+    kinds = TASKS[task]
     head = ["row", "seed", "held-out step 0", "held-out late", "held-out last",
             *(f"{k} (last)" for k in kinds), "expressions (last)", "reward, first quarter",
             "reward, last quarter", "steps", "s/step (median)", "precision", "rollout mismatch"]  # fmt: skip
@@ -309,9 +314,10 @@ def render(payload: dict) -> str:
                 f"{statistics.mean(rew[-q:]):.3f} | {len(rew)} | {step_s:.2f} | "
                 f"{json.dumps(r['precision'])} | {mismatch} |"
             )
-    keys = "\n".join(f"- `{k}`: {v:.4g}" for k, v in summary.items())
+    keys = "\n".join(f"- `{k}`: " + (f"{v:.4g}" if v is not None else "- (needs two seeds or more)")
+                     for k, v in summary.items())  # fmt: skip
     return (
-        f"# Learning against TRL: SmolLM2-135M-Instruct on the real-model task (--task {s['task']})\n\n"
+        f"# Learning against TRL: SmolLM2-135M-Instruct on the real-model task (--task {task})\n\n"
         f"`{payload['command']}`. Shared: `{json.dumps(s)}`; {len(payload['seeds'])} seeds each, runs one "
         "at a time, interleaved by seed. Held-out: "
         f"{payload['n_eval']} problems of grpo_fast/tasks/arithmetic.py's eval split, greedy, scored by one "
@@ -332,7 +338,9 @@ def main(argv=None) -> None:
     ap.add_argument("--seeds", default="1,2,3")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--eval-every", type=int, default=5)
-    ap.add_argument("--n-eval", type=int, default=128, help="held-out problems (an equal share of each kind)")
+    ap.add_argument(
+        "--n-eval", type=int, default=0, help="held-out problems, an equal share of each kind (0: all)"
+    )
     ap.add_argument("--rows", default="trl,ours,ours_fastest")
     ap.add_argument("--set", nargs="*", default=[], help="shared settings to override, name=value")
     ap.add_argument("--task", default="smollm2", choices=tuple(TASKS), help="the task and its preset")
@@ -355,12 +363,14 @@ def main(argv=None) -> None:
     if args.task != "smollm2":  # the machine folder's summary keys are the main task's
         out = out / f"learning-{args.task}"
     work.mkdir(parents=True, exist_ok=True)
-    evaluator = HeldOut(s["max_completion_length"], args.n_eval, task=args.task)
+    n_eval = args.n_eval or len(TASKS[args.task]) * N_EVAL_PER_KIND
+    evaluator = HeldOut(s["max_completion_length"], n_eval, task=args.task)
     base = evaluator(None)
     results = {row: [] for row in rows}
     for seed in seeds:
         for row in rows:
-            d, record = work / f"{row}-{seed}", work / f"{row}-{seed}.json"
+            name = f"{row}-{seed}" + ("" if args.task == "smollm2" else f"-{args.task}")
+            d, record = work / name, work / f"{name}.json"
             if (
                 args.reuse
                 and record.is_file()
@@ -387,7 +397,8 @@ def main(argv=None) -> None:
     command = "python -m bench.learning.vs_trl " + " ".join(sys.argv[1:] if argv is None else argv)
     payload = dict(command=command, settings=s, seeds=seeds, n_eval=len(evaluator.rows),
                    machine=machine_info(), results=results)  # fmt: skip
-    payload["summary"] = summarize(results)
+    # JSON has no NaN: a figure that needs two seeds or more is null with one
+    payload["summary"] = {k: v if math.isfinite(v) else None for k, v in summarize(results).items()}
     out.mkdir(parents=True, exist_ok=True)
     plot(results, out / "learning_vs_trl.png", f"SmolLM2-135M-Instruct, --task {args.task}: TRL vs grpo-fast")
     (out / "learning_vs_trl.json").write_text(json.dumps(payload, indent=1))

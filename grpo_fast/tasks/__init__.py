@@ -16,11 +16,10 @@ from . import arithmetic, default_task, smollm2, tools_task
 EMBEDDED = {
     "shop": (default_task.dataset_rows, lambda: str(default_task.ASSET_DIR)),
     "shop-tools": (tools_task.dataset_rows, lambda: str(tools_task.ASSET_DIR)),
-    "smollm2": (arithmetic.dataset_rows, lambda: str(smollm2.build())),
-    "smollm2-two-step": (
-        lambda split: arithmetic.dataset_rows(split, ("two-step",)),
-        lambda: str(smollm2.build()),
-    ),
+    **{
+        name: (lambda split, kinds=kinds: arithmetic.dataset_rows(split, kinds), lambda: str(smollm2.build()))
+        for name, kinds in arithmetic.TASK_KINDS.items()
+    },
 }
 
 

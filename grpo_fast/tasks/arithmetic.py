@@ -23,6 +23,8 @@ import random
 
 SPLIT_SEED = 46
 KINDS = ("add", "two-step")
+# --task name -> the kinds of problem it trains and is held out on
+TASK_KINDS = {"smollm2": KINDS, "smollm2-two-step": ("two-step",)}
 N_EVAL_PER_KIND = 64
 N_TRAIN_PER_KIND = 2000
 SUFFIX = " Answer with the number."

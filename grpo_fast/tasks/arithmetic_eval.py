@@ -4,7 +4,7 @@ own rule (the last integer in the text), and the share of answers that end in an
 number (a policy that learned to copy the question or box "19 + 61" shows there, not as accuracy); an answer
 cut by the token budget mid-sum ("First, we add them: 61 + 33") is counted as cut, not as an expression.
 
-    python -m grpo_fast.tasks.arithmetic_eval RUN_DIR [--checkpoint DIR] [--n-eval N]
+    python -m grpo_fast.tasks.arithmetic_eval RUN_DIR [--checkpoint DIR] [--n-eval N] [--task TASK]
 
 scores the base model and the run's last checkpoint (or --checkpoint), prints both and the gain, and writes
 RUN_DIR/heldout_eval.json (`make demo-smollm2` ends with it). bench/learning/vs_trl.py scores every run's
@@ -23,8 +23,7 @@ from pathlib import Path
 
 from . import arithmetic, smollm2
 
-# --task name -> the kinds of problem it trains and is held out on
-TASKS = {"smollm2": arithmetic.KINDS, "smollm2-two-step": ("two-step",)}
+TASKS = arithmetic.TASK_KINDS  # --task name -> its kinds of problem
 _DIGITS = re.compile(r"\d+")
 # an answer that ends in an expression: a boxed content with an operator, or an operator just before the last
 # number with no "=" after it ("The answer is 19 + 61.", "23 + 4 x 6")
@@ -121,11 +120,17 @@ def main(argv=None) -> None:
     )
     ap.add_argument("--checkpoint", type=Path, default=None, help="weights to score (default: the last)")
     ap.add_argument("--n-eval", type=int, default=0, help="held-out problems (default: all of the task's)")
+    ap.add_argument("--task", choices=tuple(TASKS), default=None,
+                    help="the held-out problems of this task (default: the run's --task; needed for a run "
+                    "trained on these problems through --dataset)")  # fmt: skip
     args = ap.parse_args(argv)
     ckpt = args.checkpoint or last_checkpoint(args.run_dir)
     config = json.loads((args.run_dir / "config.json").read_text())
-    task = config.get("task", "smollm2")
-    n_eval = args.n_eval or len(TASKS.get(task, ())) * arithmetic.N_EVAL_PER_KIND
+    task = args.task or config.get("task", "smollm2")
+    if task not in TASKS:
+        raise SystemExit(f"{args.run_dir} was trained with --task {task} (or its own --dataset): name the "
+                         f"held-out problems with --task, one of {', '.join(TASKS)}")  # fmt: skip
+    n_eval = args.n_eval or len(TASKS[task]) * arithmetic.N_EVAL_PER_KIND
     t0 = time.perf_counter()
     ev = HeldOut(config["max_completion_length"], n_eval, config.get("model") or None, task)
     base, trained = ev(None), ev(str(ckpt))

@@ -83,7 +83,7 @@ class GRPOConfig:
     task: str = _f(
         "shop",
         "the embedded task, when --model and --dataset are empty: shop (make demo), shop-tools (make "
-        "demo-tools: multi-turn, a calculator tool, its own base model), or smollm2 (make demo-smollm2: "
+        "demo-tools: multi-turn, a calculator tool, its own base model), smollm2 (make demo-smollm2: "
         "SmolLM2-135M-Instruct, built offline, on additions and two-step word problems), or smollm2-two-step "
         "(the word problems alone, 128-token completions: docs/real-model.md)",
         choices=tuple(EMBEDDED),
