@@ -58,7 +58,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-from grpo_fast.tasks.arithmetic import N_EVAL_PER_KIND  # noqa: E402
 from grpo_fast.tasks.arithmetic_eval import TASKS, HeldOut  # noqa: E402
 
 # our rows: the flags each adds to the shared settings
@@ -291,7 +290,7 @@ def render(payload: dict) -> str:
     from bench._utils import cpu_line
 
     s, summary = payload["settings"], payload["summary"]
-    task = s.get("task", "smollm2")
+    task = {**LATER_SETTINGS, **s}["task"]
     kinds = TASKS[task]
     head = ["row", "seed", "held-out step 0", "held-out late", "held-out last",
             *(f"{k} (last)" for k in kinds), "expressions (last)", "reward, first quarter",
@@ -363,8 +362,7 @@ def main(argv=None) -> None:
     if args.task != "smollm2":  # the machine folder's summary keys are the main task's
         out = out / f"learning-{args.task}"
     work.mkdir(parents=True, exist_ok=True)
-    n_eval = args.n_eval or len(TASKS[args.task]) * N_EVAL_PER_KIND
-    evaluator = HeldOut(s["max_completion_length"], n_eval, task=args.task)
+    evaluator = HeldOut(s["max_completion_length"], args.n_eval, task=args.task)
     base = evaluator(None)
     results = {row: [] for row in rows}
     for seed in seeds:

@@ -43,11 +43,11 @@ def ends_in_expression(text: str) -> bool:
 
 class HeldOut:
     """Greedy held-out accuracy of saved weights on the task's eval split (`n_eval` problems, an equal share
-    of each of the task's kinds), with `max_new_tokens` as the runs' completion length. Calling it with a
-    checkpoint directory (a `save_pretrained` one: model.safetensors) or None (the base model) gives accuracy,
-    per kind, and the share of answers that are expressions."""
+    of each of the task's kinds; 0: all of them), with `max_new_tokens` as the runs' completion length.
+    Calling it with a checkpoint directory (a `save_pretrained` one: model.safetensors) or None (the base
+    model) gives accuracy, per kind, and the share of answers that are expressions."""
 
-    def __init__(self, max_new_tokens: int, n_eval: int = 128, model_dir: str | None = None,
+    def __init__(self, max_new_tokens: int, n_eval: int = 0, model_dir: str | None = None,
                  task: str = "smollm2"):  # fmt: skip
         if task not in TASKS:
             raise ValueError(f"task: one of {tuple(TASKS)} (the arithmetic tasks), got {task!r}")
@@ -61,7 +61,8 @@ class HeldOut:
         self.base = {k: v.clone() for k, v in self.model.state_dict().items()}
         rows = arithmetic.dataset_rows("eval", TASKS[task])
         kinds = sorted({r["kind"] for r in rows})
-        self.rows = [r for k in kinds for r in [x for x in rows if x["kind"] == k][: n_eval // len(kinds)]]
+        per_kind = n_eval // len(kinds) if n_eval else None
+        self.rows = [r for k in kinds for r in [x for x in rows if x["kind"] == k][:per_kind]]
         self.max_new_tokens = max_new_tokens
 
     def load(self, weights: str | None) -> None:
@@ -130,9 +131,8 @@ def main(argv=None) -> None:
     if task not in TASKS:
         raise SystemExit(f"{args.run_dir} was trained with --task {task} (or its own --dataset): name the "
                          f"held-out problems with --task, one of {', '.join(TASKS)}")  # fmt: skip
-    n_eval = args.n_eval or len(TASKS[task]) * arithmetic.N_EVAL_PER_KIND
     t0 = time.perf_counter()
-    ev = HeldOut(config["max_completion_length"], n_eval, config.get("model") or None, task)
+    ev = HeldOut(config["max_completion_length"], args.n_eval, config.get("model") or None, task)
     base, trained = ev(None), ev(str(ckpt))
     result = dict(checkpoint=str(ckpt), n_eval=len(ev.rows), max_new_tokens=ev.max_new_tokens, base=base,
                   trained=trained, gain=trained["accuracy"] - base["accuracy"],
