@@ -54,15 +54,17 @@ def two_layer_dir(smollm2, tmp_path_factory):
 class Completions:
     """The fixed rollout: for each prompt (its token ids) and call, G completions as token-id lists."""
 
-    def __init__(self, model_dir, rows):
+    def __init__(self, model_dir, rows, still=()):
+        self.still = set(still)  # (prompt number, call) whose completions are all wrong: advantages all 0
         self.tok = load_tokenizer(str(model_dir))
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         self.eos = self.tok.eos_token_id
-        self.answer = {}
+        self.answer, self.number = {}, {}
         for r in rows:  # the prompt's ids as TRL tokenizes them (apply_chat_template, tokenize=True)
             ids = self.tok.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=True)
             ids = ids["input_ids"] if hasattr(ids, "keys") else ids  # a BatchEncoding in transformers 5
             self.answer[tuple(ids)] = r["answer"]
+            self.number[tuple(ids)] = len(self.number)
         self.calls, self.made = {}, {}
 
     def _text(self, s):
@@ -72,7 +74,10 @@ class Completions:
         """The same lists for both trainers: sampled once per (prompt, call)."""
         answer = self.answer[prompt_ids]  # KeyError: this trainer encoded the prompt differently
         if (prompt_ids, call) not in self.made:
-            self.made[prompt_ids, call] = self._make(prompt_ids, call, answer)
+            made = self._make(prompt_ids, call, answer)
+            if (self.number[prompt_ids], call) in self.still:
+                made = [self._text(f"The answer is {int(answer) + k + 1}.") + [self.eos] for k in range(G)]
+            self.made[prompt_ids, call] = made
         return self.made[prompt_ids, call]
 
     @torch.no_grad()
@@ -141,12 +146,12 @@ class StepSpy:
         self.handle.remove()
 
 
-def _train_trl(model_dir, rows, completions):
+def _train_trl(model_dir, rows, completions, loss_type="dapo", clip=1.0):
     tok = load_tokenizer(str(model_dir))
     args = trl.GRPOConfig(
         output_dir=str(model_dir / "trl"), per_device_train_batch_size=N_PROMPTS * G,
         gradient_accumulation_steps=1, num_generations=G, max_completion_length=C, learning_rate=LR,
-        lr_scheduler_type="linear", max_grad_norm=1.0, loss_type="dapo", beta=0.0, max_steps=STEPS,
+        lr_scheduler_type="linear", max_grad_norm=clip, loss_type=loss_type, beta=0.0, max_steps=STEPS,
         logging_steps=1, save_strategy="no", report_to="none", bf16=False, use_cpu=True, seed=0,
         disable_tqdm=True,
     )  # fmt: skip
@@ -163,14 +168,14 @@ def _train_trl(model_dir, rows, completions):
     return spy, names, {n: p.detach().clone() for n, p in trainer.model.named_parameters()}, rewards
 
 
-def _train_ours(model_dir, rows, completions, tmp_path, monkeypatch):
+def _train_ours(model_dir, rows, completions, tmp_path, monkeypatch, loss_type="dapo", clip=1.0):
     data = tmp_path / "rows.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     cfg = parse_config([
         "--model", str(model_dir), "--dataset", str(data), "--reward", "accuracy", "--output-dir",
         str(tmp_path / "ours"), "--num-generations", str(G), "--prompts-per-step", str(N_PROMPTS),
         "--max-completion-length", str(C), "--learning-rate", str(LR), "--lr-scheduler-type", "linear",
-        "--max-grad-norm", "1.0", "--loss-type", "dapo", "--beta", "0", "--max-steps", str(STEPS),
+        "--max-grad-norm", str(clip), "--loss-type", loss_type, "--beta", "0", "--max-steps", str(STEPS),
         "--no-bf16", "--rollout", "native", "--eval-max-samples", "0", "--save-steps", "0", "--seed", "0",
     ])  # fmt: skip
     tok = load_tokenizer(str(model_dir))
@@ -188,25 +193,51 @@ def _train_ours(model_dir, rows, completions, tmp_path, monkeypatch):
     model = models[0]
     names = {id(p): n for n, p in model.named_parameters()}
     records = [json.loads(x) for x in (tmp_path / "ours" / "metrics.jsonl").read_text().splitlines()]
-    rewards = [r["reward_mean"] for r in records if "loss" in r]
-    return spy, names, {n: p.detach().clone() for n, p in model.named_parameters()}, rewards
+    records = [r for r in records if "loss" in r]
+    return spy, names, {n: p.detach().clone() for n, p in model.named_parameters()}, records
 
 
 def _by_name(grads, names):
     return {names[i]: g for i, g in grads.items()}
 
 
+# Groups whose completions are all wrong (advantages all 0) leave our optimization
+# (skip_zero_advantage_groups, on by default) and stay in TRL's: one group at both steps under each
+# normalizer (dapo: the step's tokens, grpo: rows, bnpo: the micro-batch's tokens), and every group at the
+# first step (our optimizer still steps, on zero gradients, so that AdamW's step count and the schedule match
+# TRL's at the second). Gradients are clipped at 1.0 in the mixed case; with still groups not at all (1e9),
+# so that a loss of the wrong scale (a normalizer that lost the rows or tokens left out) shows in the
+# gradient rather than being clipped away.
+STILL = {
+    "mixed": (),
+    "one still group": ((1, 1), (1, 2)),
+    "all still at step 1": tuple((k, 1) for k in range(N_PROMPTS)),
+}
+
+
 @pytest.mark.slow
-def test_two_steps_move_the_weights_as_trl(two_layer_dir, tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    "loss_type, still",
+    [("dapo", "mixed"), ("dapo", "one still group"), ("grpo", "one still group"),
+     ("bnpo", "one still group"), ("dapo", "all still at step 1")],
+)  # fmt: skip
+def test_two_steps_move_the_weights_as_trl(two_layer_dir, tmp_path, monkeypatch, loss_type, still):
     rows = [{k: r[k] for k in ("prompt", "answer")} for r in arithmetic.dataset_rows("train")[:N_PROMPTS]]
-    completions = Completions(two_layer_dir, rows)
+    completions = Completions(two_layer_dir, rows, STILL[still])
     base = {n: p.detach().clone() for n, p in completions.model.named_parameters()}
-    t_spy, t_names, t_after, t_rewards = _train_trl(two_layer_dir, rows, completions)
-    o_spy, o_names, o_after, o_rewards = _train_ours(two_layer_dir, rows, completions, tmp_path, monkeypatch)
+    clip = 1.0 if still == "mixed" else 1e9
+    t_spy, t_names, t_after, t_rewards = _train_trl(two_layer_dir, rows, completions, loss_type, clip)
+    o_spy, o_names, o_after, records = _train_ours(
+        two_layer_dir, rows, completions, tmp_path, monkeypatch, loss_type, clip
+    )
+    o_rewards = [r["reward_mean"] for r in records]
 
     assert completions.calls == {"trl": STEPS, "ours": STEPS}
     # each step: the whole 4-row dataset, so both batches hold the same prompts and completions
-    assert o_rewards == pytest.approx(t_rewards, abs=1e-6) and 0 < t_rewards[0] < 1, (o_rewards, t_rewards)
+    assert o_rewards == pytest.approx(t_rewards, abs=1e-6) and 0 < t_rewards[-1] < 1, (o_rewards, t_rewards)
+    skipped = [sum(1 for k, c in STILL[still] if c == step) for step in range(1, STEPS + 1)]
+    assert [r["zero_advantage_groups_skipped"] for r in records] == skipped
+    assert [r["frac_reward_zero_std"] for r in records] == [s / N_PROMPTS for s in skipped]
     assert len(o_spy.steps) == len(t_spy.steps) == STEPS
     for k, ((t_groups, t_grads), (o_groups, o_grads)) in enumerate(zip(t_spy.steps, o_spy.steps)):
         for key in ("lr", "betas", "eps", "weight_decay"):  # the schedule's lr at this step, AdamW's settings
@@ -215,6 +246,9 @@ def test_two_steps_move_the_weights_as_trl(two_layer_dir, tmp_path, monkeypatch)
         assert set(o) == set(t)
         diff = sum(float((o[n] - t[n]).double().square().sum()) for n in t) ** 0.5
         norm = sum(float(t[n].double().square().sum()) for n in t) ** 0.5
+        if skipped[k] == N_PROMPTS:  # every advantage 0: zero gradients in both
+            assert norm == 0 and diff == 0, (k, diff)
+            continue
         assert norm > 0 and diff <= 1e-4 * norm, (k, diff, norm)
     moved = {n: t_after[n] - base[n] for n in base}
     diff = sum(float((o_after[n] - base[n] - moved[n]).double().square().sum()) for n in base) ** 0.5

@@ -90,6 +90,7 @@ def main(argv=None) -> None:
             max_prompt_length=shape["P"], max_completion_length=shape["C"], learning_rate=1e-6,
             bf16=args.bf16, optim=args.optim, output_dir=str(Path(tmp) / "run"), max_steps=10,
             rollout_dtype="fp32",  # the same rollout (seed, fp32 sampling) whatever the training precision
+            skip_zero_advantage_groups=False,  # the whole phase, every group trained
         )  # fmt: skip
         run = train_mod.setup(cfg)
         rows = run.sampler.next()

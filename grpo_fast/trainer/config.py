@@ -211,6 +211,14 @@ class GRPOConfig:
         1.0, "train only on each micro-batch's highest-entropy tokens, this fraction of them (1 = all)"
     )
     entropy_coef: float = _f(0.0, "entropy bonus: the loss minus this x the mean entropy of trained tokens")
+    skip_zero_advantage_groups: bool = _f(
+        True,
+        "leave out of the optimization the groups whose every sample has advantage 0 (equal rewards): "
+        "their gradient is exactly 0 when beta = 0, entropy_coef = 0 and top_entropy_quantile = 1 "
+        "(otherwise, and under torchrun, they train); the normalizers still count their tokens and rows. "
+        "The step's per-token diagnostics (entropy, rollout mismatch) then cover the trained groups; clip "
+        "ratios keep TRL's meaning",
+    )
     scale_rewards: str = _f("group", "advantage scaling", choices=("group", "batch", "none"))
     importance_sampling_level: str = _f(
         "token", "importance ratio per token or per sequence (GSPO)", choices=("token", "sequence")

@@ -401,6 +401,56 @@ def micro_batches(ro: Rollout, loss_mask, cfg: GRPOConfig, packer=None, dist: Di
     return prompts, rows, counts, weights
 
 
+# how each loss type normalizes a micro-batch (kernels.loss_variants.NORMALIZERS): by its rows, by its active
+# tokens, or by a count fixed for the whole step (num_items_in_batch)
+ROW_NORMALIZED = ("grpo", "sapo", "dr_grpo", "luspo")
+TOKEN_NORMALIZED = ("bnpo",)
+CLIP_KEYS = ("clip_ratio", "clip_ratio_low", "clip_ratio_high", "cispo_clip_ratio")
+
+
+def skips_zero_advantage(cfg: GRPOConfig, dist: DistInfo) -> bool:
+    """Whether groups whose every advantage is 0 may leave the optimization: exact when every per-token
+    loss is proportional to the advantage (no KL term, no entropy bonus) and no token's gate depends on the
+    micro-batch it is in (top_entropy_quantile); not under torchrun, whose ranks must run as many micro-
+    batches each."""
+    return (
+        cfg.skip_zero_advantage_groups and cfg.beta == 0.0 and cfg.entropy_coef == 0.0
+        and cfg.top_entropy_quantile >= 1.0 and not dist.on
+    )  # fmt: skip
+
+
+def drop_zero_advantage_groups(micro_prompts, micro, counts, weights, advantages, loss_mask, loss_type):
+    """The micro-batches without their groups (or a split group's part) whose every row has advantage 0 or no
+    trained token: such rows add exactly 0 to the loss and its gradient, so leaving them out changes neither
+    once each micro-batch's weight keeps its normalizer's count (rows or active tokens) of the full micro-
+    batch. Micro-batches left empty are dropped. Returns the four lists and the groups (parts) dropped."""
+    still = ((advantages == 0) | (loss_mask.sum(1) == 0)).tolist()
+    tokens = loss_mask.sum(1).float().tolist()
+    out, dropped = ([], [], [], []), 0
+    for prompts, rows, count, w in zip(micro_prompts, micro, counts, weights):
+        rows_l, keep_p, keep_r, keep_c, start = rows.tolist(), [], [], [], 0
+        for j, k in enumerate(count):
+            part = rows_l[start : start + k]
+            start += k
+            if all(still[r] for r in part):
+                dropped += 1
+                continue
+            keep_p.append(j)
+            keep_r += part
+            keep_c.append(k)
+        if not keep_r:
+            continue
+        if loss_type in ROW_NORMALIZED:
+            w = w * len(keep_r) / len(rows_l)
+        elif loss_type in TOKEN_NORMALIZED:
+            w = w * sum(tokens[r] for r in keep_r) / max(1.0, sum(tokens[r] for r in rows_l))
+        out[0].append(prompts[torch.tensor(keep_p, device=prompts.device)])
+        out[1].append(torch.tensor(keep_r, device=rows.device))
+        out[2].append(keep_c)
+        out[3].append(w)
+    return (*out, dropped)
+
+
 def accumulate(key, total, value, share):
     """A micro-batch's metric into the step's: min / max over micro-batches, else the token-share mean."""
     if total is None:
@@ -420,6 +470,15 @@ def optimize(run, ro: Rollout, sc: Scored) -> tuple[dict, float, int]:
     active = sc.loss_mask.sum().float()
     n_items = all_sum(active, dist).clamp(min=1) / dist.world
     micro_prompts, micro, counts, weights = micro_batches(ro, sc.loss_mask, cfg, run.packer, dist)
+    skipped = 0
+    if skips_zero_advantage(cfg, dist):
+        *parts, skipped = drop_zero_advantage_groups(
+            micro_prompts, micro, counts, weights, sc.advantages, sc.loss_mask, cfg.loss_type
+        )
+        micro_prompts, micro, counts, weights = parts
+    # the token metrics are means over the tokens trained; clip ratios are TRL's share of all active tokens
+    # (a zero-advantage token is never clipped)
+    trained = sum((sc.loss_mask[i].sum() for i in micro), active.new_zeros(())).float()
     batches = [
         (ro.prompt_ids[pi], ro.prompt_mask[pi], ro.completion_ids[i], ro.completion_mask[i], k)
         for pi, i, k in zip(micro_prompts, micro, counts)
@@ -438,7 +497,7 @@ def optimize(run, ro: Rollout, sc: Scored) -> tuple[dict, float, int]:
     for _ in range(cfg.num_iterations):
         metrics = {}
         for k, (i, b) in enumerate(zip(micro, batches)):
-            share = sc.loss_mask[i].sum() / active.clamp(min=1)  # token metrics: their mean
+            share = sc.loss_mask[i].sum() / trained.clamp(min=1)  # token metrics: their mean
             # the entropy bonus is a mean over the step's tokens: this micro-batch's share of it
             coef = cfg.entropy_coef * float(share) / weights[k] if cfg.entropy_coef else 0.0
             with gradient_sync(run.policy, k == len(micro) - 1):
@@ -459,6 +518,9 @@ def optimize(run, ro: Rollout, sc: Scored) -> tuple[dict, float, int]:
             metrics["loss"] = metrics.get("loss", 0.0) + loss.detach() * weights[k]
             for key, v in m.items():
                 metrics[key] = accumulate(key, metrics.get(key), v.detach(), share)
+        if not micro:  # every group had advantage 0: the optimizer still steps, on zero gradients (as TRL's)
+            for p in run.params:
+                p.grad = torch.zeros_like(p)
         if run.scaler is not None:
             run.scaler.unscale_(run.optimizer)
         grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(run.params, cfg.max_grad_norm)).item()
@@ -470,6 +532,11 @@ def optimize(run, ro: Rollout, sc: Scored) -> tuple[dict, float, int]:
         run.scheduler.step()
         run.optimizer.zero_grad(set_to_none=True)
         run.step += 1
+    for key in CLIP_KEYS:
+        if key in metrics:
+            metrics[key] = metrics[key] * trained / active.clamp(min=1)
+    metrics.setdefault("loss", torch.zeros(()))
+    metrics["zero_advantage_groups_skipped"] = float(skipped)
     return metrics, grad_norm, len(micro)
 
 
@@ -488,6 +555,17 @@ def reduce_metrics(metrics: dict, n_active, dist: DistInfo) -> dict:
     return dict(zip(keys, (totals[: len(keys)] / totals[len(keys) :].clamp(min=1e-12)).tolist()))
 
 
+def frac_zero_std(rewards: torch.Tensor, G: int) -> float:
+    """TRL's frac_reward_zero_std: the share of groups whose rewards are all equal (samples no function
+    scored, NaN, left out; a group with none scored counts as equal)."""
+    groups = rewards.view(-1, G)
+    nan = groups.isnan()
+    hi = groups.masked_fill(nan, float("-inf")).amax(1)
+    lo = groups.masked_fill(nan, float("inf")).amin(1)
+    equal = nan.all(1) | torch.isclose(hi - lo, torch.zeros_like(hi))
+    return float(equal.float().mean())
+
+
 def step_record(run, ro: Rollout, sc: Scored, metrics: dict, grad_norm: float, times, peaks, micro=1) -> dict:
     """The metrics.jsonl record of a step: the loss summed over ranks' shares, token metrics weighted by each
     rank's active tokens, rewards and tokens of the global batch. `times`: clock at start, after rollout,
@@ -495,6 +573,8 @@ def step_record(run, ro: Rollout, sc: Scored, metrics: dict, grad_norm: float, t
     optimization; `micro`: the micro-batches it trained in."""
     t0, t1, t2, t3 = times
     dist, G = run.dist, run.cfg.num_generations
+    metrics = dict(metrics)
+    skipped = metrics.pop("zero_advantage_groups_skipped", 0.0)
     metrics = reduce_metrics(metrics, sc.loss_mask.sum(), dist)
     all_scores = all_gather_rows(sc.scores.per_func.to(run.device), dist).cpu()
     model_tokens = ro.model_mask.sum()  # the model's tokens (a tool's turn is not the model's)
@@ -508,6 +588,8 @@ def step_record(run, ro: Rollout, sc: Scored, metrics: dict, grad_norm: float, t
         "step": run.step,
         "reward_mean": float(rewards.nanmean()),
         "reward_std": float(valid.std()) if len(valid) > 1 else 0.0,
+        "frac_reward_zero_std": frac_zero_std(rewards, G),
+        "zero_advantage_groups_skipped": int(skipped),
         **{f"rewards/{n}_mean": float(all_scores[:, j].nanmean()) for j, n in enumerate(run.reward_names)},
         **reward_function_metrics(run),
         "kl": metrics.pop("kl", 0.0),
