@@ -40,7 +40,7 @@ $(BARE_STAMP): pyproject.toml
 	test -x $(BARE)/bin/python || $(PY) -m venv $(BARE)
 	$(BARE)/bin/python -m pip install -q --upgrade pip
 	$(BARE)/bin/python -m pip install -q torch==2.13.0
-	$(BARE)/bin/python -m pip install -q triton transformers==$(TF_OLDEST) pytest
+	$(BARE)/bin/python -m pip install -q triton transformers==$(TF_OLDEST) pytest ninja
 	$(BARE)/bin/python -m pip install -q --no-deps -e .
 	touch $(BARE_STAMP)
 

@@ -13,7 +13,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 import grpo_fast.rollout.native as native
 from grpo_fast.models.model_parts import lm_head_of
 from grpo_fast.models.shared_prefix import shared_prefix_forward
-from grpo_fast.rollout import generate_groups
+from grpo_fast.rollout import cpu_decode, generate_groups
 from grpo_fast.rollout.reference import generate_plain
 from grpo_fast.rollout.sampling import BLOCK, draw, filtered, inverse_cdf
 
@@ -29,9 +29,28 @@ def _prompts(n=3, P=7):
     return ragged_prompts(V, n, P)
 
 
+@pytest.fixture(params=[True, False], ids=["cpu-kernels", "torch-ops"])
+def cpu_kernels(request, monkeypatch):
+    """The eager CPU step through cpu_decode's C++ kernels (where they build), or through PyTorch ops."""
+    if request.param and cpu_decode.kernels() is None:
+        pytest.skip(f"no CPU decode kernels: {cpu_decode.unavailable_reason()}")
+    monkeypatch.setattr(native, "USE_CPU_KERNELS", request.param)
+    return request.param
+
+
+def _kernel_steps_as_asked(model, cpu_kernels, kind):
+    """The last call ran its decode steps through the kernels exactly when asked (never for qwen3: its q / k
+    norms)."""
+    last = native.engine_for(model).last_call
+    if cpu_kernels and kind != "qwen3":
+        assert last["kernel_steps"] == last["decode_steps"] > 0, last
+    else:
+        assert last["kernel_steps"] == 0, last
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("share_prefix", [True, False])
-def test_greedy_equals_hf_generate_and_the_reference_engine(kind, share_prefix, monkeypatch):
+def test_greedy_equals_hf_generate_and_the_reference_engine(kind, share_prefix, monkeypatch, cpu_kernels):
     for name in ("SYNC_EVERY", "SYNC_EVERY_CPU"):  # windows of several tokens, compaction within 30 tokens
         monkeypatch.setattr(native, name, 3)
     model = _model(kind)
@@ -40,6 +59,7 @@ def test_greedy_equals_hf_generate_and_the_reference_engine(kind, share_prefix, 
     got = generate_groups(
         model, ids, mask, G, C, temperature=0.0, eos_token_id=EOS, share_prefix=share_prefix, engine="native"
     )
+    _kernel_steps_as_asked(model, cpu_kernels, kind)
     ref = generate_plain(model, ids, mask, G, C, temperature=0.0, eos_token_id=EOS)
     assert_greedy_equal(model, ids, mask, G, got, ref)
     lengths = got[1].sum(1)
@@ -188,7 +208,9 @@ def test_decode_attention_equals_one_softmax_over_prompt_and_own_keys(dtype, tol
         ("reference", False, 1.0, 0),
     ],
 )
-def test_sampled_completions_logprobs_equal_the_training_forward(engine, share_prefix, top_p, top_k):
+def test_sampled_completions_logprobs_equal_the_training_forward(
+    engine, share_prefix, top_p, top_k, cpu_kernels
+):
     """The engine's log-probs are the trainer's (the rollout-mismatch ratio exp(trainer - engine) is 1), also
     under top-p / top-k truncation: both score softmax(logits / T) over the whole vocabulary."""
     model = _model("qwen2")
@@ -198,6 +220,8 @@ def test_sampled_completions_logprobs_equal_the_training_forward(engine, share_p
         model, ids, mask, G, 20, temperature=T, eos_token_id=EOS, share_prefix=share_prefix, top_p=top_p,
         top_k=top_k, generator=torch.Generator().manual_seed(0), engine=engine, return_logprobs=True,
     )  # fmt: skip
+    if engine == "native":
+        _kernel_steps_as_asked(model, cpu_kernels, "qwen2")
     assert len({tuple(r.tolist()) for r in c_ids[:G]}) > 1  # the samples of a group differ
     with torch.no_grad():
         hidden = shared_prefix_forward(model, ids, mask, c_ids, c_mask)

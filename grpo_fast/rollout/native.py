@@ -13,7 +13,10 @@ batch.
 
 Attention of a decoding row: one partial softmax over its group's prompt KV (the group's rows and GQA's query
 heads as rows of one product: the prompt KV is read once per group) and one over its own completion KV (masked
-beyond the current position), merged through their log-sum-exps, in fp32.
+beyond the current position), merged through their log-sum-exps, in fp32. Eager on a CPU, a step whose layers
+are Llama-style (RMSNorm, SiLU MLP, no q / k norms; fp32 or bf16) runs between its linears in the C++ kernels
+of `cpu_decode` (norm and residual add, RoPE + KV write + one softmax over prompt and own keys, SiLU * up):
+four calls a layer in place of ~30 PyTorch operators.
 
 Draws: inverse CDF of softmax(logits / T) after top-k and top-p, with one uniform per row and token made up
 front from the caller's generator, so the step itself holds no RNG state (CUDA graphs replay it).
@@ -27,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from ..models.model_parts import causal_lm, position_ids_from_mask
+from . import cpu_decode
 from .dtypes import HEAD_FORMATS, check_rollout_dtype, fused_linear, packable
 from .sampling import draw, eos_and_pad
 
@@ -36,6 +40,7 @@ SYNC_EVERY_CPU = 1  # eager on the CPU a check waits for nothing: stop as soon a
 COMPACT_AT = 0.5  # compact when the rows still running fill at most this share of the batch
 DYNAMIC = True
 CAPACITY_STEP = 64
+USE_CPU_KERNELS = True  # eager on a CPU: the step through cpu_decode's C++ kernels where they build
 PACK_CPU_WEIGHTS = (
     True  # completion KV capacity is rounded up to this, so that nearby lengths reuse a compile
 )
@@ -84,6 +89,9 @@ class _Buffers:
     # multi-turn bookkeeping (host side, never read by the step): waiting for a tool / over for good
     parked: torch.Tensor  # (R,) bool
     final: torch.Tensor  # (R,) bool
+    # the keys again, transposed (.., d, slots), for the CPU decode kernels (made at their first step)
+    prompt_kt: list | None = None
+    comp_kt: list | None = None
 
 
 def _norm(mod):
@@ -108,6 +116,42 @@ class _Layer:
     act: object
     down: object
     mlp: object
+    # for the CPU decode kernels (cpu_decode): the RMSNorms' (weight, eps) and the dtype the linears take,
+    # or None where the layer is not theirs (another norm or activation, q / k norms, fp16)
+    kernel_args: tuple | None = None
+
+
+# the dtype each linear format takes its input in (None: the modules themselves, in the policy's dtype)
+_INPUT_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.float32, "fp8": torch.float32}
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _rms(mod):
+    """(weight, eps) of an HF RMSNorm the kernels can run, else None."""
+    eps = getattr(mod, "variance_epsilon", getattr(mod, "eps", None))
+    w = getattr(mod, "weight", None)
+    if (
+        not type(mod).__name__.endswith("RMSNorm")
+        or eps is None
+        or w is None
+        or w.dtype not in _KERNEL_DTYPES
+    ):
+        return None
+    return w.detach(), float(eps)
+
+
+def _kernel_args(layer, fmt, f_attn, f_mlp):
+    """(norm1, norm2, linears' input dtype) of a layer for the CPU decode kernels, or None."""
+    a, m = layer.self_attn, layer.mlp
+    dtype = _INPUT_DTYPE.get(f_attn) if f_attn else a.q_proj.weight.dtype
+    act = getattr(m, "act_fn", None)
+    n1, n2 = _rms(layer.input_layernorm), _rms(layer.post_attention_layernorm)
+    if (
+        hasattr(a, "q_norm") or f_attn != f_mlp or dtype not in _KERNEL_DTYPES or n1 is None or n2 is None
+        or type(act).__name__ not in ("SiLU", "SiLUActivation") or not hasattr(m, "gate_proj")
+    ):  # fmt: skip
+        return None
+    return n1, n2, dtype
 
 
 def _layers(base, fmt, rows: int) -> list:
@@ -132,6 +176,7 @@ def _layers(base, fmt, rows: int) -> list:
                 act=m.act_fn if mlp_ok else None,
                 down=fused_linear([m.down_proj], f_mlp, rows) if mlp_ok else None,
                 mlp=m,
+                kernel_args=_kernel_args(layer, fmt, f_attn, f_mlp) if mlp_ok else None,
             )
         )
     return out
@@ -204,10 +249,12 @@ class NativeEngine:
         self.head_dim = attn.head_dim
         self.scaling = attn.scaling
         self.final_norm = _norm(self.base.norm)
+        self.final_rms = _rms(self.base.norm)
         self.compile_mode = "auto"  # of the call in progress
         self.rollout_dtype = "model"  # of the call in progress
         self._compiled = None
         self._module_weights = None
+        self._kernel_steps = 0  # of the call in progress: steps through cpu_decode's kernels
         self.stats = {"compile_s": 0.0, "compiled": False, "eager_reason": None, "calls": 0}
         # the last call's phases in host seconds (prefill: the model's forward over the prompts; pack: the
         # weights copied into the step's format; decode: the token steps), for profiles against the floor
@@ -237,13 +284,49 @@ class NativeEngine:
                 x = x + ly.down(ly.act(g) * u)
         return x
 
+    def _decoder_kernels(self, x, cos, sin, layers, b: _Buffers, kern):
+        """`_decoder` for one token per row through the CPU decode kernels (cpu_decode): per layer four
+        linears and four kernel calls; x (the residual stream) is updated in place."""
+        R, n = x.shape[0], b.prompt_bias.shape[0]
+        cos, sin = cos.reshape(R, -1).float(), sin.reshape(R, -1).float()
+        valid = (b.prompt_bias.view(n, -1) == 0).to(torch.uint8)
+        if b.comp_kt is None:
+            pad = -b.prompt_k[0].shape[2] % 64  # the kernels read keys in blocks of 64
+            b.prompt_kt = [torch.nn.functional.pad(k.transpose(-1, -2), (0, pad)) for k in b.prompt_k]
+            b.comp_kt = [k.transpose(-1, -2).contiguous() for k in b.comp_k]
+        delta = None  # the last linear's output, added to x by the next norm
+        for i, ly in enumerate(layers):
+            (w1, eps1), (w2, eps2), dtype = ly.kernel_args
+            h = kern.add_rms_norm(x, delta, w1, eps1, dtype)
+            a = kern.rope_attend(
+                ly.qkv(h), cos, sin, b.comp_k[i], b.comp_kt[i], b.comp_v[i], b.prompt_kt[i], b.prompt_v[i],
+                valid, b.t, self.n_heads, self.scaling, dtype,
+            )  # fmt: skip
+            h = kern.add_rms_norm(x, ly.o(a), w2, eps2, dtype)
+            delta = ly.down(kern.silu_mul(ly.gate_up(h)))
+        w, eps = self.final_rms
+        return kern.add_rms_norm(x, delta, w, eps, x.dtype)
+
+    def _kernels_for(self, layers, b: _Buffers, device):
+        """The CPU decode kernels where this step can run on them, else None."""
+        if not self._eager_cpu(device) or self.final_rms is None or b.comp_k[0].dtype not in _KERNEL_DTYPES:
+            return None
+        if any(ly.kernel_args is None for ly in layers) or self.head_dim % 2:
+            return None
+        return cpu_decode.kernels()
+
     def _step(self, b: _Buffers, layers, head, eos, pad: int, temperature: float, top_k: int, top_p: float):
-        R, cap, C = b.out.shape[0], b.comp_k[0].shape[2], b.out.shape[1] - 1
+        R, cap = b.out.shape[0], b.comp_k[0].shape[2]
         kvh, d = self.n_kv, self.head_dim
         t = b.t
         tok = b.out.gather(1, t[:, None]).squeeze(1)
         x = self.base.embed_tokens(tok)  # (R, H)
         cos, sin = self.base.rotary_emb(x[:, None, :], (b.plen + t).unsqueeze(1))  # (R, 1, d)
+        kern = self._kernels_for(layers, b, x.device) if USE_CPU_KERNELS else None
+        if kern is not None:
+            self._kernel_steps += 1
+            logits = head(self._decoder_kernels(x.contiguous(), cos, sin, layers, b, kern))
+            return self._draw_and_book(b, logits, eos, pad, temperature, top_k, top_p)
         # the completion slots attended: eager on a CPU only those written so far (a host read costs nothing
         # there; SmolLM2's own-KV attention over a 256-slot capacity, fp32: 298 -> 82 us at 64 slots written,
         # 344 -> 240 us at 256); a compiled or GPU step keeps the full capacity, its shapes fixed
@@ -266,6 +349,10 @@ class NativeEngine:
             return _merge_attention(q, pk, pv, ck, cv, prompt_bias, own_bias, self.scaling)
 
         logits = head(self.final_norm(self._decoder(x, cos, sin, layers, attend)))
+        return self._draw_and_book(b, logits, eos, pad, temperature, top_k, top_p)
+
+    def _draw_and_book(self, b: _Buffers, logits, eos, pad, temperature, top_k, top_p):
+        t, C = b.t, b.out.shape[1] - 1
         nxt, logp = draw(logits, b.noise.gather(0, (t + 1)[None, :]).squeeze(0), temperature, top_k, top_p)
         # bookkeeping on the device: rows already done emit padding (into the scratch column past their end),
         # stop counting and stay at their position
@@ -298,6 +385,8 @@ class NativeEngine:
         def attend(i, q, k, v):
             b.comp_k[i][r, :, e : e + L] = k.transpose(0, 1)
             b.comp_v[i][r, :, e : e + L] = v.transpose(0, 1)
+            if b.comp_kt is not None:
+                b.comp_kt[i][r, :, :, e : e + L] = k.permute(1, 2, 0)
             ck, cv = (c[i][r : r + 1].expand(L, kvh, cap, d) for c in (b.comp_k, b.comp_v))
             pk, pv = b.prompt_k[i][g : g + 1], b.prompt_v[i][g : g + 1]
             return _merge_attention(q, pk, pv, ck, cv, prompt_bias, own_bias, self.scaling)
@@ -391,8 +480,8 @@ class NativeEngine:
         from ..models.hf_compat import cache_of
 
         cache = cache_of(res)
-        pk = [layer.keys for layer in cache.layers]
-        pv = [layer.values for layer in cache.layers]
+        pk = [layer.keys.contiguous() for layer in cache.layers]  # values come transposed from the projection
+        pv = [layer.values.contiguous() for layer in cache.layers]
         # 2. buffers (a row's tokens, and its KV slots, up to C; one scratch column past them)
         cap = max(1, -(-C // CAPACITY_STEP) * CAPACITY_STEP)
         dtype = pk[0].dtype
@@ -422,6 +511,7 @@ class NativeEngine:
         layers, head = self._weights(R, device, dtype)
         args = (layers, head, eos, pad, float(temperature), int(top_k or 0), float(top_p))
         t_pack, steps = time.perf_counter(), 0
+        self._kernel_steps = 0
         # 4. decode in windows: no host sync inside one; between them the turns, "all done?" and compaction
         final = _Final(R, C, pad, device)
         rows = torch.arange(R, device=device)  # original row of each buffer row (-1: filler)
@@ -449,7 +539,7 @@ class NativeEngine:
         self.stats["calls"] += 1
         self.last_call = dict(
             prefill_s=t_prefill - t_start, pack_s=t_pack - t_prefill, decode_s=time.perf_counter() - t_pack,
-            decode_steps=steps, rows=R, prompt_tokens=int(prompt_mask.sum()),
+            decode_steps=steps, rows=R, prompt_tokens=int(prompt_mask.sum()), kernel_steps=self._kernel_steps,
         )  # fmt: skip
         return final.result(return_logprobs)
 
@@ -528,6 +618,8 @@ def _compact(b: _Buffers, rows, final: _Final, alive):
         done=take(b.done) | filler, lengths=take(b.lengths), t=take(b.t),
         noise=b.noise.index_select(1, src), parked=b.parked[src.cpu()] & ~filler.cpu(),
         final=b.final[src.cpu()] | filler.cpu(),
+        prompt_kt=None if b.prompt_kt is None else [x.index_select(0, gi) for x in b.prompt_kt],
+        comp_kt=None if b.comp_kt is None else [take(x) for x in b.comp_kt],
     )  # fmt: skip
     return nb, new_rows
 

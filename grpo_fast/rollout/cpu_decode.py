@@ -1,0 +1,338 @@
+"""The native engine's CPU decode step between its linear layers, in three C++ kernels (built once per machine
+with torch's extension loader; the engine runs its PyTorch ops where they cannot be built).
+
+A 16-row decode step of SmolLM2-135M spends as much time in the ~30 small operators per layer around its four
+GEMMs (norms, casts, RoPE, the KV write, two attention calls and their merge, SiLU, residual adds) as in the
+GEMMs: each costs microseconds of dispatch for nanoseconds of arithmetic. Here a layer is four GEMMs and four
+calls:
+- `add_rms_norm(x, delta, weight, eps, dtype)`: x += delta in place (fp32 residual stream), returns
+  RMSNorm(x) * weight in the next linear's dtype (fp32 arithmetic, the HF module's: x * rsqrt(mean(x^2) + eps)
+  cast to the weight's dtype, times the weight);
+- `rope_attend(qkv, cos, sin, ck, ckt, cv, pkt, pv, pvalid, t, heads, scaling, dtype)`: RoPE on the step's
+  queries and keys (rotate-half, HF's), the row's key (into `ck` and its transposed copy `ckt`) and value
+  written into its completion KV at slot t, then one fp32 softmax per query over its group's prompt keys
+  (those `pvalid` marks; `pkt` transposed) and its own completion keys 0..t;
+- `silu_mul(gate_up)`: SiLU(gate) * up of the fused gate / up projection, in its dtype.
+The attention keeps the keys transposed as well (d x slots, written once per step), so that a query's scores
+accumulate 64 keys at a time in vector registers; the GQA heads sharing a KV head run in one task; the
+softmax exponentiates vector-wide. Vectors are GCC / Clang vector extensions (AVX-512 or AVX2 as the machine
+has: the build is for this CPU, `-march=native`, cached under a name holding its model and flags).
+"""
+
+import hashlib
+import os
+import shutil
+import sys
+import threading
+
+from .dtypes import cpu_info
+
+_SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cstring>
+#include <cmath>
+#include <vector>
+
+namespace {
+
+constexpr int64_t KEYS = 64;      // keys per score block (four 16-lane registers); key buffers padded to it
+constexpr float MASKED = -1e30f;  // a finite "minus infinity": the build assumes finite math
+
+template <typename T> inline float f32(T v) { return static_cast<float>(v); }
+
+template <typename X, typename D, typename O>
+void add_rms_norm_impl(X* x, const D* delta, const float* w, O* out, int64_t R, int64_t H, float eps) {
+  at::parallel_for(0, R, 4, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      X* xr = x + r * H;
+      float ss = 0.f;
+      if (delta != nullptr) {
+        const D* dr = delta + r * H;
+        for (int64_t j = 0; j < H; ++j) {
+          const float v = f32(xr[j]) + f32(dr[j]);
+          xr[j] = static_cast<X>(v);
+        }
+      }
+      for (int64_t j = 0; j < H; ++j) ss += f32(xr[j]) * f32(xr[j]);
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(H) + eps);
+      O* o = out + r * H;
+      for (int64_t j = 0; j < H; ++j) o[j] = static_cast<O>(f32(static_cast<X>(f32(xr[j]) * inv)) * w[j]);
+    }
+  });
+}
+
+template <typename T>
+void silu_mul_impl(const T* gu, T* out, int64_t R, int64_t I) {
+  at::parallel_for(0, R, 4, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* g = gu + r * 2 * I;
+      const T* u = g + I;
+      T* o = out + r * I;
+      for (int64_t j = 0; j < I; ++j) {
+        const float a = f32(g[j]);
+        o[j] = static_cast<T>(static_cast<float>(static_cast<T>(a / (1.f + std::exp(-a)))) * f32(u[j]));
+      }
+    }
+  });
+}
+
+// 16 fp32 lanes (GCC / Clang vector extensions: one AVX-512 register, two AVX2 ones)
+typedef float vf __attribute__((vector_size(64)));
+typedef uint32_t vu __attribute__((vector_size(64)));
+typedef uint16_t vh __attribute__((vector_size(32)));
+
+inline vf load16(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline vf load16(const at::BFloat16* p) {  // bf16 -> fp32: the 16 bits become the high half
+  vh h;
+  std::memcpy(&h, p, sizeof(h));
+  vu u = __builtin_convertvector(h, vu) << 16;
+  vf v;
+  std::memcpy(&v, &u, sizeof(v));
+  return v;
+}
+
+// s[h][p] = q_h . key_p * scaling for `nq` queries against `count` keys stored transposed (keys_t[j][p], row
+// stride `ld`, readable up to `count` rounded up to KEYS): 64 scores at a time in four registers over j
+template <typename KV>
+void scores(const float* q, int64_t nq, const KV* keys_t, int64_t ld, int64_t count, int64_t d,
+            float scaling, float* out, int64_t out_stride) {
+  for (int64_t h = 0; h < nq; ++h) {
+    const float* qh = q + h * d;
+    for (int64_t p0 = 0; p0 < count; p0 += KEYS) {
+      const int64_t nb = std::min<int64_t>(4, (count - p0 + 15) / 16);  // registers holding real keys
+      vf a[4] = {};
+      for (int64_t j = 0; j < d; ++j) {
+        const float qj = qh[j] * scaling;
+        const KV* row = keys_t + j * ld + p0;
+        for (int64_t k = 0; k < nb; ++k) a[k] += qj * load16(row + 16 * k);
+      }
+      float tmp[KEYS];
+      std::memcpy(tmp, a, sizeof(a));
+      std::memcpy(out + h * out_stride + p0, tmp, sizeof(float) * std::min(KEYS, count - p0));
+    }
+  }
+}
+
+// acc[h][:] += sum_p w[h][p] * values[p][:] for `nq` weight rows (stride `w_stride`): 64 outputs at a time in
+// four registers over p, a scalar tail past d's last multiple of 16
+template <typename KV>
+void accumulate(const float* w, int64_t w_stride, int64_t nq, const KV* values, int64_t count, int64_t d,
+                float* acc) {
+  const int64_t d16 = d / 16 * 16;
+  for (int64_t h = 0; h < nq; ++h) {
+    const float* wh = w + h * w_stride;
+    float* acc_h = acc + h * d;
+    for (int64_t j0 = 0; j0 < d16; j0 += 64) {
+      const int64_t nb = std::min<int64_t>(4, (d16 - j0) / 16);
+      vf a[4] = {};
+      for (int64_t p = 0; p < count; ++p) {
+        const float wp = wh[p];
+        const KV* v = values + p * d + j0;
+        for (int64_t k = 0; k < nb; ++k) a[k] += wp * load16(v + 16 * k);
+      }
+      for (int64_t k = 0; k < nb; ++k) {
+        float tmp[16];
+        std::memcpy(tmp, &a[k], 64);
+        for (int64_t b = 0; b < 16; ++b) acc_h[j0 + 16 * k + b] += tmp[b];
+      }
+    }
+    for (int64_t p = 0; p < count && d16 < d; ++p)
+      for (int64_t j = d16; j < d; ++j) acc_h[j] += wh[p] * f32(values[p * d + j]);
+  }
+}
+
+template <typename Q, typename KV, typename O>
+void rope_attend_impl(const Q* qkv, const float* cos, const float* sin, KV* ck, KV* ckt, KV* cv,
+                      const KV* pkt, const KV* pv, const uint8_t* pvalid, const int64_t* t, O* out, int64_t R,
+                      int64_t n, int64_t nh, int64_t kvh, int64_t d, int64_t cap, int64_t P, int64_t ldp,
+                      float scaling) {
+  const int64_t G = R / n, rep = nh / kvh, half = d / 2, width = (nh + 2 * kvh) * d;
+  std::vector<float> q_all(R * nh * d);
+  // 1. RoPE on queries and keys; the new key (both layouts) and value into the row's completion KV at slot t
+  at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
+    std::vector<float> x(d), rot(d);
+    for (int64_t r = r0; r < r1; ++r) {
+      const Q* row = qkv + r * width;
+      const float* c = cos + r * d;
+      const float* s = sin + r * d;
+      for (int64_t h = 0; h < nh + kvh; ++h) {
+        for (int64_t j = 0; j < d; ++j) x[j] = f32(row[h * d + j]);
+        for (int64_t j = 0; j < half; ++j) {
+          rot[j] = x[j] * c[j] - x[j + half] * s[j];
+          rot[j + half] = x[j + half] * c[j + half] + x[j] * s[j + half];
+        }
+        if (h < nh) {
+          std::copy(rot.begin(), rot.end(), q_all.begin() + (r * nh + h) * d);
+        } else {
+          const int64_t kh = h - nh;
+          KV* dst = ck + ((r * kvh + kh) * cap + t[r]) * d;
+          KV* dst_t = ckt + (r * kvh + kh) * d * cap + t[r];
+          for (int64_t j = 0; j < d; ++j) {
+            dst[j] = static_cast<KV>(rot[j]);
+            dst_t[j * cap] = dst[j];
+          }
+        }
+      }
+      for (int64_t h = 0; h < kvh; ++h) {
+        KV* dst = cv + ((r * kvh + h) * cap + t[r]) * d;
+        for (int64_t j = 0; j < d; ++j) dst[j] = static_cast<KV>(f32(row[(nh + kvh + h) * d + j]));
+      }
+    }
+  });
+  // 2. per (row, KV head): its rep query heads over the group's prompt keys and the row's own keys 0..t
+  at::parallel_for(0, R * kvh, 1, [&](int64_t i0, int64_t i1) {
+    const int64_t stride = P + cap;
+    std::vector<float> sc(rep * stride), acc(rep * d);
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t r = i / kvh, kh = i % kvh, g = r / G, len = t[r] + 1, L = P + len;
+      const float* q = q_all.data() + (r * nh + kh * rep) * d;
+      const KV* pv_h = pv + (g * kvh + kh) * P * d;
+      const KV* cv_h = cv + (r * kvh + kh) * cap * d;
+      const uint8_t* valid = pvalid + g * P;
+      scores(q, rep, pkt + (g * kvh + kh) * d * ldp, ldp, P, d, scaling, sc.data(), stride);
+      scores(q, rep, ckt + (r * kvh + kh) * d * cap, cap, len, d, scaling, sc.data() + P, stride);
+      for (int64_t h = 0; h < rep; ++h) {
+        float* s = sc.data() + h * stride;
+        for (int64_t p = 0; p < P; ++p) s[p] = valid[p] ? s[p] : MASKED;
+        float mx = MASKED;
+        for (int64_t p = 0; p < L; ++p) mx = std::max(mx, s[p]);
+        for (int64_t p = 0; p < L; ++p) s[p] = std::exp(s[p] - mx);
+        float sum = 0.f;
+        for (int64_t p = 0; p < L; ++p) sum += s[p];
+        const float inv = 1.f / sum;
+        for (int64_t p = 0; p < L; ++p) s[p] *= inv;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      accumulate(sc.data(), stride, rep, pv_h, P, d, acc.data());
+      accumulate(sc.data() + P, stride, rep, cv_h, len, d, acc.data());
+      for (int64_t h = 0; h < rep; ++h) {
+        O* o = out + (r * nh + kh * rep + h) * d;
+        for (int64_t j = 0; j < d; ++j) o[j] = static_cast<O>(acc[h * d + j]);
+      }
+    }
+  });
+}
+
+#define FLOAT_OR_BF16(TYPE, NAME, ...)                                   \
+  [&] {                                                                  \
+    if ((TYPE) == at::kFloat) { using NAME = float; return __VA_ARGS__(); } \
+    TORCH_CHECK((TYPE) == at::kBFloat16, #NAME " must be float32 or bfloat16"); \
+    using NAME = at::BFloat16; return __VA_ARGS__();                     \
+  }()
+
+}  // namespace
+
+at::Tensor add_rms_norm(at::Tensor x, c10::optional<at::Tensor> delta, at::Tensor weight, double eps,
+                        at::ScalarType out_dtype) {
+  TORCH_CHECK(x.is_contiguous() && x.dim() == 2, "x: a contiguous (rows, hidden) tensor");
+  auto w = weight.scalar_type() == at::kFloat ? weight.contiguous() : weight.to(at::kFloat).contiguous();
+  auto out = at::empty(x.sizes(), x.options().dtype(out_dtype));
+  at::Tensor d;
+  if (delta.has_value()) d = delta->contiguous();
+  const auto d_type = delta.has_value() ? d.scalar_type() : x.scalar_type();
+  FLOAT_OR_BF16(x.scalar_type(), X, [&] {
+    FLOAT_OR_BF16(d_type, D, [&] {
+      FLOAT_OR_BF16(out_dtype, O, [&] {
+        add_rms_norm_impl<X, D, O>(x.data_ptr<X>(), delta.has_value() ? d.data_ptr<D>() : nullptr,
+                                   w.data_ptr<float>(), out.data_ptr<O>(), x.size(0), x.size(1),
+                                   static_cast<float>(eps));
+      });
+    });
+  });
+  return out;
+}
+
+at::Tensor silu_mul(at::Tensor gate_up) {
+  auto gu = gate_up.contiguous();
+  const int64_t R = gu.size(0), I = gu.size(1) / 2;
+  auto out = at::empty({R, I}, gu.options());
+  FLOAT_OR_BF16(gu.scalar_type(), T, [&] { silu_mul_impl<T>(gu.data_ptr<T>(), out.data_ptr<T>(), R, I); });
+  return out;
+}
+
+at::Tensor rope_attend(at::Tensor qkv, at::Tensor cos, at::Tensor sin, at::Tensor ck, at::Tensor ckt,
+                       at::Tensor cv, at::Tensor pkt, at::Tensor pv, at::Tensor pvalid, at::Tensor t,
+                       int64_t heads, double scaling, at::ScalarType out_dtype) {
+  TORCH_CHECK(ck.is_contiguous() && ckt.is_contiguous() && cv.is_contiguous(),
+              "the completion KV must be contiguous");
+  TORCH_CHECK(pkt.scalar_type() == ck.scalar_type() && pv.scalar_type() == ck.scalar_type() &&
+              ckt.scalar_type() == ck.scalar_type(), "one KV dtype");
+  const int64_t R = qkv.size(0), n = pv.size(0), kvh = pv.size(1), P = pv.size(2), d = pv.size(3);
+  const int64_t ldp = pkt.size(3), cap = ck.size(2);
+  TORCH_CHECK(pkt.size(2) == d && ldp >= (P + 63) / 64 * 64 && ckt.size(2) == d && ckt.size(3) == cap &&
+              cap % 64 == 0 && d % 2 == 0, "keys_t: (.., d, slots) with slots a multiple of 64 (the prompt's "
+              "padded); d even");
+  auto q = qkv.contiguous();
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat, "cos, sin: float32");
+  TORCH_CHECK(pvalid.scalar_type() == at::kByte && t.scalar_type() == at::kLong, "pvalid: uint8, t: int64");
+  auto c = cos.contiguous(), s = sin.contiguous(), valid = pvalid.contiguous(), tt = t.contiguous();
+  auto pktc = pkt.contiguous(), pvc = pv.contiguous();
+  auto out = at::empty({R, heads * d}, qkv.options().dtype(out_dtype));
+  FLOAT_OR_BF16(q.scalar_type(), Q, [&] {
+    FLOAT_OR_BF16(ck.scalar_type(), KV, [&] {
+      FLOAT_OR_BF16(out_dtype, O, [&] {
+        rope_attend_impl<Q, KV, O>(q.data_ptr<Q>(), c.data_ptr<float>(), s.data_ptr<float>(),
+                                   ck.data_ptr<KV>(), ckt.data_ptr<KV>(), cv.data_ptr<KV>(),
+                                   pktc.data_ptr<KV>(), pvc.data_ptr<KV>(), valid.data_ptr<uint8_t>(),
+                                   tt.data_ptr<int64_t>(), out.data_ptr<O>(), R, n,
+                                   heads, kvh, d, cap, P, ldp, static_cast<float>(scaling));
+      });
+    });
+  });
+  return out;
+}
+"""
+
+_lock = threading.Lock()
+_state: dict = {}
+
+
+def kernels():
+    """The compiled module (add_rms_norm, rope_attend, silu_mul), or None where it cannot be built (no C++
+    compiler or ninja; GRPO_FAST_CPU_KERNELS=0): the first call builds it (~30 s, once per machine: torch's
+    extension cache) and says why not where it fails."""
+    with _lock:
+        if "module" not in _state:
+            _state["module"], _state["reason"] = _build()
+            if _state["reason"]:
+                print(f"grpo-fast native rollout: CPU decode kernels off ({_state['reason']})", flush=True)
+        return _state["module"]
+
+
+def unavailable_reason() -> str | None:
+    kernels()
+    return _state["reason"]
+
+
+def _build():
+    if os.environ.get("GRPO_FAST_CPU_KERNELS", "1") == "0":
+        return None, "GRPO_FAST_CPU_KERNELS=0"
+    here = os.path.dirname(sys.executable)  # the environment's own ninja (a dependency), off PATH in a venv
+    if shutil.which("ninja") is None and os.path.exists(os.path.join(here, "ninja")):
+        os.environ["PATH"] = here + os.pathsep + os.environ.get("PATH", "")
+    cpu = cpu_info()
+    tag = hashlib.sha1(f"{cpu.get('model name', '')}|{cpu.get('flags', '')}".encode()).hexdigest()[:10]
+    name = f"grpo_fast_cpu_decode_{tag}"  # -march=native: one build per CPU model and flags
+    try:
+        from torch.utils.cpp_extension import _get_build_directory, load_inline
+
+        if not os.path.exists(os.path.join(_get_build_directory(name, False), f"{name}.so")):
+            print("grpo-fast native rollout: building the CPU decode kernels (once per machine)", flush=True)
+        module = load_inline(
+            name=name,
+            cpp_sources=[_SOURCE],
+            functions=["add_rms_norm", "rope_attend", "silu_mul"],
+            extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+        )
+    except Exception as exc:  # noqa: BLE001 - an optimization: the engine runs its PyTorch ops instead
+        first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+        return None, f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+    return module, None

@@ -1,0 +1,91 @@
+"""The native engine's CPU decode kernels (grpo_fast.rollout.cpu_decode) against fp64 math written here: the
+residual add and RMSNorm, SiLU(gate) * up, and RoPE + the KV write + one softmax over a row's group's real
+prompt keys and its own keys up to its position (GQA, left padding, unwritten slots holding garbage)."""
+
+import pytest
+import torch
+
+from grpo_fast.rollout import cpu_decode
+
+kern = cpu_decode.kernels()
+pytestmark = pytest.mark.skipif(
+    kern is None, reason=f"no CPU decode kernels: {cpu_decode.unavailable_reason()}"
+)
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+def _rotate(x, cos, sin):  # HF's rotate-half RoPE, in fp64
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), -1) * sin
+
+
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_delta", [False, True])
+def test_add_rms_norm(x_dtype, out_dtype, with_delta):
+    torch.manual_seed(0)
+    x, delta, w = torch.randn(5, 96).to(x_dtype), torch.randn(5, 96).to(torch.bfloat16), torch.randn(96)
+    summed = (x.double() + delta.double()).to(x_dtype) if with_delta else x.clone()
+    x_in = x.clone()
+    out = kern.add_rms_norm(x_in, delta if with_delta else None, w, 1e-5, out_dtype)
+    assert out.dtype == out_dtype
+    torch.testing.assert_close(x_in, summed, atol=0, rtol=0)  # the residual stream, updated in place
+    s = summed.double()
+    want = (s / (s.square().mean(-1, keepdim=True) + 1e-5).sqrt()).to(x_dtype).double() * w.double()
+    tol = TOL[torch.bfloat16 if torch.bfloat16 in (x_dtype, out_dtype) else torch.float32]
+    torch.testing.assert_close(out.double(), want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul(dtype):
+    torch.manual_seed(0)
+    gu = (torch.randn(4, 2 * 40) * 3).to(dtype)
+    g, u = gu.double().chunk(2, -1)
+    want = g / (1 + torch.exp(-g)) * u
+    torch.testing.assert_close(kern.silu_mul(gu).double(), want, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("io_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("d", [24, 64])  # vector blocks of 16 and a tail; four blocks of 16
+def test_rope_attend(kv_dtype, io_dtype, d):
+    torch.manual_seed(0)
+    n, G, kvh, rep, P, cap = 3, 4, 2, 3, 70, 128  # P, t past one 64-key block
+    R, h = n * G, kvh * rep
+    qkv = torch.randn(R, (h + 2 * kvh) * d).to(io_dtype)
+    pos = torch.randint(0, 200, (R,)).double()
+    inv = 1.0 / 10000 ** (torch.arange(0, d, 2).double() / d)
+    ang = torch.cat([pos[:, None] * inv, pos[:, None] * inv], -1)
+    cos, sin = ang.cos(), ang.sin()
+    pk, pv = torch.randn(n, kvh, P, d).to(kv_dtype), torch.randn(n, kvh, P, d).to(kv_dtype)
+    ck, cv = (torch.randn(R, kvh, cap, d) * 3).to(kv_dtype), torch.randn(R, kvh, cap, d).to(kv_dtype)
+    pad = torch.tensor([0, 4, 69])  # left padding per prompt (the last has one real token)
+    valid = (torch.arange(P)[None, :] >= pad[:, None]).to(torch.uint8)
+    t = torch.randint(0, cap, (R,))
+    t[0], t[1] = 0, cap - 1
+    ck0, cv0 = ck.clone(), cv.clone()
+    ckt, pkt = (
+        ck.transpose(-1, -2).contiguous(),
+        torch.nn.functional.pad(pk.transpose(-1, -2), (0, -pk.shape[2] % 64)),
+    )
+    out = kern.rope_attend(qkv, cos.float(), sin.float(), ck, ckt, cv, pkt, pv, valid, t, h, 0.25, io_dtype)
+    assert out.dtype == io_dtype and out.shape == (R, h * d)
+    x = qkv.double()
+    q = _rotate(x[:, : h * d].view(R, h, d), cos[:, None], sin[:, None])
+    k_new = _rotate(x[:, h * d : (h + kvh) * d].view(R, kvh, d), cos[:, None], sin[:, None])
+    v_new = x[:, (h + kvh) * d :].view(R, kvh, d)
+    tol = TOL[torch.bfloat16 if torch.bfloat16 in (kv_dtype, io_dtype) else torch.float32]
+    for r in range(R):
+        g, s = r // G, int(t[r])
+        torch.testing.assert_close(ck[r, :, s].double(), k_new[r].to(kv_dtype).double(), atol=tol, rtol=tol)
+        torch.testing.assert_close(cv[r, :, s].double(), v_new[r].to(kv_dtype).double(), atol=0, rtol=0)
+        assert torch.equal(ckt[r, :, :, s], ck[r, :, s])  # the transposed copy written too
+        others = torch.arange(cap) != s  # every other slot untouched
+        assert torch.equal(ck[r, :, others], ck0[r, :, others]) and torch.equal(
+            cv[r, :, others], cv0[r, :, others]
+        )
+        for j in range(h):
+            keys = torch.cat([pk[g, j // rep][valid[g].bool()], ck[r, j // rep, : s + 1]]).double()
+            vals = torch.cat([pv[g, j // rep][valid[g].bool()], cv[r, j // rep, : s + 1]]).double()
+            want = torch.softmax(keys @ q[r, j] * 0.25, 0) @ vals
+            torch.testing.assert_close(out[r, j * d : (j + 1) * d].double(), want, atol=tol, rtol=tol)
