@@ -89,3 +89,9 @@ def test_rope_attend(kv_dtype, io_dtype, d):
             vals = torch.cat([pv[g, j // rep][valid[g].bool()], cv[r, j // rep, : s + 1]]).double()
             want = torch.softmax(keys @ q[r, j] * 0.25, 0) @ vals
             torch.testing.assert_close(out[r, j * d : (j + 1) * d].double(), want, atol=tol, rtol=tol)
+
+
+def test_loading_the_kernels_leaves_denormals_alone():
+    """Built with -ffast-math, but not linked with it: no flush-to-zero for the rest of the process."""
+    tiny = torch.tensor([1e-39])
+    assert kern is not None and float(tiny * 0.5) > 0

@@ -91,6 +91,8 @@ LABELS = {
     "grpo_fast_async_mp": "grpo-fast, colocated async --max-staleness 1, --bf16 (autocast, corrected)",
     "grpo_fast_default": "grpo-fast at its defaults (--bf16 and --rollout-dtype unset: this machine decides)",
     "grpo_fast_default_async": "grpo-fast at its defaults, colocated async --max-staleness 1",
+    "grpo_fast_default_all_groups": "grpo-fast at its defaults, every group trained as TRL does "
+    "(--no-skip-zero-advantage-groups)",
 }
 STEADY_STEPS = 4  # an async row's measured steps after its first (the head start), for a steady-state figure
 # the training settings both trainers get, under the names both use
@@ -331,6 +333,7 @@ def run_grpo_fast(a: dict) -> dict:
         bf16=None if a["provider"].startswith("grpo_fast_default") else a["provider"].endswith("_mp"),
         output_dir=a["out"],
         overwrite_output_dir=True,
+        skip_zero_advantage_groups=not a["provider"].endswith("_all_groups"),
         max_memory_gb=(base_mib / 1024 + above) if above else 0.0,
     )
     train_mod.train(cfg)
@@ -344,6 +347,7 @@ def run_grpo_fast(a: dict) -> dict:
                           push_s=r.get("sync/seconds", 0.0), gen_busy_s=r.get("async/generate_busy_s", 0.0),
                           gen_idle_s=r.get("async/generate_idle_s", 0.0),
                           trainer_wait_s=r.get("async/trainer_wait_s", 0.0),
+                          groups_skipped=r.get("zero_advantage_groups_skipped", 0),
                           tokens=round(r["tokens_per_s"] * step_s)))  # fmt: skip
     resolved = json.loads((Path(a["out"]) / "config.json").read_text())  # what the run decided
     train = "bf16" if resolved.get("bf16") else "fp32"
@@ -439,6 +443,10 @@ def measure_one(a: dict) -> dict:
         )
         if pipelined:
             steady_figure(res, n)
+        if a["provider"].startswith("grpo_fast"):  # groups whose advantages were all 0 (TRL trains them)
+            res["groups_skipped"] = (
+                f"{sum(s.get('groups_skipped', 0) for s in steps)} of {n * a['prompts_per_step']}"
+            )
     return res
 
 
@@ -476,6 +484,7 @@ COLUMNS = [
     ("mem_vs_trl", "peak vs TRL"),
     ("precision", "precision (bf16 autocast / rollout)"),
     ("steady", "pipelined figure from"),
+    ("groups_skipped", "groups not trained (advantages all 0)"),
     ("skipped", "note"),
 ]
 

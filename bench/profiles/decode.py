@@ -106,25 +106,34 @@ def prefill_flops(model, prompt_tokens: int) -> int:
     return 2 * prompt_tokens * params + 2 * PROMPTS * model.config.vocab_size * model.config.hidden_size
 
 
-def measure_native(model, ids, mask, C, dtype, repeats) -> dict:
-    from grpo_fast.rollout import generate_groups
-    from grpo_fast.rollout.native import engine_for
+def measure_native(model, ids, mask, C, dtype, repeats, torch_ops=False) -> tuple[list, list]:
+    """(calls through the CPU decode kernels, calls through PyTorch ops: empty unless `torch_ops`), each
+    call's phases with the read bandwidth measured before it; with `torch_ops` the two interleave call by
+    call, so that a shared machine's drift falls on both."""
+    from grpo_fast.rollout import generate_groups, native
 
-    eng = engine_for(model)
+    eng = native.engine_for(model)
 
-    def call(seed):
-        generate_groups(
-            model, ids, mask, G, C, temperature=1.0, eos_token_id=None, engine="native", compile=False,
-            rollout_dtype=dtype, generator=torch.Generator().manual_seed(seed),
-        )  # fmt: skip
+    def call(seed, kernels):
+        native.USE_CPU_KERNELS = kernels
+        try:
+            generate_groups(
+                model, ids, mask, G, C, temperature=1.0, eos_token_id=None, engine="native", compile=False,
+                rollout_dtype=dtype, generator=torch.Generator().manual_seed(seed),
+            )  # fmt: skip
+        finally:
+            native.USE_CPU_KERNELS = True
         return dict(eng.last_call)
 
-    call(99)  # warm-up: allocator, oneDNN primitives for these shapes
-    calls = []
+    modes = (True, False) if torch_ops else (True,)
+    for kernels in modes:
+        call(99, kernels)  # warm-up: allocator, oneDNN primitives for these shapes
+    calls = {m: [] for m in modes}
     for seed in range(repeats):
-        bw = read_bandwidth()
-        calls.append(dict(call(seed), bandwidth_gbs=bw))
-    return calls
+        for kernels in modes:
+            bw = read_bandwidth()
+            calls[kernels].append(dict(call(seed, kernels), bandwidth_gbs=bw))
+    return calls[True], calls.get(False, [])
 
 
 def measure_vllm(dtype, C, repeats) -> dict:
@@ -175,6 +184,10 @@ def main(argv=None) -> None:
     ap.add_argument("--repeats", type=int, default=3, help="timed calls per dtype (the median is reported)")
     ap.add_argument("--vllm", action="store_true", help="vLLM CPU beside (its own environment)")
     ap.add_argument("--ops", action="store_true", help="add the per-operator profile of one call per dtype")
+    ap.add_argument(
+        "--torch-ops", action="store_true",
+        help="the native engine through PyTorch ops too (no CPU decode kernels), interleaved call by call",
+    )  # fmt: skip
     ap.add_argument("--top", type=int, default=12, help="operators shown per dtype (--ops)")
     ap.add_argument("--out-dir", default=None)
     args = ap.parse_args(argv)
@@ -189,13 +202,18 @@ def main(argv=None) -> None:
         for dtype in args.dtypes.split(","):
             name = "fp32" if dtype == "model" else dtype
             peak = gemm_peak(PEAK_DTYPE[dtype])
-            calls = measure_native(model, ids, mask, C, dtype, args.repeats)
-            assert all(c["decode_steps"] == steps for c in calls), calls
+            calls, ops_calls = measure_native(model, ids, mask, C, dtype, args.repeats, args.torch_ops)
+            assert all(c["decode_steps"] == steps for c in calls + ops_calls), calls + ops_calls
+            assert all(c["kernel_steps"] in (0, steps) for c in calls), calls  # all steps, or none can
             work = decode_work(model, prompt_tokens, PROMPTS, R, steps, dtype)
             pre = prefill_flops(model, prompt_tokens) / gemm_peak(torch.float32) / 1e9
-            measured.append((name, calls, work, peak, pre))
-            per_step = [round(1e3 * c["decode_s"] / steps, 1) for c in calls]
-            print(f"native {name}: {per_step} ms per step", flush=True)
+            measured.append((name, "native", calls, work, peak, pre))
+            if ops_calls:
+                measured.append((name, "native, PyTorch ops", ops_calls, work, peak, pre))
+            for engine, cs in (("native", calls), ("native, PyTorch ops", ops_calls)):
+                if cs:
+                    per_step = [round(1e3 * c["decode_s"] / steps, 1) for c in cs]
+                    print(f"{engine} {name}: {per_step} ms per step", flush=True)
             if args.vllm:
                 vllm[name] = measure_vllm(dtype, C, args.repeats)
                 print(f"vllm {name}: {vllm[name].get('error') or vllm[name]['tokens_per_s']}", flush=True)
@@ -203,15 +221,24 @@ def main(argv=None) -> None:
                 ops += op_profile(model, ids, mask, min(C, 64), dtype, args.top)
     # one bandwidth for the run: the median of every measurement (a shared host's rate swings 30-60 GB/s
     # between seconds here), the range beside it
-    bws = [c["bandwidth_gbs"] for _, calls, *_ in measured for c in calls]
+    bws = [c["bandwidth_gbs"] for _, _, calls, *_ in measured for c in calls]
     bw = statistics.median(bws)
     rows, summary = [], {"read_bandwidth_gbs": bw, "read_bandwidth_gbs_range": [min(bws), max(bws)]}
-    for name, calls, work, peak, pre_s in measured:
+    for name, engine, calls, work, peak, pre_s in measured:
         per = [fractions(work, steps, c["decode_s"], bw, peak) for c in calls]
         mid = sorted(range(len(per)), key=lambda i: per[i]["ms_per_step"])[len(per) // 2]  # the median call
         c, f = calls[mid], per[mid]
         pre = pre_s / c["prefill_s"]
+        if engine != "native":  # the PyTorch-ops A/B row: its time, and the kernels' gain over it
+            rows.append(dict(engine=engine, dtype=name, **f, bandwidth_gbs=bw, gemm_peak_gflops=peak,
+                             ms_per_step_all=[p["ms_per_step"] for p in per]))  # fmt: skip
+            summary[f"decode_ms_per_step_{name}_torch_ops"] = f["ms_per_step"]
+            summary[f"decode_kernels_speedup_{name}"] = (
+                f["ms_per_step"] / summary[f"decode_ms_per_step_{name}"]
+            )
+            continue
         rows.append(dict(engine="native", dtype=name, **f, bandwidth_gbs=bw, gemm_peak_gflops=peak,
+                         kernels="yes" if c["kernel_steps"] else "no",
                          gbytes_per_step=work["bytes"] / steps / 1e9,
                          gflop_per_step=work["flops"] / steps / 1e9, prefill_ms=1e3 * c["prefill_s"],
                          pack_ms=1e3 * c["pack_s"], prefill_gemm_fraction=pre,
@@ -232,7 +259,8 @@ def main(argv=None) -> None:
             summary[f"decode_ms_per_step_vllm_{name}"] = v["ms_per_step"]
             summary[f"decode_bandwidth_fraction_vllm_{name}"] = v["bandwidth_fraction"]
     info = machine_info()
-    columns = [("engine", "engine"), ("dtype", "rollout dtype"), ("ms_per_step", "ms per token step"),
+    columns = [("engine", "engine"), ("dtype", "rollout dtype"), ("kernels", "CPU decode kernels"),
+               ("ms_per_step", "ms per token step"),
                ("floor_ms_per_step", "floor ms"), ("bound", "floor bound by"),
                ("bandwidth_fraction", "decode_bandwidth_fraction"),
                ("roofline_fraction", "roofline fraction"),

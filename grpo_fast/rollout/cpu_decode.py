@@ -329,6 +329,7 @@ def _build():
             name=name,
             cpp_sources=[_SOURCE],
             functions=["add_rms_norm", "rope_attend", "silu_mul"],
+            # fast math compiles the kernels only: linked without it, the process keeps its denormals
             extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
         )
