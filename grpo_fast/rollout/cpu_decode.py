@@ -318,8 +318,9 @@ def _build():
     if shutil.which("ninja") is None and os.path.exists(os.path.join(here, "ninja")):
         os.environ["PATH"] = here + os.pathsep + os.environ.get("PATH", "")
     cpu = cpu_info()
-    tag = hashlib.sha1(f"{cpu.get('model name', '')}|{cpu.get('flags', '')}".encode()).hexdigest()[:10]
-    name = f"grpo_fast_cpu_decode_{tag}"  # -march=native: one build per CPU model and flags
+    march = os.environ.get("GRPO_FAST_CPU_MARCH", "native")  # e.g. x86-64-v3: an AVX2 build on any machine
+    key = f"{cpu.get('model name', '')}|{cpu.get('flags', '')}|{march}"
+    name = f"grpo_fast_cpu_decode_{hashlib.sha1(key.encode()).hexdigest()[:10]}"  # a build per CPU, -march
     try:
         from torch.utils.cpp_extension import _get_build_directory, load_inline
 
@@ -330,7 +331,7 @@ def _build():
             cpp_sources=[_SOURCE],
             functions=["add_rms_norm", "rope_attend", "silu_mul"],
             # fast math compiles the kernels only: linked without it, the process keeps its denormals
-            extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
+            extra_cflags=["-O3", f"-march={march}", "-ffast-math", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
         )
     except Exception as exc:  # noqa: BLE001 - an optimization: the engine runs its PyTorch ops instead

@@ -315,14 +315,15 @@ class NativeEngine:
             return None
         return cpu_decode.kernels()
 
-    def _step(self, b: _Buffers, layers, head, eos, pad: int, temperature: float, top_k: int, top_p: float):
+    def _step(
+        self, b: _Buffers, layers, head, kern, eos, pad: int, temperature: float, top_k: int, top_p: float
+    ):
         R, cap = b.out.shape[0], b.comp_k[0].shape[2]
         kvh, d = self.n_kv, self.head_dim
         t = b.t
         tok = b.out.gather(1, t[:, None]).squeeze(1)
         x = self.base.embed_tokens(tok)  # (R, H)
         cos, sin = self.base.rotary_emb(x[:, None, :], (b.plen + t).unsqueeze(1))  # (R, 1, d)
-        kern = self._kernels_for(layers, b, x.device) if USE_CPU_KERNELS else None
         if kern is not None:
             self._kernel_steps += 1
             logits = head(self._decoder_kernels(x.contiguous(), cos, sin, layers, b, kern))
@@ -509,7 +510,8 @@ class NativeEngine:
         b.done |= torch.isin(tok, eos) | (b.lengths >= C)
         t_prefill = time.perf_counter()
         layers, head = self._weights(R, device, dtype)
-        args = (layers, head, eos, pad, float(temperature), int(top_k or 0), float(top_p))
+        kern = self._kernels_for(layers, b, device) if USE_CPU_KERNELS else None  # for the whole call
+        args = (layers, head, kern, eos, pad, float(temperature), int(top_k or 0), float(top_p))
         t_pack, steps = time.perf_counter(), 0
         self._kernel_steps = 0
         # 4. decode in windows: no host sync inside one; between them the turns, "all done?" and compaction

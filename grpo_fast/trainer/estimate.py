@@ -9,9 +9,9 @@ Parts, from the model's config alone (no weights are loaded):
   parameter), and the optimizer step's own temporaries (16-bit weights: the largest tensor's fp32 gradient
   and weight);
 - the rollout (native engine): the prompt KV (once per group with prefix sharing, else once per sample) and
-  each sample's completion KV at its fixed capacity, the prefill's working set, and on a CPU the copy of the
-  linear weights the engine makes for the call (fp32 oneDNN-packed, or the --rollout-dtype's: bf16 half of
-  it, int8 a quarter with the LM head kept fp32);
+  each sample's completion KV at its fixed capacity (on a CPU the keys twice: the decode kernels' transposed
+  copy), the prefill's working set, and on a CPU the copy of the linear weights the engine makes for the call
+  (fp32 oneDNN-packed, or the --rollout-dtype's: bf16 half of it, int8 a quarter with the LM head kept fp32);
 - training activations of one micro-batch: a probe runs the trainer's own forward (`completion_hidden_states`,
   gradient checkpointing, LoRA and the autocast region applied the same way: autocast's bf16 weight copies
   are saved for backward, so they count per layer) and backward on a 1- and a 2-layer model of this
@@ -330,8 +330,12 @@ class Estimator:
         kv_tok = L * 2 * kvh * hd * b
         prompt_rows = n if cfg.share_prefix else n * G
         cap = max(1, -(-(C - 1) // 64) * 64)
-        kv = kv_tok * (prompt_rows * P + n * G * cap)
-        kv_unshared = kv_tok * (n * G * P + n * G * cap)
+        # on a CPU the decode kernels (grpo_fast.rollout.cpu_decode) keep the keys a second time, transposed,
+        # the prompt's padded to 64 slots
+        kt_tok = L * kvh * hd * b if self.device == "cpu" else 0
+        kt_prompt = kt_tok * -(-P // 64) * 64
+        kv = kv_tok * (prompt_rows * P + n * G * cap) + kt_prompt * prompt_rows + kt_tok * n * G * cap
+        kv_unshared = kv_tok * (n * G * P + n * G * cap) + kt_prompt * n * G + kt_tok * n * G * cap
         packed = engine_copy_bytes(p, cfg, self.device)
         prefill = self.probe(plan.gradient_checkpointing, cfg.share_prefix).forward_nograd(P, prompt_rows)
         prefill += kv_tok * prompt_rows * P
