@@ -1,6 +1,7 @@
 """The native engine's CPU decode kernels (grpo_fast.rollout.cpu_decode) against fp64 math written here: the
-residual add and RMSNorm, SiLU(gate) * up, and RoPE + the KV write + one softmax over a row's group's real
-prompt keys and its own keys up to its position (GQA, left padding, unwritten slots holding garbage)."""
+residual add and RMSNorm, SiLU(gate) * up, RoPE + the KV write + one softmax over a row's group's real
+prompt keys and its own keys up to its position (GQA, left padding, unwritten slots holding garbage), and the
+decode's linear layers (every row-tile and column-block tail, bias, fp32 accumulation of bf16)."""
 
 import pytest
 import torch
@@ -89,6 +90,50 @@ def test_rope_attend(kv_dtype, io_dtype, d):
             vals = torch.cat([pv[g, j // rep][valid[g].bool()], cv[r, j // rep, : s + 1]]).double()
             want = torch.softmax(keys @ q[r, j] * 0.25, 0) @ vals
             torch.testing.assert_close(out[r, j * d : (j + 1) * d].double(), want, atol=tol, rtol=tol)
+
+
+LINEAR = [d for d in (torch.float32, torch.bfloat16) if cpu_decode.linear_for(d) is not None]
+
+
+@pytest.mark.parametrize("dtype", LINEAR)
+@pytest.mark.parametrize("M", [1, 5, 8, 9, 16, 19])
+@pytest.mark.parametrize("N,K", [(960, 576), (50, 64), (17, 6), (3 * 16 + 1, 130)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear(dtype, M, N, K, with_bias):
+    torch.manual_seed(M * 1000 + N + K)
+    w, x = torch.randn(N, K).to(dtype), torch.randn(M, K).to(dtype)
+    bias = torch.randn(N) if with_bias else None
+    pack, linear = cpu_decode.linear_for(dtype)
+    y = linear(x, pack(w, dtype), bias, N)
+    assert y.dtype == dtype and y.shape == (M, N)
+    want = x.double() @ w.double().t() + (bias.double() if with_bias else 0)
+    # fp32: accumulation order; bf16: the output's rounding (8 bits) on top of fp32 accumulation
+    tol = 1e-5 if dtype == torch.float32 else 2**-8
+    torch.testing.assert_close(y.double(), want, atol=tol * (K**0.5), rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", LINEAR)
+@pytest.mark.parametrize("src", [torch.float32, torch.bfloat16])
+def test_pack_linear_lays_out_and_rounds_as_torch(dtype, src):
+    torch.manual_seed(1)
+    N, K = 37, 10
+    w = torch.randn(N, K).to(src)
+    pack, _ = cpu_decode.linear_for(dtype)
+    p = pack(w, dtype)  # (N/16, K/per, 16, per)
+    per = p.shape[-1]
+    unpacked = p.permute(0, 2, 1, 3).reshape(-1, K)
+    assert torch.equal(unpacked[:N], w.to(dtype))  # torch's cast: round to nearest even
+    assert not unpacked[N:].any() and unpacked.shape[0] == 48 and per == (2 if dtype == torch.bfloat16 else 1)
+
+
+@pytest.mark.skipif(torch.bfloat16 not in LINEAR, reason="no bf16 linear kernel on this CPU")
+def test_linear_accumulates_bf16_in_fp32():
+    # 4096 products of 1 + 2^-7 summed: a bf16 accumulator stops growing at 256 (its spacing passes the
+    # term); fp32 holds 4128 exactly, which bf16 rounds to 4128
+    x = torch.ones(3, 4096, dtype=torch.bfloat16)
+    w = torch.full((20, 4096), 1 + 2**-7, dtype=torch.bfloat16)
+    pack, linear = cpu_decode.linear_for(torch.bfloat16)
+    assert torch.equal(linear(x, pack(w, torch.bfloat16), None, 20).float(), torch.full((3, 20), 4128.0))
 
 
 def test_loading_the_kernels_leaves_denormals_alone():

@@ -34,7 +34,7 @@ def cpu_kernels(request, monkeypatch):
     """The eager CPU step through cpu_decode's C++ kernels (where they build), or through PyTorch ops."""
     if request.param and cpu_decode.kernels() is None:
         pytest.skip(f"no CPU decode kernels: {cpu_decode.unavailable_reason()}")
-    monkeypatch.setattr(native, "USE_CPU_KERNELS", request.param)
+    monkeypatch.setattr(cpu_decode, "ENABLED", request.param)
     return request.param
 
 

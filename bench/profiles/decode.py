@@ -110,19 +110,19 @@ def measure_native(model, ids, mask, C, dtype, repeats, torch_ops=False) -> tupl
     """(calls through the CPU decode kernels, calls through PyTorch ops: empty unless `torch_ops`), each
     call's phases with the read bandwidth measured before it; with `torch_ops` the two interleave call by
     call, so that a shared machine's drift falls on both."""
-    from grpo_fast.rollout import generate_groups, native
+    from grpo_fast.rollout import cpu_decode, generate_groups, native
 
     eng = native.engine_for(model)
 
     def call(seed, kernels):
-        native.USE_CPU_KERNELS = kernels
+        cpu_decode.ENABLED = kernels
         try:
             generate_groups(
                 model, ids, mask, G, C, temperature=1.0, eos_token_id=None, engine="native", compile=False,
                 rollout_dtype=dtype, generator=torch.Generator().manual_seed(seed),
             )  # fmt: skip
         finally:
-            native.USE_CPU_KERNELS = True
+            cpu_decode.ENABLED = True
         return dict(eng.last_call)
 
     modes = (True, False) if torch_ops else (True,)

@@ -40,7 +40,6 @@ SYNC_EVERY_CPU = 1  # eager on the CPU a check waits for nothing: stop as soon a
 COMPACT_AT = 0.5  # compact when the rows still running fill at most this share of the batch
 DYNAMIC = True
 CAPACITY_STEP = 64
-USE_CPU_KERNELS = True  # eager on a CPU: the step through cpu_decode's C++ kernels where they build
 PACK_CPU_WEIGHTS = (
     True  # completion KV capacity is rounded up to this, so that nearby lengths reuse a compile
 )
@@ -510,7 +509,7 @@ class NativeEngine:
         b.done |= torch.isin(tok, eos) | (b.lengths >= C)
         t_prefill = time.perf_counter()
         layers, head = self._weights(R, device, dtype)
-        kern = self._kernels_for(layers, b, device) if USE_CPU_KERNELS else None  # for the whole call
+        kern = self._kernels_for(layers, b, device) if cpu_decode.ENABLED else None  # for the whole call
         args = (layers, head, kern, eos, pad, float(temperature), int(top_k or 0), float(top_p))
         t_pack, steps = time.perf_counter(), 0
         self._kernel_steps = 0
