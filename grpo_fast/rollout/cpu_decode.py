@@ -24,13 +24,12 @@ softmax exponentiates vector-wide. Vectors are GCC / Clang vector extensions (AV
 has: the build is for this CPU, `-march=native`, cached under a name holding its model and flags).
 """
 
+import functools
 import hashlib
 import os
 import shutil
 import sys
 import threading
-
-from .dtypes import cpu_info
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -472,6 +471,18 @@ at::Tensor linear(at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> bia
   return y;
 }
 """
+
+
+@functools.cache
+def cpu_info() -> dict:
+    """The first processor's fields of /proc/cpuinfo (empty where there is none)."""
+    try:
+        text = open("/proc/cpuinfo").read()
+    except OSError:
+        return {}
+    first = text.split("\n\n", 1)[0]
+    return {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in first.splitlines())}
+
 
 # eager on a CPU the native engine's decode step runs these kernels where they build (False: its PyTorch ops
 # and oneDNN's linears; a switch for tests and benchmarks, read at each generate call)

@@ -4,11 +4,11 @@ in it (`LINEAR_FORMATS`: the policy's weights copied once per call, packed for c
 (fp32 / bf16 on AVX-512) or oneDNN's (fp32 / bf16 / fp16), or W8A8 int8 / fp8; `fused_linear` concatenates a
 layer's projections into one such matrix)."""
 
-import functools
-
 import torch
 
 from ..models.model_parts import merged_lora_weight
+from . import cpu_decode
+from .cpu_decode import cpu_info
 
 
 def _weight_of(m):
@@ -50,8 +50,6 @@ def _our_linear(w, dtype):
     (SmolLM2's 30 layers, 16 rows, Zen 4: bf16 16.3 -> 12.0 ms)."""
     if w.device.type != "cpu" or (dtype == torch.bfloat16 and w.shape[1] % 2):
         return None
-    from . import cpu_decode
-
     return cpu_decode.linear_for(dtype)
 
 
@@ -166,17 +164,6 @@ def check_rollout_dtype(rollout_dtype, device, model_dtype) -> str:
 
 
 HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-@functools.cache
-def cpu_info() -> dict:
-    """The first processor's fields of /proc/cpuinfo (empty where there is none)."""
-    try:
-        text = open("/proc/cpuinfo").read()
-    except OSError:
-        return {}
-    first = text.split("\n\n", 1)[0]
-    return {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in first.splitlines())}
 
 
 def cpu_flags() -> set:
