@@ -420,6 +420,7 @@ at::Tensor rope_attend(at::Tensor qkv, at::Tensor cos, at::Tensor sin, at::Tenso
   });
   return out;
 }
+
 at::Tensor pack_linear(at::Tensor w, at::ScalarType dtype) {  // (N, K) -> `linear`'s layout in dtype
   TORCH_CHECK(w.dim() == 2, "pack_linear: w (N, K)");
   auto wc = w.contiguous();
@@ -503,12 +504,17 @@ def kernels():
         return _state["module"]
 
 
+def active():
+    """The kernels where they build and are switched on (ENABLED), else None."""
+    return kernels() if ENABLED else None
+
+
 def linear_for(dtype):
     """`(pack, run)` for the decode's linear layers in `dtype` through the `linear` kernel where this CPU's
     build has it (AVX-512: fp32; AVX512-BF16: bf16), else None: `pack(w, dtype)` lays the (N, K) weights
     (any float dtype) out as the kernel reads them, in `dtype` (one pass: copy, cast rounding to nearest
     even), `run(x, packed, bias, N)` is x W^T + bias in `dtype` (fp32 accumulation)."""
-    kern = kernels() if ENABLED else None
+    kern = active()
     if kern is None or str(dtype).removeprefix("torch.") not in kern.linear_dtypes():
         return None
     return kern.pack_linear, kern.linear

@@ -312,7 +312,7 @@ class NativeEngine:
             return None
         if any(ly.kernel_args is None for ly in layers) or self.head_dim % 2:
             return None
-        return cpu_decode.kernels()
+        return cpu_decode.active()
 
     def _step(
         self, b: _Buffers, layers, head, kern, eos, pad: int, temperature: float, top_k: int, top_p: float
@@ -509,7 +509,7 @@ class NativeEngine:
         b.done |= torch.isin(tok, eos) | (b.lengths >= C)
         t_prefill = time.perf_counter()
         layers, head = self._weights(R, device, dtype)
-        kern = self._kernels_for(layers, b, device) if cpu_decode.ENABLED else None  # for the whole call
+        kern = self._kernels_for(layers, b, device)  # for the whole call
         args = (layers, head, kern, eos, pad, float(temperature), int(top_k or 0), float(top_p))
         t_pack, steps = time.perf_counter(), 0
         self._kernel_steps = 0

@@ -333,9 +333,10 @@ class Estimator:
         # on a CPU the decode kernels (grpo_fast.rollout.cpu_decode) keep the keys a second time, transposed,
         # the prompt's padded to 64 slots
         kt_tok = L * kvh * hd * b if self.device == "cpu" else 0
-        kt_prompt = kt_tok * -(-P // 64) * 64
-        kv = kv_tok * (prompt_rows * P + n * G * cap) + kt_prompt * prompt_rows + kt_tok * n * G * cap
-        kv_unshared = kv_tok * (n * G * P + n * G * cap) + kt_prompt * n * G + kt_tok * n * G * cap
+        prompt_kv = kv_tok * P + kt_tok * -(-P // 64) * 64  # a prompt row's
+        completion_kv = (kv_tok + kt_tok) * n * G * cap
+        kv = prompt_kv * prompt_rows + completion_kv
+        kv_unshared = prompt_kv * n * G + completion_kv
         packed = engine_copy_bytes(p, cfg, self.device)
         prefill = self.probe(plan.gradient_checkpointing, cfg.share_prefix).forward_nograd(P, prompt_rows)
         prefill += kv_tok * prompt_rows * P
