@@ -56,6 +56,23 @@ def test_estimate_parts_follow_the_flags():
     assert e["kv_cache_unshared"] > p["rollout KV cache"]  # prefix sharing keeps one prompt KV per group
 
 
+def test_cuda_graphs_keep_the_rollout_buffers_through_training():
+    """On CUDA the native engine's graphs (its default there) keep the KV and the rollout dtype's weight copy
+    allocated between calls: the training peak holds them; eager (--rollout-compile off) frees them."""
+    from grpo_fast.trainer.estimate import engine_copy_bytes
+
+    flags = TINY + ["--max-completion-length", "64", "--rollout-dtype", "bf16"]
+    est = Estimator(parse_config(flags), device="cuda")
+    graphs = est.estimate()
+    eager = Estimator(parse_config(flags + ["--rollout-compile", "off"]), device="cuda").estimate()
+    kept = graphs["parts"]["rollout buffers kept (CUDA graphs)"]
+    copy = engine_copy_bytes(est.params, est.cfg, "cuda")
+    assert copy > 0 and kept == graphs["parts"]["rollout KV cache"] + copy
+    assert graphs["train_peak"] - eager["train_peak"] == pytest.approx(kept, rel=1e-9)
+    assert graphs["rollout_peak"] == eager["rollout_peak"]
+    assert "rollout buffers kept (CUDA graphs)" not in Estimator(parse_config(flags)).estimate()["parts"]
+
+
 def test_estimate_command_prints_the_table_and_what_fits(capsys):
     main(TINY + ["--max-memory-gb", "2"])
     out = capsys.readouterr().out

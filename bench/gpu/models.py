@@ -56,18 +56,22 @@ def section_prefix(sec: Section) -> None:
 GEN_COLUMNS = [["provider", "provider"], ["prompts", "prompts"], ["layers", "layers"], ["P", "P"], ["G", "G"],
                ["C", "C"], ["ms", "ms"], ["tokens_per_s", "completion tokens/s"], ["vs_hf", "vs HF generate"],
                ["peak_mib", "peak MiB"], ["warmup_s", "warm-up s"], ["graphs", "graphs compiled"],
+               ["cuda_graphs", "CUDA graphs captured"], ["capture_s", "capture s"],
                ["note", "note"]]  # fmt: skip
 
 
 def _generation_rows(sec: Section, plan, layers=None) -> None:
     """Rows of completion tokens/s for `plan` [(prompts, label, fn(model, ids, C, G) or a note)] on a
     random-init Qwen2.5-0.5B-shaped model in bf16 (`layers` of its 24), G=8, C=512, prompts of 128 tokens,
-    no EOS (a random model: every sample runs C tokens). A warm-up (compiles, allocator) and one timed run
-    each; a failure, the warm-up's included, is that provider's row; the compiled graphs counted."""
+    no EOS (a random model: every sample runs C tokens). A warm-up (compiles, allocator; a provider marked
+    `warm_full` warms up on the timed run's shapes: its CUDA graphs are captured there, and their capture
+    seconds are the row's) and one timed run each; a failure, the warm-up's included, is that provider's row;
+    the compiled graphs counted."""
     import torch._dynamo.utils as dynamo_utils
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from bench.models.prefix import QWEN2_SHAPES
+    from grpo_fast.rollout import native
 
     P, G, C = (8, 4, 8) if sec.dry else (128, 8, 512)
     shape = dict(QWEN2_SHAPES["tiny" if sec.dry else "0.5b"])
@@ -97,10 +101,12 @@ def _generation_rows(sec: Section, plan, layers=None) -> None:
             t["ms"] = (time.perf_counter() - t0) * 1e3
 
         graphs = dynamo_utils.counters["stats"]["unique_graphs"]
+        engine = native.engine_for(model)
+        capture_s = engine.stats["capture_s"]
         try:
             t0 = time.perf_counter()
             fn(model, ids, 8, G)  # warm-up: kernels, allocator; a compiled engine compiles here
-            fn(model, ids, min(C, 64), G)
+            fn(model, ids, C if getattr(fn, "warm_full", False) else min(C, 64), G)
             sec.sync()
             warm = time.perf_counter() - t0
             peak = sec.peak_mib(timed_run)  # one full run, timed and its peak taken
@@ -109,7 +115,8 @@ def _generation_rows(sec: Section, plan, layers=None) -> None:
             continue
         sec.add(dict(provider=label, prompts=n, layers=shape["num_hidden_layers"], P=P, G=G, C=C, ms=t["ms"],
                      warmup_s=warm, tokens_per_s=n * G * C / (t["ms"] / 1e3), peak_mib=peak,
-                     graphs=dynamo_utils.counters["stats"]["unique_graphs"] - graphs))  # fmt: skip
+                     graphs=dynamo_utils.counters["stats"]["unique_graphs"] - graphs,
+                     **_graph_fields(fn, engine, capture_s)))  # fmt: skip
         sec.save_compile_cache()
     rows = sec.result["rows"]
     for r in rows:
@@ -118,6 +125,14 @@ def _generation_rows(sec: Section, plan, layers=None) -> None:
         if hf_row and "tokens_per_s" in hf_row and "tokens_per_s" in r:
             r["vs_hf"] = r["tokens_per_s"] / hf_row["tokens_per_s"]
     sec.save()
+
+
+def _graph_fields(fn, engine, capture_s) -> dict:
+    """The CUDA graphs a `warm_full` provider's calls captured, their capture seconds, and why none if so."""
+    if not getattr(fn, "warm_full", False):
+        return {}
+    out = dict(cuda_graphs=engine.stats["graphs"], capture_s=engine.stats["capture_s"] - capture_s)
+    return {**out, "note": engine.stats["graph_reason"]} if engine.stats["graph_reason"] else out
 
 
 def _hf(model, ids, c, G):
@@ -133,21 +148,27 @@ def _ours(engine, compile, rollout_dtype="model"):
         generate_groups(model, ids, torch.ones_like(ids), G, c, temperature=1.0, eos_token_id=None,
                         engine=engine, compile=compile, rollout_dtype=rollout_dtype)  # fmt: skip
 
+    run.warm_full = compile == "graphs"
     return run
 
 
 def section_generation(sec: Section) -> None:
-    """Completion tokens/s of HF `generate(num_return_sequences=G)` and the native engine, eager, with the
-    model's bf16 layers and with its decode layers in fp8 (e4m3, per-channel x per-token scales,
-    torch._scaled_mm) on a random-init Qwen2.5-0.5B-shaped model, G=8, C=512, 8 and 32 prompts of 128
-    tokens. Goal: native >= 5x HF. The compiled engine is the decode section's."""
+    """Completion tokens/s of HF `generate(num_return_sequences=G)` and the native engine on CUDA graphs (its
+    default on CUDA: one graph per batch bucket, capture seconds in the row) and eager, with the model's bf16
+    layers and with its decode layers in fp8 (e4m3, per-channel x per-token scales, torch._scaled_mm) on a
+    random-init Qwen2.5-0.5B-shaped model, G=8, C=512, 8 and 32 prompts of 128 tokens (64 and 256 rows).
+    Goals: graphs >= 10x HF at 64 rows, >= 20,000 tokens/s at 256, capture <= 10 s. The Inductor-compiled
+    engine is the decode section's."""
     sec.result["columns"] = GEN_COLUMNS
+    graphs = _ours("native", "graphs")
     _generation_rows(sec, [  # the most telling first: the section's deadline cuts the tail
-        (8, "native, eager", _ours("native", False)),
+        (8, "native, CUDA graphs", graphs),
         (8, "HF generate", _hf),
-        (8, "native, eager, rollout_dtype fp8", _ours("native", False, "fp8")),
-        (32, "native, eager", _ours("native", False)),
+        (32, "native, CUDA graphs", graphs),
+        (8, "native, eager", _ours("native", False)),
         (32, "HF generate", _hf),
+        (8, "native, CUDA graphs, rollout_dtype fp8", _ours("native", "graphs", "fp8")),
+        (32, "native, eager", _ours("native", False)),
     ])  # fmt: skip
 
 

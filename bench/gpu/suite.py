@@ -12,7 +12,7 @@ order of value):
   speed        loss fwd+bwd and log-prob forward at 16384, 4096, 151936 bf16: ours vs naive, Liger, CCE
   backward     the first LM-head shape: chunked vs atomic vs naive (torch.compile'd naive last)
   precision    the mixed-precision step: ours --bf16 vs TRL bf16=True, 1 warm-up + 1 measured step
-  generation   native eager (bf16, fp8) vs HF generate
+  generation   native on CUDA graphs (capture seconds) and eager, bf16 and fp8, vs HF generate
   e2e          TRL, ours at its default, ours fastest (colocated async --bf16)
 Tier 2 (a second call): atomics, tiles, prefix, memory (every bench_memory configuration, precision recipes
 included), decode (the compiled decode: a 2-layer model first, recompiles logged). Only by --sections:

@@ -81,8 +81,9 @@ def generate_groups(
         all_done: optional `f(local_done) -> bool` deciding when decoding stops (distributed: every rank
             steps until all are done, so that a sharded model's collectives match).
         engine: "auto", "native", "reference" or "vllm" (see the module docstring).
-        compile: native engine only: "auto" (compile the decode step; eager with a one-line reason when that
-            fails), True (fail if it fails) or False.
+        compile: native engine only: "auto" (CUDA graphs on CUDA, eager on a CPU), "graphs" (the decode step
+            on padded batch buckets at fixed addresses, one CUDA graph per bucket; on a CPU run eagerly),
+            True (Inductor, torch.compile; fails if compiling fails) or False (eager).
         vllm_options: vllm engine only, used when it is built (the first call for this model): max_model_len
             (default: the model's max_position_embeddings), gpu_memory_utilization, kv_cache_gb, threads,
             logprobs_mode (default: the one whose log-probs are the trainer's at this temperature); or

@@ -18,30 +18,46 @@ def _weight_of(m):
     return merged_lora_weight(m), m.get_base_layer().bias
 
 
-def _packed(w, bias, rows, dtype):
+class Packed:
+    """A linear layer in a rollout format: `fn(x, *tensors)`, its weights (and scales, bias) in `tensors`.
+    `refresh(newer)` copies a newer copy's tensors into these in place: their addresses stay, so a captured
+    CUDA graph that reads them samples from the newer weights."""
+
+    def __init__(self, fn, *tensors):
+        self.fn, self.tensors = fn, tensors
+
+    def __call__(self, x):
+        return self.fn(x, *self.tensors)
+
+    def refresh(self, newer: "Packed") -> None:
+        for mine, theirs in zip(self.tensors, newer.tensors, strict=True):
+            if mine is not None:
+                mine.copy_(theirs)
+
+
+def _packed(w, bias, rows, dtype) -> Packed:
     """`w` copied into `dtype`, its inputs cast to it and its outputs left in it (the step casts only where
     fp32 is needed: a residual add promotes on its own, and the MLP's product feeds the next 16-bit linear
     as it is): packed for cpu_decode's linear kernel where it is built for that dtype, else oneDNN-packed on a
     CPU whose oneDNN runs that dtype natively, else a plain `F.linear` in it
     (a GPU; fp16 on a CPU without avx512_fp16 / AMX-fp16)."""
+    cast = lambda x: x if x.dtype == dtype else x.to(dtype)  # noqa: E731
     ours = _our_linear(w, dtype)
     if ours is not None:
         pack, linear = ours
-        packed, N, K = pack(w.detach(), dtype), w.shape[0], w.shape[1]
-        bias32 = None if bias is None else bias.detach().float()
+        N, K = w.shape
 
-        def run(x):
-            x = x if x.dtype == dtype else x.to(dtype)
-            return linear(x.reshape(-1, K), packed, bias32, N).view(*x.shape[:-1], N)
+        def run(x, packed, bias32):
+            return linear(cast(x).reshape(-1, K), packed, bias32, N).view(*x.shape[:-1], N)
 
-        return run
+        return Packed(run, pack(w.detach(), dtype), None if bias is None else bias.detach().float())
     b = None if bias is None else bias.detach().to(dtype)
     if w.device.type == "cpu" and dtype in _ONEDNN_NATIVE and _ONEDNN_NATIVE[dtype]():
-        packed = torch.ops.mkldnn._reorder_linear_weight(w.to(dtype), rows)
         linear = torch.ops.mkldnn._linear_pointwise
-        return lambda x: linear(x if x.dtype == dtype else x.to(dtype), packed, b, "none", [], "")
+        packed = torch.ops.mkldnn._reorder_linear_weight(w.detach().to(dtype), rows)
+        return Packed(lambda x, wp, bp: linear(cast(x), wp, bp, "none", [], ""), packed, b)
     wd = w.detach().to(dtype)
-    return lambda x: torch.nn.functional.linear(x if x.dtype == dtype else x.to(dtype), wd, b)
+    return Packed(lambda x, wd, bd: torch.nn.functional.linear(cast(x), wd, bd), wd, b)
 
 
 def _our_linear(w, dtype):
@@ -64,19 +80,18 @@ def _scales(t, qmax):
     return (t.abs().amax(-1, keepdim=True).float() / qmax).clamp(min=1e-12)
 
 
-def _w8a8(w, bias, qmax, to_8bit, matmul):
+def _w8a8(w, bias, qmax, to_8bit, matmul) -> Packed:
     """An 8-bit layer: weights with one symmetric scale per output channel, activations quantized per row
     at every call (dynamic, per token); `matmul(x8, w8, x_scales, w_scales)`: the dequantized fp32 product."""
     ws = _scales(w, qmax)  # (N, 1)
     wq = to_8bit(w.float() / ws).t()  # (K, N), column-major
-    ws, b = ws.view(1, -1), None if bias is None else bias.detach().float()
 
-    def run(x):
+    def run(x, wq, ws, b):
         xs = _scales(x, qmax)
         y = matmul(to_8bit(x / xs), wq, xs, ws)
         return (y if b is None else y + b).to(x.dtype)
 
-    return run
+    return Packed(run, wq, ws.view(1, -1), None if bias is None else bias.detach().float())
 
 
 def _int8(w, bias, rows):
@@ -112,8 +127,9 @@ ROLLOUT_DTYPES = ("model", "auto", *LINEAR_FORMATS)
 
 def fused_linear(mods, fmt, rows: int):
     """x -> the outputs of the Linear modules `mods` on x, concatenated. With a format (LINEAR_FORMATS) their
-    weights are copied once per call into one matrix of that format (fp32 oneDNN-packed: 3-4x faster than
-    `F.linear` for the LM head at 16 rows, 1.5x for the layers); None: the modules run as they are."""
+    weights are copied once per call into one matrix of that format, a `Packed` (fp32 oneDNN-packed: 3-4x
+    faster than `F.linear` for the LM head at 16 rows, 1.5x for the layers); None: the modules run as they
+    are (on their live weights)."""
     if fmt is not None:
         weights, biases = zip(*(_weight_of(m) for m in mods))
         w = torch.cat(weights) if len(mods) > 1 else weights[0]

@@ -31,7 +31,8 @@ import torch
 
 from ..models.model_parts import causal_lm, position_ids_from_mask
 from . import cpu_decode
-from .dtypes import HEAD_FORMATS, check_rollout_dtype, fused_linear, packable
+from .dtypes import HEAD_FORMATS, Packed, check_rollout_dtype, fused_linear, packable
+from .graphs import PROMPT_STEP, Static
 from .sampling import draw, eos_and_pad
 
 SUPPORTED_TYPES = ("llama", "qwen2", "qwen3", "mistral")
@@ -88,7 +89,7 @@ class _Buffers:
     # multi-turn bookkeeping (host side, never read by the step): waiting for a tool / over for good
     parked: torch.Tensor  # (R,) bool
     final: torch.Tensor  # (R,) bool
-    # the keys again, transposed (.., d, slots), for the CPU decode kernels (made at their first step)
+    # the keys again, transposed (.., d, slots), for the CPU decode kernels (`_transpose_keys`)
     prompt_kt: list | None = None
     comp_kt: list | None = None
 
@@ -119,6 +120,8 @@ class _Layer:
     # or None where the layer is not theirs (another norm or activation, q / k norms, fp16)
     kernel_args: tuple | None = None
 
+
+_LINEARS = ("qkv", "o", "gate_up", "down")  # the _Layer fields a rollout format copies
 
 # the dtype each linear format takes its input in (None: the modules themselves, in the policy's dtype)
 _INPUT_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.float32, "fp8": torch.float32}
@@ -181,6 +184,18 @@ def _layers(base, fmt, rows: int) -> list:
     return out
 
 
+def _transpose_keys(b: _Buffers) -> None:
+    """The keys again, transposed (.., d, slots), for the CPU decode kernels, which read them in blocks of 64
+    (the prompt's padded to it): made, or written into those a `graphs.Static` keeps."""
+    pad = -b.prompt_k[0].shape[2] % 64
+    pkt = [torch.nn.functional.pad(k.transpose(-1, -2), (0, pad)) for k in b.prompt_k]
+    if b.prompt_kt is None:
+        b.prompt_kt, b.comp_kt = pkt, [k.transpose(-1, -2).contiguous() for k in b.comp_k]
+        return
+    for dst, src in zip([*b.prompt_kt, *b.comp_kt], [*pkt, *(k.transpose(-1, -2) for k in b.comp_k)]):
+        dst.copy_(src)
+
+
 def _rope(x, cos, sin):
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -232,12 +247,17 @@ def _merge_attention_products(q, pk, pv, ck, cv, prompt_bias, own_bias, scaling)
 _cpu_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu  # (out, log-sum-exp)
 
 
+COMPILE_MODES = ("auto", "graphs", True, False)
+
+
 class NativeEngine:
-    """One per model; `generate` is `generate_groups`' contract. `compile`: "auto" (eager, on both devices: on
-    the CPU Inductor takes minutes to compile a 30-layer step for ~25% less time per token and the packed
-    eager step is faster still; on an H200 the first compiled call of a 24-layer 0.5B model, CUDA graphs,
-    had not returned after 170 s, while the eager step ran 2.9x HF generate: bench/results/h200), True
-    (compile; eager with a one-line reason if compiling fails), or False."""
+    """One per model; `generate` is `generate_groups`' contract. `compile`: "auto" (CUDA graphs on CUDA, eager
+    on a CPU, where the packed eager step through cpu_decode's kernels is the fastest: Inductor took minutes
+    to compile a 30-layer step for ~25% less time per token than the unpacked eager step), "graphs" (the
+    step at fixed addresses on padded batch buckets, `graphs.Static`: replayed as CUDA graphs on CUDA; on a
+    CPU the same buckets run eagerly, with that reason in `stats`), True (Inductor, `torch.compile`: on an
+    H200 the first compiled call of a 24-layer 0.5B model had not returned after 170 s, bench/results/h200;
+    eager with a one-line reason if compiling fails), or False (eager)."""
 
     def __init__(self, model):
         lm = causal_lm(model)
@@ -253,8 +273,12 @@ class NativeEngine:
         self.rollout_dtype = "model"  # of the call in progress
         self._compiled = None
         self._module_weights = None
+        self._static = None  # graphs.Static of the last call shape run on buckets
         self._kernel_steps = 0  # of the call in progress: steps through cpu_decode's kernels
-        self.stats = {"compile_s": 0.0, "compiled": False, "eager_reason": None, "calls": 0}
+        self.stats = {
+            "compile_s": 0.0, "compiled": False, "eager_reason": None, "calls": 0,
+            "capture_s": 0.0, "graphs": 0, "graph_reason": None,
+        }  # fmt: skip
         # the last call's phases in host seconds (prefill: the model's forward over the prompts; pack: the
         # weights copied into the step's format; decode: the token steps), for profiles against the floor
         self.last_call: dict = {}
@@ -289,10 +313,6 @@ class NativeEngine:
         R, n = x.shape[0], b.prompt_bias.shape[0]
         cos, sin = cos.reshape(R, -1).float(), sin.reshape(R, -1).float()
         valid = (b.prompt_bias.view(n, -1) == 0).to(torch.uint8)
-        if b.comp_kt is None:
-            pad = -b.prompt_k[0].shape[2] % 64  # the kernels read keys in blocks of 64
-            b.prompt_kt = [torch.nn.functional.pad(k.transpose(-1, -2), (0, pad)) for k in b.prompt_k]
-            b.comp_kt = [k.transpose(-1, -2).contiguous() for k in b.comp_k]
         delta = None  # the last linear's output, added to x by the next norm
         for i, ly in enumerate(layers):
             (w1, eps1), (w2, eps2), dtype = ly.kernel_args
@@ -400,22 +420,41 @@ class NativeEngine:
         return device.type == "cpu" and not self.compiles(device)
 
     def compiles(self, device) -> bool:
-        if self.compile_mode == "auto":
-            return False
-        return bool(self.compile_mode) and not self.stats["eager_reason"]
+        """Whether the call in progress runs the Inductor-compiled step."""
+        return self.compile_mode is True and not self.stats["eager_reason"]
 
-    def _weights(self, rows, device, dtype):
+    def on_buckets(self, device) -> bool:
+        """Whether the call in progress runs the bucketed fixed-address step (`graphs`): CUDA graphs."""
+        mode = self.compile_mode
+        return mode == "graphs" or (mode == "auto" and device.type == "cuda")
+
+    def _weights(self, rows, device, dtype, static=None):
         """The layers and LM head as the step calls them: copied afresh for this call into the rollout
         dtype's format (eager CPU: the optimizer has moved the weights since the last call; fp32 packed, or a
         low-precision copy), or the modules themselves (built once, so that a compiled step keeps seeing the
-        same functions)."""
+        same functions). On buckets (`static`, a graphs.Static) the copies are the Static's own, refreshed in
+        place: a captured graph reads them where they are."""
+        fresh = self._fresh_weights(rows, device, dtype)
+        if static is None:
+            return fresh
+        if static.weights is None:
+            static.weights = fresh
+        elif static.weights is not fresh:
+            (layers, head), (new_layers, new_head) = static.weights, fresh
+            pairs = [(getattr(a, f), getattr(c, f)) for a, c in zip(layers, new_layers) for f in _LINEARS]
+            for old, new in [(head, new_head), *pairs]:
+                if isinstance(old, Packed):
+                    old.refresh(new)
+        return static.weights
+
+    def _fresh_weights(self, rows, device, dtype):
         fmt = self.rollout_dtype
         if fmt == "model":
             pack = (
                 PACK_CPU_WEIGHTS and device.type == "cpu" and dtype == torch.float32
                 and torch.backends.mkldnn.is_available() and not self.compiles(device)
             )  # fmt: skip
-            fmt = "fp32" if pack else None
+            fmt = "fp32" if pack else None  # (on buckets on a CPU too: they copy the packed weights in place)
         if fmt is not None:
             head = self.lm.lm_head
             head_fmt = HEAD_FORMATS[fmt] if packable(head, HEAD_FORMATS[fmt]) else None
@@ -460,16 +499,19 @@ class NativeEngine:
         None (the row is over) or a concurrent Future; the row waits, the others decode on; once the future is
         done, `turn_hook.finish(s, future)` returns the tokens to append (the tool's turn; None: over) and the
         row goes on from its own KV cache. `max_new_tokens` bounds the whole row, tool turns included."""
+        if compile not in COMPILE_MODES:
+            raise ValueError(f"compile must be one of {COMPILE_MODES}, got {compile!r}")
         self.rollout_dtype = check_rollout_dtype(rollout_dtype, prompt_ids.device, self.lm.dtype)
-        self.compile_mode = compile if self.rollout_dtype == "model" else False
+        self.compile_mode = compile if self.rollout_dtype == "model" or compile is not True else False
         n = prompt_ids.shape[0]
         if not share_prefix:  # one prompt copy per sample: groups of one
             prompt_ids = prompt_ids.repeat_interleave(G, 0)
             prompt_mask = prompt_mask.repeat_interleave(G, 0)
+            n, G = n * G, 1
         device = prompt_ids.device
         R, C = n * G, max_new_tokens
         eos, pad = eos_and_pad(eos_token_id)
-        eos = torch.tensor(eos, dtype=torch.long, device=device)
+        eos_t = torch.tensor(eos, dtype=torch.long, device=device)
         t_start = time.perf_counter()
         # 1. prefill: the model's own forward, once per prompt (per sample when not shared)
         pos = position_ids_from_mask(prompt_mask)
@@ -482,36 +524,36 @@ class NativeEngine:
         cache = cache_of(res)
         pk = [layer.keys.contiguous() for layer in cache.layers]  # values come transposed from the projection
         pv = [layer.values.contiguous() for layer in cache.layers]
-        # 2. buffers (a row's tokens, and its KV slots, up to C; one scratch column past them)
+        # 2. buffers (a row's tokens, and its KV slots, up to C; one scratch column past them): this call's
+        # own, or on buckets the Static of this call shape's, refilled in place
         cap = max(1, -(-C // CAPACITY_STEP) * CAPACITY_STEP)
-        dtype = pk[0].dtype
-        kv_shape = (R, self.n_kv, cap, self.head_dim)
-        plen = prompt_mask.long().sum(1)
-        plen = plen.repeat_interleave(G, 0) if share_prefix else plen
         noise = torch.rand(C + 1, R, generator=generator, device=device) if temperature > 0 else None
-        b = _Buffers(
-            prompt_k=pk, prompt_v=pv,
-            prompt_bias=torch.where(prompt_mask.bool(), 0.0, float("-inf"))[:, None, None, :].float(),
-            comp_k=[torch.zeros(kv_shape, dtype=dtype, device=device) for _ in pk],
-            comp_v=[torch.zeros(kv_shape, dtype=dtype, device=device) for _ in pk],
-            plen=plen, out=torch.full((R, C + 1), pad, dtype=torch.long, device=device),
-            logp=torch.zeros(R, C + 1, device=device), done=torch.zeros(R, dtype=torch.bool, device=device),
-            lengths=torch.ones(R, dtype=torch.long, device=device),
-            t=torch.zeros(R, dtype=torch.long, device=device),
+        fill = dict(
+            pk=pk, pv=pv, bias=torch.where(prompt_mask.bool(), 0.0, float("-inf"))[:, None, None, :].float(),
+            plen=prompt_mask.long().sum(1).repeat_interleave(G, 0), pad=pad,
             noise=noise if noise is not None else torch.zeros(C + 1, R, device=device),
-            parked=torch.zeros(R, dtype=torch.bool), final=torch.zeros(R, dtype=torch.bool),
         )  # fmt: skip
+        st, bucket = None, (n, G)
+        if self.on_buckets(device):
+            key = (n, G, cap, C, pk[0].dtype, device, self.rollout_dtype, float(temperature), top_k, top_p,
+                   tuple(eos))  # fmt: skip
+            st = self._static_for(key, fill, cap)
+            b = st.view(n, G)
+        else:
+            b = _fresh_buffers(fill, cap, self.n_kv, self.head_dim, pk[0].shape[2])
         # 3. the first token, from the prefill's last logits
-        first = res.logits[:, -1]
-        first = first.repeat_interleave(G, 0) if share_prefix else first
+        first = res.logits[:, -1].repeat_interleave(G, 0)
         tok, lp = draw(first, b.noise[0], temperature, top_k, top_p)
         b.out[:, 0], b.logp[:, 0] = tok, lp
-        b.done |= torch.isin(tok, eos) | (b.lengths >= C)
+        b.done |= torch.isin(tok, eos_t) | (b.lengths >= C)
         t_prefill = time.perf_counter()
-        layers, head = self._weights(R, device, dtype)
+        layers, head = self._weights(R, device, pk[0].dtype, st)
         kern = self._kernels_for(layers, b, device)  # for the whole call
-        args = (layers, head, kern, eos, pad, float(temperature), int(top_k or 0), float(top_p))
-        t_pack, steps = time.perf_counter(), 0
+        if kern is not None:
+            _transpose_keys(st.full if st is not None else b)
+            b = st.view(n, G) if st is not None else b
+        args = (layers, head, kern, eos_t, pad, float(temperature), int(top_k or 0), float(top_p))
+        t_pack, steps, capture_s = time.perf_counter(), 0, st.capture_s if st is not None else 0.0
         self._kernel_steps = 0
         # 4. decode in windows: no host sync inside one; between them the turns, "all done?" and compaction
         final = _Final(R, C, pad, device)
@@ -519,10 +561,10 @@ class NativeEngine:
         pending = {}  # original row -> its tool's future (turn_hook)
         # eager on a CPU, a check waits for nothing; a compiled step keeps windows: compacting at any token
         # would give it a new batch shape (a recompile) at each
-        window = SYNC_EVERY if device.type == "cuda" or self.compiles(device) else SYNC_EVERY_CPU
+        window = SYNC_EVERY if device.type == "cuda" or self.compiles(device) or st else SYNC_EVERY_CPU
         while True:
             if turn_hook is not None:
-                self._turns(b, rows, pending, turn_hook, eos, layers)
+                self._turns(b, rows, pending, turn_hook, eos_t, layers)
             running = ~b.done
             local_done = not bool(running.any()) and not pending
             if all_done(local_done) if all_done else local_done:
@@ -532,17 +574,59 @@ class NativeEngine:
                 continue
             alive = running | b.parked.to(device)
             if int(alive.sum()) <= COMPACT_AT * b.out.shape[0]:
-                b, rows = _compact(b, rows, final, alive)
+                if st is None:
+                    b, rows = _compact(b, rows, final, alive)
+                else:
+                    bucket, b, rows = st.compact(b, bucket, rows, final, alive)
             for _ in range(window):
-                self._run_step(b, *args)
+                if st is None:
+                    self._run_step(b, *args)
+                else:
+                    st.step(bucket, b, self._step, args)
             steps += window
         final.take(b, rows)
         self.stats["calls"] += 1
+        capture_s = st.capture_s - capture_s if st is not None else 0.0
+        self.stats["capture_s"] += capture_s
+        self.stats["graphs"] = len(st.graphs) if st is not None else 0
+        if st is not None and st.failed:
+            self.stats["graph_reason"] = st.failed
         self.last_call = dict(
             prefill_s=t_prefill - t_start, pack_s=t_pack - t_prefill, decode_s=time.perf_counter() - t_pack,
             decode_steps=steps, rows=R, prompt_tokens=int(prompt_mask.sum()), kernel_steps=self._kernel_steps,
+            capture_s=capture_s, graphs=self.stats["graphs"], buckets=st is not None,
         )  # fmt: skip
         return final.result(return_logprobs)
+
+    def _static_for(self, key, fill, cap) -> Static:
+        """The Static of this call shape, refilled for this call, or a new one (the old one's buffers and
+        graphs freed first). On CUDA its prompt slots are rounded up to PROMPT_STEP and a shorter prompt
+        reuses it."""
+        P = fill["pk"][0].shape[2]
+        st = self._static
+        if st is None or not st.fits(key, P):
+            self._static = st = None  # its memory back before the new one's
+            cuda = fill["pk"][0].is_cuda
+            p_cap = -(-P // PROMPT_STEP) * PROMPT_STEP if cuda else P
+            st = Static(key, _fresh_buffers(fill, cap, self.n_kv, self.head_dim, p_cap), *key[:2], p_cap)
+            self._static = st
+            if not cuda and not self.stats["graph_reason"]:
+                self.stats["graph_reason"] = "no CUDA device: the bucketed step runs eagerly, no graphs"
+                print(f"grpo-fast native rollout: {self.stats['graph_reason']}", flush=True)
+            return st
+        f = st.full
+        for dst, src in zip([*f.prompt_k, *f.prompt_v], [*fill["pk"], *fill["pv"]]):
+            dst[:, :, :P].copy_(src)
+            dst[:, :, P:].zero_()
+        f.prompt_bias.fill_(float("-inf"))
+        f.prompt_bias[..., :P].copy_(fill["bias"])
+        for x in [*f.comp_k, *f.comp_v, f.logp, f.done, f.t, f.parked, f.final]:
+            x.zero_()
+        f.plen.copy_(fill["plen"])
+        f.out.fill_(fill["pad"])
+        f.lengths.fill_(1)
+        f.noise.copy_(fill["noise"])
+        return st
 
     def _turns(self, b: _Buffers, rows, pending, hook, eos, layers):
         """Rows that just ended a turn go to the hook (parked while their tool runs); rows whose tool has
@@ -567,6 +651,28 @@ class NativeEngine:
                 self._extend(b, r, tokens, layers)
             else:
                 b.final[r] = True
+
+
+def _fresh_buffers(fill, cap, kvh, d, p_cap) -> _Buffers:
+    """A call's buffers: the prompts' KV (padded to `p_cap` slots, masked), completion KV of `cap` slots."""
+    pk, pv, bias = fill["pk"], fill["pv"], fill["bias"]
+    R, C1 = fill["noise"].shape[1], fill["noise"].shape[0]
+    if p_cap > pk[0].shape[2]:
+        grow = p_cap - pk[0].shape[2]
+        pk = [torch.nn.functional.pad(k, (0, 0, 0, grow)) for k in pk]
+        pv = [torch.nn.functional.pad(v, (0, 0, 0, grow)) for v in pv]
+        bias = torch.nn.functional.pad(bias, (0, grow), value=float("-inf"))
+    device, dtype = pk[0].device, pk[0].dtype
+    zeros = lambda *shape, **kw: torch.zeros(*shape, device=device, **kw)  # noqa: E731
+    return _Buffers(
+        prompt_k=pk, prompt_v=pv, prompt_bias=bias,
+        comp_k=[zeros(R, kvh, cap, d, dtype=dtype) for _ in pk],
+        comp_v=[zeros(R, kvh, cap, d, dtype=dtype) for _ in pk],
+        plen=fill["plen"], out=torch.full((R, C1), fill["pad"], dtype=torch.long, device=device),
+        logp=zeros(R, C1), done=zeros(R, dtype=torch.bool), t=zeros(R, dtype=torch.long),
+        lengths=torch.ones(R, dtype=torch.long, device=device), noise=fill["noise"],
+        parked=torch.zeros(R, dtype=torch.bool), final=torch.zeros(R, dtype=torch.bool),
+    )  # fmt: skip
 
 
 class _Final:

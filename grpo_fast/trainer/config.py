@@ -123,9 +123,10 @@ class GRPOConfig:
     )
     rollout_compile: str = _f(
         "auto",
-        "compile the native engine's decode step (CUDA graphs on CUDA): auto (= off for now: a first compile "
-        "takes minutes), on, off",
-        choices=("auto", "on", "off"),
+        "the native engine's decode step: auto (CUDA graphs on CUDA, eager on a CPU), graphs (one CUDA graph "
+        "per batch bucket, captured when first needed; on a CPU the same buckets run eagerly), on (Inductor, "
+        "torch.compile: a first compile takes minutes), off (eager)",
+        choices=("auto", "graphs", "on", "off"),
     )
     rollout_dtype: str = _f(
         "model",

@@ -12,6 +12,8 @@ Parts, from the model's config alone (no weights are loaded):
   each sample's completion KV at its fixed capacity (on a CPU the keys twice: the decode kernels' transposed
   copy), the prefill's working set, and on a CPU the copy of the linear weights the engine makes for the call
   (fp32 oneDNN-packed, or the --rollout-dtype's: bf16 half of it, int8 a quarter with the LM head kept fp32);
+  on CUDA with the engine on CUDA graphs (`--rollout-compile auto|graphs`) the KV and the weight copy stay
+  allocated through training (the graphs read them where they are);
 - training activations of one micro-batch: a probe runs the trainer's own forward (`completion_hidden_states`,
   gradient checkpointing, LoRA and the autocast region applied the same way: autocast's bf16 weight copies
   are saved for backward, so they count per layer) and backward on a 1- and a 2-layer model of this
@@ -410,22 +412,29 @@ class Estimator:
         if cfg.max_staleness and not server:
             parts["generation thread's weights"] = p["weights"]
             overlap = sum(rollout.values())
+        # the native engine on CUDA graphs (its default on CUDA, grpo_fast.rollout.graphs) keeps its decode
+        # buffers and weight copies at their addresses between calls: through training too
+        kept = {}
+        graphs = cfg.rollout in ("auto", "native") and cfg.rollout_compile in ("auto", "graphs")
+        if self.device == "cuda" and graphs and not overlap:
+            kept = {"rollout buffers kept (CUDA graphs)": kv + packed}
         persistent = sum(parts.values())
         rollout_peak = persistent + sum(rollout.values())
         train_peak = (
             persistent
             + overlap
+            + sum(kept.values())
             + max(logps + max(at_loss, in_backward), old_ref + logps, p["trainable"] + step_temps)
         )
         return {
-            "parts": {**parts, **rollout, **train},
+            "parts": {**parts, **rollout, **train, **kept},
             "rollout_peak": rollout_peak,
             "train_peak": train_peak,
             "peak": max(rollout_peak, train_peak),
             "kv_cache_unshared": kv_unshared,
             "plan": plan,
             # what a micro-batch may take under a budget: the budget less everything else in training
-            "train_fixed": persistent + overlap + p["trainable"] + loss_fixed + logps,
+            "train_fixed": persistent + overlap + sum(kept.values()) + p["trainable"] + loss_fixed + logps,
             "micro_batches": len(micro),
             "tokens_run": tokens_run(chunks, prompt_lens, completion_lens),
         }

@@ -78,7 +78,8 @@ def encode_prompts(rows, tokenizer, max_prompt_length, device):
 def engine_options(cfg: GRPOConfig, identity: str = "") -> dict:
     """The rollout engine and its settings, as `generate_groups` takes them; `identity`: the name vLLM servers
     know the run by (Run.identity; default `run_name`)."""
-    opts = {"engine": cfg.rollout, "compile": {"auto": "auto", "on": True, "off": False}[cfg.rollout_compile]}
+    compile = {"auto": "auto", "graphs": "graphs", "on": True, "off": False}[cfg.rollout_compile]
+    opts = {"engine": cfg.rollout, "compile": compile}
     if rollout_dtype_of(cfg) != "model":
         opts["rollout_dtype"] = rollout_dtype_of(cfg)
     if cfg.rollout == "vllm" and cfg.vllm_mode == "server":

@@ -1,0 +1,144 @@
+"""The native engine's decode step at fixed addresses, replayed as CUDA graphs (no Inductor).
+
+A `Static` holds one call shape's decode buffers at their full size (n groups x G rows) and keeps them across
+calls of that shape: the prompts' KV is copied in, everything else reset in place. The step runs on a
+*bucket*, the leading (groups, rows a group) block of those buffers, as views that start where the buffers
+start: compaction copies the rows still running to the front (their groups first, each group's running rows
+first), pads to the next bucket with finished filler rows, and the step goes on with that bucket's views. No
+tensor the step touches is ever re-allocated inside a call or between calls of one shape, so a graph captured
+for a bucket stays valid: on CUDA each bucket's step is captured once (lazily, the first time the bucket is
+needed; the largest first, all in one memory pool) and replayed for every token after. On a CPU the same
+bucketed step runs eagerly (there is nothing to capture): it is how the CPU tests check the GPU's padding and
+addresses, and each real row samples bit for bit what the unbucketed eager step samples.
+
+Buckets: groups 1, 2, 4, ... up to n, and n; rows a group 1, 2, 4, ... up to G, and G (nano-vllm captures
+batch sizes 1, 2, 4, 8, then every 16; ours keeps the group structure the prompt attention reads once per
+group). The prompts' KV capacity on CUDA is rounded up to PROMPT_STEP (a longer prompt later builds a new
+Static), so that batches of slightly different prompt lengths reuse the graphs; on a CPU it is exact.
+"""
+
+import dataclasses
+import time
+
+import torch
+
+PROMPT_STEP = 64  # CUDA: prompt KV slots rounded up to this (padding masked), so nearby lengths share graphs
+
+
+def buckets(n: int) -> list[int]:
+    """1, 2, 4, ... below n, and n."""
+    out, b = [], 1
+    while b < n:
+        out.append(b)
+        b *= 2
+    return [*out, n]
+
+
+def bucket_for(k: int, n: int) -> int:
+    """The smallest bucket of `buckets(n)` holding k."""
+    return next(b for b in buckets(n) if b >= k)
+
+
+class Static:
+    """One call shape's decode buffers (a `native._Buffers` at full size, `full`), the bucket in use and, on
+    CUDA, one captured graph per bucket. `key`: what a call must match to reuse it (native builds it)."""
+
+    def __init__(self, key, full, n: int, G: int, prompt_len: int):
+        self.key, self.full, self.n, self.G, self.prompt_len = key, full, n, G, prompt_len
+        self.capture = full.out.is_cuda
+        self.pool = torch.cuda.graph_pool_handle() if self.capture else None
+        self.graphs: dict = {}  # (groups, rows a group) -> torch.cuda.CUDAGraph
+        self.weights = None  # the engine's weight copies for this shape, refreshed in place each call
+        self.capture_s = 0.0
+        self.failed = None  # why this Static's graphs stopped being captured, if they did
+
+    def fits(self, key, prompt_len: int) -> bool:
+        if key != self.key:
+            return False
+        return prompt_len <= self.prompt_len if self.capture else prompt_len == self.prompt_len
+
+    def view(self, groups: int, per_group: int):
+        """The buffers of bucket (groups, per_group): the leading rows of each, at the same addresses."""
+        f, R = self.full, groups * per_group
+        rows = lambda ts: None if ts is None else [x[:R] for x in ts]  # noqa: E731
+        grp = lambda ts: None if ts is None else [x[:groups] for x in ts]  # noqa: E731
+        return dataclasses.replace(
+            f, prompt_k=grp(f.prompt_k), prompt_v=grp(f.prompt_v), prompt_bias=f.prompt_bias[:groups],
+            comp_k=rows(f.comp_k), comp_v=rows(f.comp_v), plen=f.plen[:R], out=f.out[:R], logp=f.logp[:R],
+            done=f.done[:R], lengths=f.lengths[:R], t=f.t[:R], noise=f.noise[:, :R], parked=f.parked[:R],
+            final=f.final[:R], prompt_kt=grp(f.prompt_kt), comp_kt=rows(f.comp_kt),
+        )  # fmt: skip
+
+    def step(self, bucket, b, step, args) -> None:
+        """One token step of bucket `bucket` on its views `b`: eager on a CPU; on CUDA the bucket's graph,
+        captured the first time (after one eager step on a side stream, which is this call's token). A capture
+        that fails leaves this Static eager, its reason in `failed` (printed once)."""
+        graph = self.graphs.get(bucket)
+        if graph is not None:
+            graph.replay()
+            return
+        if not self.capture or self.failed:
+            step(b, *args)
+            return
+        t0 = time.perf_counter()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            step(b, *args)  # the token itself, and the libraries' workspaces made outside the capture
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            # thread_local: another thread's CUDA work (the trainer's, beside an asynchronous rollout) goes on
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+                step(b, *args)  # recorded, not run
+        except Exception as exc:  # noqa: BLE001 - graphs are an optimization: say why, then run eager
+            first = str(exc).splitlines()[0][:200] if str(exc) else ""
+            self.failed = f"capture failed, eager: {type(exc).__name__}: {first}"
+            print(f"grpo-fast native rollout: CUDA graph {self.failed}", flush=True)
+            return
+        torch.cuda.synchronize()
+        self.graphs[bucket] = graph
+        self.capture_s += time.perf_counter() - t0
+
+    def compact(self, b, bucket, rows, final, alive):
+        """Move the rows `alive` (decoding or waiting for a tool) to the front: the groups with any first, as
+        many rows each as the next bucket above the busiest group's count (running rows first, then finished
+        rows of the same group as fillers), groups padded to their next bucket with copies of the last kept
+        group, all filler. Rows that leave are copied to `final` first. Returns (bucket, its views, the
+        original row of each buffer row, -1 a filler), or the same three when the bucket would not shrink."""
+        n, G = bucket
+        running = alive.view(n, G)
+        per_group = running.sum(1)
+        keep = per_group.nonzero().squeeze(1)
+        n2, G2 = bucket_for(len(keep), self.n), bucket_for(int(per_group.max()), self.G)
+        if (n2, G2) == bucket:
+            return bucket, b, rows
+        final.take(b, rows)
+        groups = torch.cat([keep, keep[-1:].expand(n2 - len(keep))])
+        order = torch.sort((~running[groups]).to(torch.int8), dim=1, stable=True).indices[:, :G2]
+        src = (groups[:, None] * G + order).reshape(-1)
+        filler = ~running[groups].gather(1, order)
+        filler[len(keep) :] = True  # the padding groups' rows
+        filler = filler.reshape(-1)
+        new_rows = torch.where(filler, -1, rows[src])
+        v = self.view(n2, G2)
+        for old, new in zip(_row_tensors(b), _row_tensors(v), strict=True):
+            new.copy_(old.index_select(0, src.to(old.device)))
+        for old, new in zip(_group_tensors(b), _group_tensors(v), strict=True):
+            new.copy_(old.index_select(0, groups))
+        v.noise.copy_(b.noise.index_select(1, src))
+        v.done.logical_or_(filler)
+        v.parked.logical_and_(~filler.cpu())
+        v.final.logical_or_(filler.cpu())
+        return (n2, G2), v, new_rows
+
+
+def _row_tensors(b) -> list:
+    """The tensors of a bucket's views indexed by row first."""
+    kt = b.comp_kt or []
+    return [*b.comp_k, *b.comp_v, *kt, b.plen, b.out, b.logp, b.done, b.lengths, b.t, b.parked, b.final]
+
+
+def _group_tensors(b) -> list:
+    """The tensors of a bucket's views indexed by group first."""
+    return [*b.prompt_k, *b.prompt_v, *(b.prompt_kt or []), b.prompt_bias]
