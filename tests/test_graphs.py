@@ -62,6 +62,7 @@ def _addresses(st, b, args) -> dict:
         for i, x in enumerate(value if isinstance(value, list) else [value]):
             if isinstance(x, torch.Tensor):
                 out[f"{name}{i}"] = x.data_ptr()
+    out["eos"] = args[3].data_ptr()  # made per call, kept by the Static: a graph reads it
     layers, head = args[0], args[1]
     for i, ly in enumerate(layers):
         for f in native._LINEARS:

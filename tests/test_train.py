@@ -140,13 +140,16 @@ def test_one_step_equals_naive_grpo(tmp_path, monkeypatch, loss_type, beta, extr
 def test_engine_logprobs_reach_the_loss_with_every_option(tmp_path):
     """The native engine's log-probs travel to the loss: its mismatch to the trainer is rounding, the
     off-policy mask keeps everything, and VESPO's weight is phi(1) = 1 on-policy; TRL's correction is on only
-    for an engine that is not the training forward (vLLM)."""
+    for an engine that is not the training forward (vLLM). The engine on batch buckets (`graphs`: CUDA
+    graphs' path, run eagerly on a CPU), its graph metrics logged."""
     cfg = _cfg(
         tmp_path, "--max-steps", "2", "--loss-type", "vespo", "--off-policy-mask-threshold", "0.1",
         "--top-entropy-quantile", "0.5", "--entropy-coef", "0.01", "--beta", "0.04",
+        "--rollout-compile", "graphs",
     )  # fmt: skip
     train(cfg)
     rec = [r for r in _records(tmp_path) if "loss" in r][-1]
+    assert rec["rollout/cuda_graphs"] == 0 and rec["rollout/capture_s"] == 0  # no CUDA here
     assert abs(rec["loss/sampling_k3"]) < 1e-6 and rec["loss/sampling_logp_diff_max"] < 1e-3
     assert rec["loss/off_policy_masked_fraction"] == 0.0
     assert abs(rec["loss/vespo_phi_mean"] - 1.0) < 1e-4

@@ -49,6 +49,7 @@ class Static:
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
         self.graphs: dict = {}  # (groups, rows a group) -> torch.cuda.CUDAGraph
         self.weights = None  # the engine's weight copies for this shape, refreshed in place each call
+        self.eos = None  # the EOS ids as the step reads them (part of the key: the same for every call)
         self.capture_s = 0.0
         self.failed = None  # why this Static's graphs stopped being captured, if they did
 

@@ -538,6 +538,9 @@ class NativeEngine:
             key = (n, G, cap, C, pk[0].dtype, device, self.rollout_dtype, float(temperature), top_k, top_p,
                    tuple(eos))  # fmt: skip
             st = self._static_for(key, fill, cap)
+            if st.eos is None:
+                st.eos = eos_t
+            eos_t = st.eos  # the step reads it: the graphs captured by an earlier call read this one
             b = st.view(n, G)
         else:
             b = _fresh_buffers(fill, cap, self.n_kv, self.head_dim, pk[0].shape[2])
@@ -588,6 +591,11 @@ class NativeEngine:
         self.stats["calls"] += 1
         capture_s = st.capture_s - capture_s if st is not None else 0.0
         self.stats["capture_s"] += capture_s
+        if capture_s:
+            print(
+                f"grpo-fast native rollout: CUDA graphs of {len(st.graphs)} batch buckets captured so far "
+                f"for this shape ({R} rows, C={C}), {capture_s:.2f} s in this call", flush=True,
+            )  # fmt: skip
         self.stats["graphs"] = len(st.graphs) if st is not None else 0
         if st is not None and st.failed:
             self.stats["graph_reason"] = st.failed

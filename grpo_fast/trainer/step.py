@@ -194,6 +194,17 @@ def server_metrics(run) -> dict:
             "vllm/failed_unloads": engine.stats["failed_unloads"]}  # fmt: skip
 
 
+def native_metrics(run) -> dict:
+    """The native engine on batch buckets (CUDA graphs, its default on CUDA): the graphs it holds and the
+    seconds spent capturing them so far (a new call shape captures again)."""
+    if server_mode(run.cfg) or resolve_engine(run.model, run.cfg.rollout)[0] != "native":
+        return {}
+    engine = native.engine_for(run.rollout_copy or run.model)
+    if not engine.last_call.get("buckets"):
+        return {}
+    return {"rollout/cuda_graphs": engine.stats["graphs"], "rollout/capture_s": engine.stats["capture_s"]}
+
+
 def multi_turn_rollout(run, rows, generator=None) -> Rollout:
     """G trajectories for each of `rows`' prompts in which the model may call tools (grpo_fast.rollout.
     trajectories): one completion per trajectory, model and tool turns interleaved, `tool_mask` telling them
@@ -602,6 +613,7 @@ def step_record(run, ro: Rollout, sc: Scored, metrics: dict, grad_norm: float, t
         "completion_len_max": int(all_gather_rows(ro.model_mask.sum(1), dist).max()),
         **(ro.tool_metrics or {}),
         **server_metrics(run),
+        **native_metrics(run),
         "tokens_per_s": n_tokens / (t3 - t0),
         "peak_mem_mb": max(peaks),  # this step's, this rank's (grpo_fast.trainer.memory)
         "peak_mem_rollout_mb": peaks[0],
