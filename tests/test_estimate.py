@@ -67,7 +67,8 @@ def test_cuda_graphs_keep_the_rollout_buffers_through_training():
     eager = Estimator(parse_config(flags + ["--rollout-compile", "off"]), device="cuda").estimate()
     kept = graphs["parts"]["rollout buffers kept (CUDA graphs)"]
     copy = engine_copy_bytes(est.params, est.cfg, "cuda")
-    assert copy > 0 and kept == graphs["parts"]["rollout KV cache"] + copy
+    kv = graphs["parts"]["rollout KV cache"]
+    assert copy > 0 and kv + copy < kept < kv + copy + graphs["parts"]["rollout working set"]
     assert graphs["train_peak"] - eager["train_peak"] == pytest.approx(kept, rel=1e-9)
     assert graphs["rollout_peak"] == eager["rollout_peak"]
     assert "rollout buffers kept (CUDA graphs)" not in Estimator(parse_config(flags)).estimate()["parts"]

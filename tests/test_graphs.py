@@ -221,8 +221,35 @@ def test_compile_must_be_a_known_mode():
 
 def test_the_trainer_flag_reaches_the_engine():
     from grpo_fast.trainer.config import parse_config
-    from grpo_fast.trainer.step import engine_options
+    from grpo_fast.trainer.step import engine_options, eval_engine_options
 
     assert engine_options(parse_config(["--rollout-compile", "graphs"]))["compile"] == "graphs"
     assert engine_options(parse_config([]))["compile"] == "auto"
     assert engine_options(parse_config(["--rollout-compile", "on"]))["compile"] is True
+    # held-out evaluation runs eager: its shapes would replace training's buffers and graphs
+    assert eval_engine_options(parse_config(["--rollout-compile", "graphs"]))["compile"] is False
+    assert eval_engine_options(parse_config(["--rollout-compile", "on"]))["compile"] is True
+
+
+@pytest.mark.parametrize("rollout_dtype", ["model", "fp8"])
+def test_the_step_cuda_captures_reads_nothing_back_on_the_host(monkeypatch, rollout_dtype):
+    """The step exactly as CUDA runs it (no CPU kernels, the full KV capacity), top-k / top-p and the draw
+    included, makes no host read: a CUDA graph can capture it. Checked with the operators it dispatches."""
+    monkeypatch.setattr(cpu_decode, "ENABLED", False)
+    monkeypatch.setattr(native.NativeEngine, "_eager_cpu", lambda self, device: False)
+    real, modes = graphs.Static.step, []
+
+    def watched(self, bucket, b, step, args):
+        with graphs.HostReads() as mode:
+            real(self, bucket, b, step, args)
+        modes.append(mode)
+
+    monkeypatch.setattr(graphs.Static, "step", watched)
+    model = eos_likely_lm("qwen2", V, EOS, factor=8.0)
+    _run(model, "graphs", C=12, rollout_dtype=rollout_dtype)
+    assert len(modes) >= 12 and all(m.seen == [] for m in modes), {s for m in modes for s in m.seen}
+    with graphs.HostReads() as mode:  # the detector (the one the capture runs first) detects
+        torch.ones(3).sum().item()
+        bool((torch.arange(3) > 1).any())
+        torch.arange(4).nonzero()
+    assert mode.seen == ["_local_scalar_dense", "_local_scalar_dense", "nonzero"]

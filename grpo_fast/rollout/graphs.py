@@ -43,8 +43,9 @@ class Static:
     """One call shape's decode buffers (a `native._Buffers` at full size, `full`), the bucket in use and, on
     CUDA, one captured graph per bucket. `key`: what a call must match to reuse it (native builds it)."""
 
-    def __init__(self, key, full, n: int, G: int, prompt_len: int):
+    def __init__(self, key, full, n: int, G: int, prompt_len: int, strict: bool = False):
         self.key, self.full, self.n, self.G, self.prompt_len = key, full, n, G, prompt_len
+        self.strict = strict  # a failed capture raises instead of running eager
         self.capture = full.out.is_cuda
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
         self.graphs: dict = {}  # (groups, rows a group) -> torch.cuda.CUDAGraph
@@ -72,8 +73,10 @@ class Static:
 
     def step(self, bucket, b, step, args) -> None:
         """One token step of bucket `bucket` on its views `b`: eager on a CPU; on CUDA the bucket's graph,
-        captured the first time (after one eager step on a side stream, which is this call's token). A capture
-        that fails leaves this Static eager, its reason in `failed` (printed once)."""
+        captured the first time after one eager step on a side stream (this call's token), watched for host
+        reads: a step that makes one (a model whose modules read a value back) is not captured, and neither
+        is a step whose capture fails; the Static then runs eager, its reason in `failed` (printed once), or
+        with `strict` (compile="graphs" asked for by name) the call fails with it."""
         graph = self.graphs.get(bucket)
         if graph is not None:
             graph.replay()
@@ -84,22 +87,34 @@ class Static:
         t0 = time.perf_counter()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
+        with torch.cuda.stream(side), HostReads() as watch:
             step(b, *args)  # the token itself, and the libraries' workspaces made outside the capture
         torch.cuda.current_stream().wait_stream(side)
+        if watch.seen:
+            ops = ", ".join(sorted(set(watch.seen)))
+            return self._fail(f"the step reads values back on the host ({ops})")
         graph = torch.cuda.CUDAGraph()
         try:
+            # the stream is left whatever happens (torch.cuda.graph's context would not on a failure);
             # thread_local: another thread's CUDA work (the trainer's, beside an asynchronous rollout) goes on
-            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-                step(b, *args)  # recorded, not run
-        except Exception as exc:  # noqa: BLE001 - graphs are an optimization: say why, then run eager
+            with torch.cuda.stream(side):  # recorded, not run
+                graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+                try:
+                    step(b, *args)
+                finally:
+                    graph.capture_end()
+        except Exception as exc:  # noqa: BLE001 - graphs are an optimization: say why (strict: fail)
             first = str(exc).splitlines()[0][:200] if str(exc) else ""
-            self.failed = f"capture failed, eager: {type(exc).__name__}: {first}"
-            print(f"grpo-fast native rollout: CUDA graph {self.failed}", flush=True)
-            return
-        torch.cuda.synchronize()
+            return self._fail(f"capture failed: {type(exc).__name__}: {first}")
+        torch.cuda.current_stream().wait_stream(side)
         self.graphs[bucket] = graph
         self.capture_s += time.perf_counter() - t0
+
+    def _fail(self, reason: str) -> None:
+        self.failed = f"CUDA graphs off for this shape, eager: {reason}"
+        if self.strict:
+            raise RuntimeError(f"compile='graphs': {self.failed}")
+        print(f"grpo-fast native rollout: {self.failed}", flush=True)
 
     def compact(self, b, bucket, rows, final, alive):
         """Move the rows `alive` (decoding or waiting for a tool) to the front: the groups with any first, as
@@ -143,3 +158,19 @@ def _row_tensors(b) -> list:
 def _group_tensors(b) -> list:
     """The tensors of a bucket's views indexed by group first."""
     return [*b.prompt_k, *b.prompt_v, *(b.prompt_kt or []), b.prompt_bias]
+
+
+class HostReads(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the operators that make the host wait for the device (a tensor's value read, or a shape that
+    depends on values): none can run inside a CUDA graph's capture."""
+
+    SYNCS = {"_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique2", "item", "is_nonzero"}
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ in self.SYNCS:
+            self.seen.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))

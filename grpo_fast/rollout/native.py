@@ -156,32 +156,27 @@ def _kernel_args(layer, fmt, f_attn, f_mlp):
     return n1, n2, dtype
 
 
-def _layers(base, fmt, rows: int) -> list:
-    """The decoder layers as the step calls them; `fmt` a LINEAR_FORMATS key or None (the modules)."""
-    out = []
-    for layer in base.layers:
-        a, m = layer.self_attn, layer.mlp
-        attn = [a.q_proj, a.k_proj, a.v_proj, a.o_proj]
-        f_attn = fmt if fmt and all(packable(x, fmt) for x in attn) else None
-        mlp_ok = all(hasattr(m, x) for x in ("gate_proj", "up_proj", "down_proj", "act_fn"))
-        mlp = [m.gate_proj, m.up_proj, m.down_proj] if mlp_ok else []
-        f_mlp = fmt if fmt and mlp_ok and all(packable(x, fmt) for x in mlp) else None
-        out.append(
-            _Layer(
-                norm1=_norm(layer.input_layernorm),
-                qkv=fused_linear([a.q_proj, a.k_proj, a.v_proj], f_attn, rows),
-                q_norm=_norm(a.q_norm) if hasattr(a, "q_norm") else None,
-                k_norm=_norm(a.k_norm) if hasattr(a, "k_norm") else None,
-                o=fused_linear([a.o_proj], f_attn, rows),
-                norm2=_norm(layer.post_attention_layernorm),
-                gate_up=fused_linear([m.gate_proj, m.up_proj], f_mlp, rows) if mlp_ok else None,
-                act=m.act_fn if mlp_ok else None,
-                down=fused_linear([m.down_proj], f_mlp, rows) if mlp_ok else None,
-                mlp=m,
-                kernel_args=_kernel_args(layer, fmt, f_attn, f_mlp) if mlp_ok else None,
-            )
-        )
-    return out
+def _layer(layer, fmt, rows: int) -> _Layer:
+    """A decoder layer as the step calls it; `fmt` a LINEAR_FORMATS key or None (the modules)."""
+    a, m = layer.self_attn, layer.mlp
+    attn = [a.q_proj, a.k_proj, a.v_proj, a.o_proj]
+    f_attn = fmt if fmt and all(packable(x, fmt) for x in attn) else None
+    mlp_ok = all(hasattr(m, x) for x in ("gate_proj", "up_proj", "down_proj", "act_fn"))
+    mlp = [m.gate_proj, m.up_proj, m.down_proj] if mlp_ok else []
+    f_mlp = fmt if fmt and mlp_ok and all(packable(x, fmt) for x in mlp) else None
+    return _Layer(
+        norm1=_norm(layer.input_layernorm),
+        qkv=fused_linear([a.q_proj, a.k_proj, a.v_proj], f_attn, rows),
+        q_norm=_norm(a.q_norm) if hasattr(a, "q_norm") else None,
+        k_norm=_norm(a.k_norm) if hasattr(a, "k_norm") else None,
+        o=fused_linear([a.o_proj], f_attn, rows),
+        norm2=_norm(layer.post_attention_layernorm),
+        gate_up=fused_linear([m.gate_proj, m.up_proj], f_mlp, rows) if mlp_ok else None,
+        act=m.act_fn if mlp_ok else None,
+        down=fused_linear([m.down_proj], f_mlp, rows) if mlp_ok else None,
+        mlp=m,
+        kernel_args=_kernel_args(layer, fmt, f_attn, f_mlp) if mlp_ok else None,
+    )
 
 
 def _transpose_keys(b: _Buffers) -> None:
@@ -382,7 +377,8 @@ class NativeEngine:
         running = (~b.done).long()
         b.lengths.add_(running)
         t.add_(running)
-        b.done.logical_or_(torch.isin(nxt, eos) | (b.lengths >= C))
+        # (== and any, not torch.isin: with many ids isin sorts, reading back on the host: no CUDA graph)
+        b.done.logical_or_((nxt[:, None] == eos).any(-1) | (b.lengths >= C))
 
     def _extend(self, b: _Buffers, r: int, tokens, layers):
         """Append `tokens` (a tool's turn) to buffer row r, whose last token is the EOS ending its turn:
@@ -433,21 +429,7 @@ class NativeEngine:
         dtype's format (eager CPU: the optimizer has moved the weights since the last call; fp32 packed, or a
         low-precision copy), or the modules themselves (built once, so that a compiled step keeps seeing the
         same functions). On buckets (`static`, a graphs.Static) the copies are the Static's own, refreshed in
-        place: a captured graph reads them where they are."""
-        fresh = self._fresh_weights(rows, device, dtype)
-        if static is None:
-            return fresh
-        if static.weights is None:
-            static.weights = fresh
-        elif static.weights is not fresh:
-            (layers, head), (new_layers, new_head) = static.weights, fresh
-            pairs = [(getattr(a, f), getattr(c, f)) for a, c in zip(layers, new_layers) for f in _LINEARS]
-            for old, new in [(head, new_head), *pairs]:
-                if isinstance(old, Packed):
-                    old.refresh(new)
-        return static.weights
-
-    def _fresh_weights(self, rows, device, dtype):
+        place one layer at a time (never two whole copies): a captured graph reads them where they are."""
         fmt = self.rollout_dtype
         if fmt == "model":
             pack = (
@@ -455,13 +437,27 @@ class NativeEngine:
                 and torch.backends.mkldnn.is_available() and not self.compiles(device)
             )  # fmt: skip
             fmt = "fp32" if pack else None  # (on buckets on a CPU too: they copy the packed weights in place)
-        if fmt is not None:
-            head = self.lm.lm_head
-            head_fmt = HEAD_FORMATS[fmt] if packable(head, HEAD_FORMATS[fmt]) else None
-            return _layers(self.base, fmt, rows), fused_linear([head], head_fmt, rows)
-        if self._module_weights is None:
-            self._module_weights = (_layers(self.base, None, rows), self.lm.lm_head)
-        return self._module_weights
+        if fmt is None:
+            if self._module_weights is None:
+                self._module_weights = ([_layer(x, None, rows) for x in self.base.layers], self.lm.lm_head)
+            return self._module_weights
+        lm_head = self.lm.lm_head
+        head_fmt = HEAD_FORMATS[fmt] if packable(lm_head, HEAD_FORMATS[fmt]) else None
+        if static is None or static.weights is None:
+            layers = [_layer(x, fmt, rows) for x in self.base.layers]
+            weights = layers, fused_linear([lm_head], head_fmt, rows)
+            if static is not None:
+                static.weights = weights
+            return weights
+        layers, head = static.weights
+        for mine, layer in zip(layers, self.base.layers, strict=True):
+            newer = _layer(layer, fmt, rows)
+            for f in _LINEARS:
+                if isinstance(getattr(mine, f), Packed):
+                    getattr(mine, f).refresh(getattr(newer, f))
+        if isinstance(head, Packed):
+            head.refresh(fused_linear([lm_head], head_fmt, rows))
+        return static.weights
 
     def _run_step(self, b, *args):
         if not self.compiles(b.out.device):
@@ -616,7 +612,8 @@ class NativeEngine:
             self._static = st = None  # its memory back before the new one's
             cuda = fill["pk"][0].is_cuda
             p_cap = -(-P // PROMPT_STEP) * PROMPT_STEP if cuda else P
-            st = Static(key, _fresh_buffers(fill, cap, self.n_kv, self.head_dim, p_cap), *key[:2], p_cap)
+            full = _fresh_buffers(fill, cap, self.n_kv, self.head_dim, p_cap)
+            st = Static(key, full, *key[:2], p_cap, strict=self.compile_mode == "graphs")
             self._static = st
             if not cuda and not self.stats["graph_reason"]:
                 self.stats["graph_reason"] = "no CUDA device: the bucketed step runs eagerly, no graphs"

@@ -12,8 +12,8 @@ Parts, from the model's config alone (no weights are loaded):
   each sample's completion KV at its fixed capacity (on a CPU the keys twice: the decode kernels' transposed
   copy), the prefill's working set, and on a CPU the copy of the linear weights the engine makes for the call
   (fp32 oneDNN-packed, or the --rollout-dtype's: bf16 half of it, int8 a quarter with the LM head kept fp32);
-  on CUDA with the engine on CUDA graphs (`--rollout-compile auto|graphs`) the KV and the weight copy stay
-  allocated through training (the graphs read them where they are);
+  on CUDA with the engine on CUDA graphs (`--rollout-compile auto|graphs`) the KV, the weight copy and the
+  graphs' pool (the decode step's working set) stay allocated through training (the graphs read them there);
 - training activations of one micro-batch: a probe runs the trainer's own forward (`completion_hidden_states`,
   gradient checkpointing, LoRA and the autocast region applied the same way: autocast's bf16 weight copies
   are saved for backward, so they count per layer) and backward on a 1- and a 2-layer model of this
@@ -413,11 +413,12 @@ class Estimator:
             parts["generation thread's weights"] = p["weights"]
             overlap = sum(rollout.values())
         # the native engine on CUDA graphs (its default on CUDA, grpo_fast.rollout.graphs) keeps its decode
-        # buffers and weight copies at their addresses between calls: through training too
+        # buffers and weight copies at their addresses between calls, and the graphs' pool (the largest
+        # bucket's step: its logits and the draw's buffers): through training too
         kept = {}
         graphs = cfg.rollout in ("auto", "native") and cfg.rollout_compile in ("auto", "graphs")
         if self.device == "cuda" and graphs and not overlap:
-            kept = {"rollout buffers kept (CUDA graphs)": kv + packed}
+            kept = {"rollout buffers kept (CUDA graphs)": kv + packed + decode}
         persistent = sum(parts.values())
         rollout_peak = persistent + sum(rollout.values())
         train_peak = (

@@ -111,10 +111,12 @@ def run_name(cfg: GRPOConfig) -> str:
 def eval_engine_options(cfg: GRPOConfig) -> dict:
     """`engine_options` for held-out accuracy: the training precision (the policy's own, or its bf16 / fp16
     copy under autocast), never a lower one asked for rollouts; except on vLLM, whose dtype is fixed when it
-    starts (its evaluation runs in the rollout dtype)."""
-    if cfg.rollout == "vllm" and cfg.vllm_mode == "server":  # the trainer's own weights, not the server's
-        return {"engine": "auto", "compile": engine_options(cfg)["compile"]}
+    starts (its evaluation runs in the rollout dtype). The native engine eager, not on CUDA graphs."""
     opts = engine_options(cfg)
+    if opts["compile"] in ("auto", "graphs"):  # its shapes are not training's: CUDA graphs of its own would
+        opts["compile"] = False  # replace training's buffers and graphs (one call shape is kept), and back
+    if cfg.rollout == "vllm" and cfg.vllm_mode == "server":  # the trainer's own weights, not the server's
+        return {"engine": "auto", "compile": opts["compile"]}
     if cfg.rollout != "vllm":
         opts.pop("rollout_dtype", None)
         if precision_of(cfg).rollout_dtype != "model":
