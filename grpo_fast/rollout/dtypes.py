@@ -4,6 +4,8 @@ in it (`LINEAR_FORMATS`: the policy's weights copied once per call, packed for c
 (fp32 / bf16 on AVX-512) or oneDNN's (fp32 / bf16 / fp16), or W8A8 int8 / fp8; `fused_linear` concatenates a
 layer's projections into one such matrix)."""
 
+import functools
+
 import torch
 
 from ..models.model_parts import merged_lora_weight
@@ -163,6 +165,11 @@ def check_rollout_dtype(rollout_dtype, device, model_dtype) -> str:
             f"rollout_dtype='int8' runs on the CPU (oneDNN's int8 kernels); on {device.type} use 'fp8' or "
             "'bf16'"
         )
+    if rollout_dtype == "int8" and not int8_exact():
+        raise ValueError(
+            "rollout_dtype='int8' needs exact int8 products, and this CPU's (oneDNN without VNNI: pairs of "
+            "products summed in 16 bits) saturate; use 'bf16' or 'model'"
+        )
     if rollout_dtype == "fp8" and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
         raise ValueError(
             f"rollout_dtype='fp8' needs fp8 tensor cores (compute capability >= 8.9), got "
@@ -179,6 +186,19 @@ def check_rollout_dtype(rollout_dtype, device, model_dtype) -> str:
 
 
 HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@functools.cache
+def int8_exact() -> bool:
+    """Whether `torch._int_mm` multiplies int8 exactly on this CPU. oneDNN without VNNI (AVX2: u8 x s8
+    products summed in pairs into 16 bits) saturates: products of large values come out wrong (measured
+    off by 88,576 in 471,766 at random int8 values under ONEDNN_MAX_CPU_ISA=AVX2)."""
+    g = torch.Generator().manual_seed(0)
+    a = torch.randint(-127, 128, (16, 64), dtype=torch.int8, generator=g)
+    b = torch.randint(-127, 128, (64, 32), dtype=torch.int8, generator=g)
+    a[0], b[:, 0] = 127, 127  # a row and a column at the extremes: the pairs' sums saturate there if at all
+    a[1], b[:, 1] = -127, 127
+    return torch.equal(torch._int_mm(a, b.t().contiguous().t()), a.int() @ b.int())
 
 
 def cpu_flags() -> set:
