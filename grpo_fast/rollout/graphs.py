@@ -39,6 +39,24 @@ def bucket_for(k: int, n: int) -> int:
     return next(b for b in buckets(n) if b >= k)
 
 
+def select_rows(alive, n: int, G: int, size):
+    """What a compaction of n groups x G rows keeps, `alive` (R,) the rows still decoding or waiting for a
+    tool: the groups with any, in order, then as many copies of the last of them as the new shape needs; in
+    each, its alive rows first, then its other rows as fillers. `size(groups with any, the busiest group's
+    count)` gives the new shape (n2, G2): the same two for the eager step, their buckets for a `Static`.
+    Returns (n2, G2), the kept groups (n2,), each new row's old row (n2 * G2,) and which are fillers."""
+    running = alive.view(n, G)
+    per_group = running.sum(1)
+    keep = per_group.nonzero().squeeze(1)
+    n2, G2 = size(len(keep), int(per_group.max()))
+    groups = torch.cat([keep, keep[-1:].expand(n2 - len(keep))])
+    order = torch.sort((~running[groups]).to(torch.int8), dim=1, stable=True).indices[:, :G2]
+    src = (groups[:, None] * G + order).reshape(-1)
+    filler = ~running[groups].gather(1, order)
+    filler[len(keep) :] = True  # the copies of the last group
+    return (n2, G2), groups, src, filler.reshape(-1)
+
+
 class Static:
     """One call shape's decode buffers (a `native._Buffers` at full size, `full`), the bucket in use and, on
     CUDA, one captured graph per bucket. `key`: what a call must match to reuse it (native builds it)."""
@@ -123,21 +141,14 @@ class Static:
         group, all filler. Rows that leave are copied to `final` first. Returns (bucket, its views, the
         original row of each buffer row, -1 a filler), or the same three when the bucket would not shrink."""
         n, G = bucket
-        running = alive.view(n, G)
-        per_group = running.sum(1)
-        keep = per_group.nonzero().squeeze(1)
-        n2, G2 = bucket_for(len(keep), self.n), bucket_for(int(per_group.max()), self.G)
-        if (n2, G2) == bucket:
+        shape, groups, src, filler = select_rows(
+            alive, n, G, lambda g, r: (bucket_for(g, self.n), bucket_for(r, self.G))
+        )
+        if shape == bucket:
             return bucket, b, rows
         final.take(b, rows)
-        groups = torch.cat([keep, keep[-1:].expand(n2 - len(keep))])
-        order = torch.sort((~running[groups]).to(torch.int8), dim=1, stable=True).indices[:, :G2]
-        src = (groups[:, None] * G + order).reshape(-1)
-        filler = ~running[groups].gather(1, order)
-        filler[len(keep) :] = True  # the padding groups' rows
-        filler = filler.reshape(-1)
         new_rows = torch.where(filler, -1, rows[src])
-        v = self.view(n2, G2)
+        v = self.view(*shape)
         for old, new in zip(_row_tensors(b), _row_tensors(v), strict=True):
             new.copy_(old.index_select(0, src.to(old.device)))
         for old, new in zip(_group_tensors(b), _group_tensors(v), strict=True):
@@ -146,7 +157,7 @@ class Static:
         v.done.logical_or_(filler)
         v.parked.logical_and_(~filler.cpu())
         v.final.logical_or_(filler.cpu())
-        return (n2, G2), v, new_rows
+        return shape, v, new_rows
 
 
 def _row_tensors(b) -> list:

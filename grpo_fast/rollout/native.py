@@ -32,8 +32,8 @@ import torch
 from ..models.model_parts import causal_lm, position_ids_from_mask
 from . import cpu_decode
 from .dtypes import HEAD_FORMATS, Packed, check_rollout_dtype, fused_linear, packable
-from .graphs import PROMPT_STEP, Static
-from .sampling import draw, eos_and_pad
+from .graphs import PROMPT_STEP, Static, select_rows
+from .sampling import draw, eos_and_pad, is_eos
 
 SUPPORTED_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 SYNC_EVERY = 16  # tokens between host checks of "all done" (and compaction) on CUDA
@@ -180,14 +180,16 @@ def _layer(layer, fmt, rows: int) -> _Layer:
 
 
 def _transpose_keys(b: _Buffers) -> None:
-    """The keys again, transposed (.., d, slots), for the CPU decode kernels, which read them in blocks of 64
-    (the prompt's padded to it): made, or written into those a `graphs.Static` keeps."""
+    """The prompts' keys again, transposed (.., d, slots), for the CPU decode kernels, which read them in
+    blocks of 64 (padded to it): made, or written into those a `graphs.Static` keeps. The completion keys'
+    twins start empty (zeros, as `_refill` leaves them on a kept Static); the step writes both."""
     pad = -b.prompt_k[0].shape[2] % 64
     pkt = [torch.nn.functional.pad(k.transpose(-1, -2), (0, pad)) for k in b.prompt_k]
     if b.prompt_kt is None:
-        b.prompt_kt, b.comp_kt = pkt, [k.transpose(-1, -2).contiguous() for k in b.comp_k]
+        b.prompt_kt = pkt
+        b.comp_kt = [k.new_zeros(k.shape[0], k.shape[1], k.shape[3], k.shape[2]) for k in b.comp_k]
         return
-    for dst, src in zip([*b.prompt_kt, *b.comp_kt], [*pkt, *(k.transpose(-1, -2) for k in b.comp_k)]):
+    for dst, src in zip(b.prompt_kt, pkt):
         dst.copy_(src)
 
 
@@ -378,7 +380,7 @@ class NativeEngine:
         b.lengths.add_(running)
         t.add_(running)
         # (== and any, not torch.isin: with many ids isin sorts, reading back on the host: no CUDA graph)
-        b.done.logical_or_((nxt[:, None] == eos).any(-1) | (b.lengths >= C))
+        b.done.logical_or_(is_eos(nxt, eos) | (b.lengths >= C))
 
     def _extend(self, b: _Buffers, r: int, tokens, layers):
         """Append `tokens` (a tool's turn) to buffer row r, whose last token is the EOS ending its turn:
@@ -544,7 +546,7 @@ class NativeEngine:
         first = res.logits[:, -1].repeat_interleave(G, 0)
         tok, lp = draw(first, b.noise[0], temperature, top_k, top_p)
         b.out[:, 0], b.logp[:, 0] = tok, lp
-        b.done |= torch.isin(tok, eos_t) | (b.lengths >= C)
+        b.done |= is_eos(tok, eos_t) | (b.lengths >= C)
         t_prefill = time.perf_counter()
         layers, head = self._weights(R, device, pk[0].dtype, st)
         kern = self._kernels_for(layers, b, device)  # for the whole call
@@ -619,18 +621,7 @@ class NativeEngine:
                 self.stats["graph_reason"] = "no CUDA device: the bucketed step runs eagerly, no graphs"
                 print(f"grpo-fast native rollout: {self.stats['graph_reason']}", flush=True)
             return st
-        f = st.full
-        for dst, src in zip([*f.prompt_k, *f.prompt_v], [*fill["pk"], *fill["pv"]]):
-            dst[:, :, :P].copy_(src)
-            dst[:, :, P:].zero_()
-        f.prompt_bias.fill_(float("-inf"))
-        f.prompt_bias[..., :P].copy_(fill["bias"])
-        for x in [*f.comp_k, *f.comp_v, f.logp, f.done, f.t, f.parked, f.final]:
-            x.zero_()
-        f.plen.copy_(fill["plen"])
-        f.out.fill_(fill["pad"])
-        f.lengths.fill_(1)
-        f.noise.copy_(fill["noise"])
+        _refill(st.full, fill)
         return st
 
     def _turns(self, b: _Buffers, rows, pending, hook, eos, layers):
@@ -641,7 +632,7 @@ class NativeEngine:
         for r in ended:
             s, n = int(rows[r]), int(b.lengths[r])
             fut = None
-            if s >= 0 and n < C and bool(torch.isin(b.out[r, n - 1], eos)):
+            if s >= 0 and n < C and bool(is_eos(b.out[r, n - 1], eos)):
                 fut = hook.start(s, b.out[r, :n].tolist())
             if fut is None:
                 b.final[r] = True
@@ -659,25 +650,45 @@ class NativeEngine:
 
 
 def _fresh_buffers(fill, cap, kvh, d, p_cap) -> _Buffers:
-    """A call's buffers: the prompts' KV (padded to `p_cap` slots, masked), completion KV of `cap` slots."""
-    pk, pv, bias = fill["pk"], fill["pv"], fill["bias"]
-    R, C1 = fill["noise"].shape[1], fill["noise"].shape[0]
-    if p_cap > pk[0].shape[2]:
-        grow = p_cap - pk[0].shape[2]
-        pk = [torch.nn.functional.pad(k, (0, 0, 0, grow)) for k in pk]
-        pv = [torch.nn.functional.pad(v, (0, 0, 0, grow)) for v in pv]
-        bias = torch.nn.functional.pad(bias, (0, grow), value=float("-inf"))
+    """A call's buffers: the prompts' KV (padded to `p_cap` slots, masked), completion KV of `cap` slots,
+    allocated here and filled by `_refill` (the prompts' KV and uniforms are fill's own where they fit)."""
+    pk, pv, noise = fill["pk"], fill["pv"], fill["noise"]
+    n, P, R, C1 = pk[0].shape[0], pk[0].shape[2], noise.shape[1], noise.shape[0]
     device, dtype = pk[0].device, pk[0].dtype
-    zeros = lambda *shape, **kw: torch.zeros(*shape, device=device, **kw)  # noqa: E731
-    return _Buffers(
-        prompt_k=pk, prompt_v=pv, prompt_bias=bias,
-        comp_k=[zeros(R, kvh, cap, d, dtype=dtype) for _ in pk],
-        comp_v=[zeros(R, kvh, cap, d, dtype=dtype) for _ in pk],
-        plen=fill["plen"], out=torch.full((R, C1), fill["pad"], dtype=torch.long, device=device),
-        logp=zeros(R, C1), done=zeros(R, dtype=torch.bool), t=zeros(R, dtype=torch.long),
-        lengths=torch.ones(R, dtype=torch.long, device=device), noise=fill["noise"],
-        parked=torch.zeros(R, dtype=torch.bool), final=torch.zeros(R, dtype=torch.bool),
+    empty = lambda *shape, dtype=dtype: torch.empty(*shape, device=device, dtype=dtype)  # noqa: E731
+    prompt = lambda kv: kv if p_cap == P else [empty(n, kvh, p_cap, d) for _ in kv]  # noqa: E731
+    return _refill(
+        _Buffers(
+            prompt_k=prompt(pk), prompt_v=prompt(pv), prompt_bias=empty(n, 1, 1, p_cap, dtype=torch.float32),
+            comp_k=[empty(R, kvh, cap, d) for _ in pk], comp_v=[empty(R, kvh, cap, d) for _ in pk],
+            plen=empty(R, dtype=torch.long), out=empty(R, C1, dtype=torch.long),
+            logp=empty(R, C1, dtype=torch.float32), done=empty(R, dtype=torch.bool),
+            t=empty(R, dtype=torch.long), lengths=empty(R, dtype=torch.long), noise=noise,
+            parked=torch.empty(R, dtype=torch.bool), final=torch.empty(R, dtype=torch.bool),
+        ),
+        fill,
     )  # fmt: skip
+
+
+def _refill(b: _Buffers, fill) -> _Buffers:
+    """A call's starting values written into buffers `b` (new ones, or those a `graphs.Static` keeps): the
+    prompts' KV (the slots past the prompt zeroed and masked), no completion yet (its KV zeroed: masked, but
+    read by the attention, where garbage could be NaN). A tensor that is fill's own is left as it is."""
+    P = fill["pk"][0].shape[2]
+    for dst, src in zip([*b.prompt_k, *b.prompt_v], [*fill["pk"], *fill["pv"]]):
+        if dst is not src:
+            dst[:, :, :P].copy_(src)
+            dst[:, :, P:].zero_()
+    b.prompt_bias.fill_(float("-inf"))
+    b.prompt_bias[..., :P].copy_(fill["bias"])
+    for x in [*b.comp_k, *b.comp_v, *(b.comp_kt or []), b.logp, b.done, b.t, b.parked, b.final]:
+        x.zero_()
+    b.plen.copy_(fill["plen"])
+    b.out.fill_(fill["pad"])
+    b.lengths.fill_(1)
+    if b.noise is not fill["noise"]:
+        b.noise.copy_(fill["noise"])
+    return b
 
 
 class _Final:
@@ -710,27 +721,18 @@ def _compact(b: _Buffers, rows, final: _Final, alive):
     once. Returns the new buffers and original-row map; rows that leave are copied to `final` first."""
     final.take(b, rows)
     n = b.prompt_bias.shape[0]
-    G = b.out.shape[0] // n
-    running = alive.view(n, G)
-    per_group = running.sum(1)
-    keep_groups = per_group.nonzero().squeeze(1)
-    G2 = int(per_group.max())
-    # rows of kept groups: running ones first, then fillers (finished rows of the same group)
-    order = torch.sort((~running[keep_groups]).to(torch.int8), dim=1, stable=True).indices[:, :G2]
-    src = (keep_groups[:, None] * G + order).reshape(-1)
-    filler = ~running[keep_groups].gather(1, order).reshape(-1)
+    _, groups, src, filler = select_rows(alive, n, b.out.shape[0] // n, lambda g, r: (g, r))
     new_rows = torch.where(filler, -1, rows[src])
     take = lambda x: x.index_select(0, src)  # noqa: E731
-    gi = keep_groups
     nb = _Buffers(
-        prompt_k=[x.index_select(0, gi) for x in b.prompt_k],
-        prompt_v=[x.index_select(0, gi) for x in b.prompt_v],
-        prompt_bias=b.prompt_bias.index_select(0, gi), comp_k=[take(x) for x in b.comp_k],
+        prompt_k=[x.index_select(0, groups) for x in b.prompt_k],
+        prompt_v=[x.index_select(0, groups) for x in b.prompt_v],
+        prompt_bias=b.prompt_bias.index_select(0, groups), comp_k=[take(x) for x in b.comp_k],
         comp_v=[take(x) for x in b.comp_v], plen=take(b.plen), out=take(b.out), logp=take(b.logp),
         done=take(b.done) | filler, lengths=take(b.lengths), t=take(b.t),
         noise=b.noise.index_select(1, src), parked=b.parked[src.cpu()] & ~filler.cpu(),
         final=b.final[src.cpu()] | filler.cpu(),
-        prompt_kt=None if b.prompt_kt is None else [x.index_select(0, gi) for x in b.prompt_kt],
+        prompt_kt=None if b.prompt_kt is None else [x.index_select(0, groups) for x in b.prompt_kt],
         comp_kt=None if b.comp_kt is None else [take(x) for x in b.comp_kt],
     )  # fmt: skip
     return nb, new_rows

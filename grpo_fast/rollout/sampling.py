@@ -32,6 +32,12 @@ def eos_and_pad(eos_token_id) -> tuple[list, int]:
     return eos, (int(eos[0]) if eos else 0)
 
 
+def is_eos(tokens, eos):
+    """Which of `tokens` are one of the EOS ids `eos` (a 1-D tensor, maybe empty): compared, never sorted
+    (torch.isin sorts, reading back on the host: not inside a CUDA graph)."""
+    return (tokens[..., None] == eos).any(-1)
+
+
 def filtered(scaled, top_k: int, top_p: float):
     """(rows, V) temperature-scaled logits with the tokens outside top-k, then outside top-p, at -inf (the
     same tensor when neither filters)."""
