@@ -119,11 +119,12 @@ def test_pack_linear_lays_out_and_rounds_as_torch(dtype, src):
     N, K = 37, 10
     w = torch.randn(N, K).to(src)
     pack, _ = cpu_decode.linear_for(dtype)
-    p = pack(w, dtype)  # (N/16, K/per, 16, per)
+    p = pack(w, dtype)  # (N/16, K/per, 16, per): bf16 in pairs where the build multiplies pairs (AVX512-BF16)
     per = p.shape[-1]
     unpacked = p.permute(0, 2, 1, 3).reshape(-1, K)
     assert torch.equal(unpacked[:N], w.to(dtype))  # torch's cast: round to nearest even
-    assert not unpacked[N:].any() and unpacked.shape[0] == 48 and per == (2 if dtype == torch.bfloat16 else 1)
+    assert not unpacked[N:].any() and unpacked.shape[0] == 48
+    assert per in ((1, 2) if dtype == torch.bfloat16 else (1,))
 
 
 @pytest.mark.skipif(torch.bfloat16 not in LINEAR, reason="no bf16 linear kernel on this CPU")

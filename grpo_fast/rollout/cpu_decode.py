@@ -42,7 +42,7 @@ _SOURCE = r"""
 
 namespace {
 
-constexpr int64_t KEYS = 64;      // keys per score block (four 16-lane registers); key buffers padded to it
+constexpr int64_t KEYS = 64;      // keys per score block (4 AVX-512 / 8 AVX2 registers); buffers padded to it
 constexpr float MASKED = -1e30f;  // a finite "minus infinity": the build assumes finite math
 
 template <typename T> inline float f32(T v) { return static_cast<float>(v); }
@@ -83,18 +83,25 @@ void silu_mul_impl(const T* gu, T* out, int64_t R, int64_t I) {
   });
 }
 
-// 16 fp32 lanes (GCC / Clang vector extensions: one AVX-512 register, two AVX2 ones)
-typedef float vf __attribute__((vector_size(64)));
-typedef uint32_t vu __attribute__((vector_size(64)));
-typedef uint16_t vh __attribute__((vector_size(32)));
+// one machine register of fp32 lanes (GCC / Clang vector extensions): 16 on AVX-512, 8 on AVX2. Never
+// wider than the machine's registers: a 64-byte vector on AVX2 lives on the stack, every FMA through memory
+#if defined(__AVX512F__)
+constexpr int64_t VL = 16;
+#else
+constexpr int64_t VL = 8;
+#endif
+constexpr int NREG = KEYS / VL;  // registers holding one block of scores
+typedef float vf __attribute__((vector_size(VL * 4)));
+typedef uint32_t vu __attribute__((vector_size(VL * 4)));
+typedef uint16_t vh __attribute__((vector_size(VL * 2)));
 
-inline vf load16(const float* p) {
+inline vf loadv(const float* p) {
   vf v;
   std::memcpy(&v, p, sizeof(v));
   return v;
 }
 
-inline vf load16(const at::BFloat16* p) {  // bf16 -> fp32: the 16 bits become the high half
+inline vf loadv(const at::BFloat16* p) {  // bf16 -> fp32: the 16 bits become the high half
   vh h;
   std::memcpy(&h, p, sizeof(h));
   vu u = __builtin_convertvector(h, vu) << 16;
@@ -104,19 +111,20 @@ inline vf load16(const at::BFloat16* p) {  // bf16 -> fp32: the 16 bits become t
 }
 
 // s[h][p] = q_h . key_p * scaling for `nq` queries against `count` keys stored transposed (keys_t[j][p], row
-// stride `ld`, readable up to `count` rounded up to KEYS): 64 scores at a time in four registers over j
+// stride `ld`, readable up to `count` rounded up to KEYS): KEYS scores at a time in NREG registers over j
+// (all of them, past `count` too: a fixed count keeps the accumulators in registers)
 template <typename KV>
 void scores(const float* q, int64_t nq, const KV* keys_t, int64_t ld, int64_t count, int64_t d,
             float scaling, float* out, int64_t out_stride) {
   for (int64_t h = 0; h < nq; ++h) {
     const float* qh = q + h * d;
     for (int64_t p0 = 0; p0 < count; p0 += KEYS) {
-      const int64_t nb = std::min<int64_t>(4, (count - p0 + 15) / 16);  // registers holding real keys
-      vf a[4] = {};
+      vf a[NREG] = {};
       for (int64_t j = 0; j < d; ++j) {
         const float qj = qh[j] * scaling;
         const KV* row = keys_t + j * ld + p0;
-        for (int64_t k = 0; k < nb; ++k) a[k] += qj * load16(row + 16 * k);
+#pragma GCC unroll 8
+        for (int k = 0; k < NREG; ++k) a[k] += qj * loadv(row + VL * k);
       }
       float tmp[KEYS];
       std::memcpy(tmp, a, sizeof(a));
@@ -125,31 +133,36 @@ void scores(const float* q, int64_t nq, const KV* keys_t, int64_t ld, int64_t co
   }
 }
 
-// acc[h][:] += sum_p w[h][p] * values[p][:] for `nq` weight rows (stride `w_stride`): 64 outputs at a time in
-// four registers over p, a scalar tail past d's last multiple of 16
+// acc[h][:] += sum_p w[h][p] * values[p][:] for `nq` weight rows (stride `w_stride`): KEYS outputs at a time
+// in NREG registers over p, a narrower block, then a scalar tail, past d's last multiple of KEYS and of VL
 template <typename KV>
 void accumulate(const float* w, int64_t w_stride, int64_t nq, const KV* values, int64_t count, int64_t d,
                 float* acc) {
-  const int64_t d16 = d / 16 * 16;
+  const int64_t dk = d / KEYS * KEYS, dv = d / VL * VL;
   for (int64_t h = 0; h < nq; ++h) {
     const float* wh = w + h * w_stride;
     float* acc_h = acc + h * d;
-    for (int64_t j0 = 0; j0 < d16; j0 += 64) {
-      const int64_t nb = std::min<int64_t>(4, (d16 - j0) / 16);
-      vf a[4] = {};
+    for (int64_t j0 = 0; j0 < dk; j0 += KEYS) {
+      vf a[NREG] = {};
       for (int64_t p = 0; p < count; ++p) {
         const float wp = wh[p];
         const KV* v = values + p * d + j0;
-        for (int64_t k = 0; k < nb; ++k) a[k] += wp * load16(v + 16 * k);
+#pragma GCC unroll 8
+        for (int k = 0; k < NREG; ++k) a[k] += wp * loadv(v + VL * k);
       }
-      for (int64_t k = 0; k < nb; ++k) {
-        float tmp[16];
-        std::memcpy(tmp, &a[k], 64);
-        for (int64_t b = 0; b < 16; ++b) acc_h[j0 + 16 * k + b] += tmp[b];
-      }
+      float tmp[KEYS];
+      std::memcpy(tmp, a, sizeof(a));
+      for (int64_t b = 0; b < KEYS; ++b) acc_h[j0 + b] += tmp[b];
     }
-    for (int64_t p = 0; p < count && d16 < d; ++p)
-      for (int64_t j = d16; j < d; ++j) acc_h[j] += wh[p] * f32(values[p * d + j]);
+    for (int64_t j0 = dk; j0 < dv; j0 += VL) {
+      vf a = {};
+      for (int64_t p = 0; p < count; ++p) a += wh[p] * loadv(values + p * d + j0);
+      float tmp[VL];
+      std::memcpy(tmp, &a, sizeof(a));
+      for (int64_t b = 0; b < VL; ++b) acc_h[j0 + b] += tmp[b];
+    }
+    for (int64_t p = 0; p < count && dv < d; ++p)
+      for (int64_t j = dv; j < d; ++j) acc_h[j] += wh[p] * f32(values[p * d + j]);
   }
 }
 
@@ -232,72 +245,138 @@ void rope_attend_impl(const Q* qkv, const float* cos, const float* sin, KV* ck, 
     using NAME = at::BFloat16; return __VA_ARGS__();                     \
   }()
 
-// ---- the decode's linear layers (AVX-512): y (M, N) = x (M, K) W^T + bias. W packed in blocks of 16 output
-// columns (fp32: (N/16, K, 16); bf16: (N/16, K/2, 16, 2), the pairs one vdpbf16ps multiplies), streamed once
-// per call: a tile of up to 8 rows x 3 blocks keeps 24 fp32 accumulators in registers, each weight vector
-// loaded once for the tile's rows, each row's input broadcast once for its blocks.
+// ---- the decode's linear layers: y (M, N) = x (M, K) W^T + bias, fp32 accumulation. W packed in blocks of
+// 16 output columns (fp32: (N/16, K, 16); bf16: (N/16, K/PER, 16, PER), PER = 2 where vdpbf16ps multiplies
+// pairs, else 1), streamed once per call: a tile of TILE_ROWS rows x TILE_BLOCKS blocks keeps its
+// accumulators in registers, each weight vector loaded once for the tile's rows, each row's input broadcast
+// once for its vectors. AVX-512: a block is one 16-lane register, tiles of 8 rows x 3 blocks; AVX2 + FMA: a
+// block is two 8-lane registers, tiles of 6 rows x 1 block (12 accumulators, 2 weights, 1 broadcast: the 16
+// registers), bf16 weights widened to fp32 in registers (a 16-bit shift: exact) and multiplied in fp32.
+template <typename W> struct Step;  // one k (fp32) or k pair (bf16 on AVX512-BF16) of a tile's products
 #if defined(__AVX512F__)
-constexpr bool HAS_LINEAR_FP32 = true;
-#if defined(__AVX512BF16__)
-constexpr bool HAS_LINEAR_BF16 = true;
-#else
-constexpr bool HAS_LINEAR_BF16 = false;
-#endif
-constexpr int TILE_ROWS = 8, TILE_BLOCKS = 3;
-
-template <typename W> struct Step;  // one k (fp32) or k pair (bf16) of a tile's products
+#define GRPO_LINEAR 1
+using Vec = __m512;
+constexpr int LANES = 16, TILE_ROWS = 8, TILE_BLOCKS = 3;
+inline Vec vzero() { return _mm512_setzero_ps(); }
+inline Vec vadd(Vec a, Vec b) { return _mm512_add_ps(a, b); }
+inline Vec vload_part(const float* p, int64_t left) {
+  return _mm512_maskz_loadu_ps(left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1), p);
+}
+inline void vstore_part(float* y, Vec v, int64_t left) {
+  _mm512_mask_storeu_ps(y, left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1), v);
+}
 template <> struct Step<float> {
   static constexpr int64_t K_PER = 1;
-  static inline __m512 load_w(const float* w) { return _mm512_loadu_ps(w); }
-  static inline __m512 fma(__m512 acc, const float* x, __m512 w) {
+  static inline Vec load_w(const float* w) { return _mm512_loadu_ps(w); }
+  static inline Vec fma(Vec acc, const float* x, Vec w) {
     return _mm512_fmadd_ps(_mm512_set1_ps(*x), w, acc);
   }
 };
 #if defined(__AVX512BF16__)
+constexpr int64_t BF16_PER = 2;
 template <> struct Step<at::BFloat16> {
   static constexpr int64_t K_PER = 2;
   static inline __m512bh load_w(const at::BFloat16* w) { return (__m512bh)_mm512_loadu_si512(w); }
-  static inline __m512 fma(__m512 acc, const at::BFloat16* x, __m512bh w) {
+  static inline Vec fma(Vec acc, const at::BFloat16* x, __m512bh w) {
     int32_t pair;
     std::memcpy(&pair, x, sizeof(pair));
     return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32(pair), w);
   }
 };
+inline void vstore_part(at::BFloat16* y, Vec v, int64_t left) {  // round to nearest even
+  _mm256_mask_storeu_epi16(y, left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1),
+                           (__m256i)_mm512_cvtneps_pbh(v));
+}
+#else
+#define GRPO_NO_LINEAR_BF16 1
+#endif
+#elif defined(__AVX2__) && defined(__FMA__)
+#define GRPO_LINEAR 1
+using Vec = __m256;
+constexpr int LANES = 8, TILE_ROWS = 6, TILE_BLOCKS = 1;
+constexpr int64_t BF16_PER = 1;
+inline Vec vzero() { return _mm256_setzero_ps(); }
+inline Vec vadd(Vec a, Vec b) { return _mm256_add_ps(a, b); }
+inline Vec vload_part(const float* p, int64_t left) {
+  if (left >= 8) return _mm256_loadu_ps(p);
+  alignas(32) float tmp[8] = {0.f};
+  for (int64_t i = 0; i < left; ++i) tmp[i] = p[i];
+  return _mm256_load_ps(tmp);
+}
+inline void vstore_part(float* y, Vec v, int64_t left) {
+  if (left >= 8) return _mm256_storeu_ps(y, v);
+  alignas(32) float tmp[8];
+  _mm256_store_ps(tmp, v);
+  for (int64_t i = 0; i < left; ++i) y[i] = tmp[i];
+}
+inline void vstore_part(at::BFloat16* y, Vec v, int64_t left) {  // round to nearest even (finite values)
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i r =
+      _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+  const __m128i h = _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08));
+  if (left >= 8) return _mm_storeu_si128(reinterpret_cast<__m128i*>(y), h);
+  alignas(16) uint16_t tmp[8];
+  _mm_store_si128(reinterpret_cast<__m128i*>(tmp), h);
+  std::memcpy(y, tmp, left * sizeof(uint16_t));
+}
+template <> struct Step<float> {
+  static constexpr int64_t K_PER = 1;
+  static inline Vec load_w(const float* w) { return _mm256_loadu_ps(w); }
+  static inline Vec fma(Vec acc, const float* x, Vec w) {
+    return _mm256_fmadd_ps(_mm256_set1_ps(*x), w, acc);
+  }
+};
+template <> struct Step<at::BFloat16> {
+  static constexpr int64_t K_PER = 1;
+  static inline Vec load_w(const at::BFloat16* w) {  // 8 bf16 -> their fp32 values
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+  static inline Vec fma(Vec acc, const at::BFloat16* x, Vec w) {
+    return _mm256_fmadd_ps(_mm256_set1_ps(static_cast<float>(*x)), w, acc);
+  }
+};
 #endif
 
-inline void store16(float* y, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(y, m, v); }
-#if defined(__AVX512BF16__)
-inline void store16(at::BFloat16* y, __m512 v, __mmask16 m) {
-  _mm256_mask_storeu_epi16(y, m, (__m256i)_mm512_cvtneps_pbh(v));  // round to nearest even
-}
+#if defined(GRPO_LINEAR)
+constexpr bool HAS_LINEAR_FP32 = true;
+#if defined(GRPO_NO_LINEAR_BF16)
+constexpr bool HAS_LINEAR_BF16 = false;
+constexpr int64_t BF16_PER = 1;
+#else
+constexpr bool HAS_LINEAR_BF16 = true;
 #endif
+constexpr int VPB = 16 / LANES;  // vectors per block of 16 columns
 
 template <typename W, int MB, int NB>
 void linear_tile(const W* x, int64_t K, const W* w, const float* bias, W* y, int64_t N, int64_t n0) {
   using S = Step<W>;
+  constexpr int NV = NB * VPB;
   const int64_t steps = K / S::K_PER, block = K * 16;  // elements of one packed block
-  __m512 acc[MB][NB];
+  Vec acc[MB][NV];
 #pragma GCC unroll 8
   for (int m = 0; m < MB; ++m)
 #pragma GCC unroll 3
-    for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_setzero_ps();
+    for (int j = 0; j < NV; ++j) acc[m][j] = vzero();
   const W* wb = w + (n0 / 16) * block;
   for (int64_t k = 0; k < steps; ++k) {
-    decltype(S::load_w(wb)) b[NB];
+    decltype(S::load_w(wb)) b[NV];
 #pragma GCC unroll 3
-    for (int j = 0; j < NB; ++j) b[j] = S::load_w(wb + j * block + k * 16 * S::K_PER);
+    for (int j = 0; j < NV; ++j)
+      b[j] = S::load_w(wb + (j / VPB) * block + (k * 16 + (j % VPB) * LANES) * S::K_PER);
 #pragma GCC unroll 8
     for (int m = 0; m < MB; ++m)
 #pragma GCC unroll 3
-      for (int j = 0; j < NB; ++j) acc[m][j] = S::fma(acc[m][j], x + m * K + k * S::K_PER, b[j]);
+      for (int j = 0; j < NV; ++j) acc[m][j] = S::fma(acc[m][j], x + m * K + k * S::K_PER, b[j]);
   }
 #pragma GCC unroll 3
-  for (int j = 0; j < NB; ++j) {
-    const int64_t c = n0 + j * 16, left = std::min<int64_t>(16, N - c);
-    const __mmask16 mask = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
-    const __m512 bv = bias != nullptr ? _mm512_maskz_loadu_ps(mask, bias + c) : _mm512_setzero_ps();
+  for (int j = 0; j < NV; ++j) {
+    const int64_t c = n0 + j * LANES, left = N - c;
+    if (left <= 0) continue;  // a block's second half past N (AVX2)
+    const Vec bv = bias != nullptr ? vload_part(bias + c, left) : vzero();
 #pragma GCC unroll 8
-    for (int m = 0; m < MB; ++m) store16(y + m * N + c, _mm512_add_ps(acc[m][j], bv), mask);
+    for (int m = 0; m < MB; ++m) vstore_part(y + m * N + c, vadd(acc[m][j], bv), left);
   }
 }
 
@@ -340,6 +419,7 @@ void linear_impl(const W* x, int64_t M, int64_t K, const W* w, const float* bias
 }
 #else
 constexpr bool HAS_LINEAR_FP32 = false, HAS_LINEAR_BF16 = false;
+constexpr int64_t BF16_PER = 1;
 #endif
 
 // W (N, K) in S -> the layout `linear` reads in D: (N/16, K/PER, 16, PER), rows past N zero
@@ -424,12 +504,12 @@ at::Tensor rope_attend(at::Tensor qkv, at::Tensor cos, at::Tensor sin, at::Tenso
 at::Tensor pack_linear(at::Tensor w, at::ScalarType dtype) {  // (N, K) -> `linear`'s layout in dtype
   TORCH_CHECK(w.dim() == 2, "pack_linear: w (N, K)");
   auto wc = w.contiguous();
-  const int64_t N = wc.size(0), K = wc.size(1), per = dtype == at::kBFloat16 ? 2 : 1;
+  const int64_t N = wc.size(0), K = wc.size(1), per = dtype == at::kBFloat16 ? BF16_PER : 1;
   TORCH_CHECK(K % per == 0, "pack_linear: bf16 needs an even K");
   auto out = at::empty({(N + 15) / 16, K / per, 16, per}, wc.options().dtype(dtype));
   FLOAT_OR_BF16(wc.scalar_type(), S, [&] {
     if (dtype == at::kBFloat16)
-      pack_linear_impl<S, at::BFloat16, 2>(wc.data_ptr<S>(), out.data_ptr<at::BFloat16>(), N, K);
+      pack_linear_impl<S, at::BFloat16, BF16_PER>(wc.data_ptr<S>(), out.data_ptr<at::BFloat16>(), N, K);
     else
       pack_linear_impl<S, float, 1>(wc.data_ptr<S>(), out.data_ptr<float>(), N, K);
   });
@@ -454,14 +534,14 @@ at::Tensor linear(at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> bia
   at::Tensor b;
   if (bias.has_value() && bias->defined()) b = bias->to(at::kFloat).contiguous();
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
-#if defined(__AVX512F__)
+#if defined(GRPO_LINEAR)
   if (x.scalar_type() == at::kFloat) {
     linear_impl<float>(xc.data_ptr<float>(), M, K, packed.data_ptr<float>(), bp, y.data_ptr<float>(), N);
     return y;
   }
-#if defined(__AVX512BF16__)
+#if !defined(GRPO_NO_LINEAR_BF16)
   if (x.scalar_type() == at::kBFloat16) {
-    TORCH_CHECK(K % 2 == 0, "linear: bf16 needs an even K");
+    TORCH_CHECK(K % BF16_PER == 0, "linear: bf16 needs an even K here");
     linear_impl<at::BFloat16>(xc.data_ptr<at::BFloat16>(), M, K, packed.data_ptr<at::BFloat16>(), bp,
                               y.data_ptr<at::BFloat16>(), N);
     return y;
