@@ -16,7 +16,9 @@ The floor of a decode step is what it must read and what it must compute:
 - FLOPs: 2 x rows x those weights, plus the attention's products.
 `decode_bandwidth_fraction` = bytes x steps / (decode seconds x read bandwidth); `decode_roofline_fraction`
 = max(bytes / bandwidth, FLOPs / the dtype's GEMM peak) / seconds, the peak measured here on a 2048^3
-product in that dtype (on a 2-core CPU a 16-row step can be compute-bound: its floor is then the FLOPs'). The
+product in that dtype, or in fp32 where that is faster (16-bit weights can always be widened and multiplied
+in fp32: without AVX512-BF16 torch's bf16 product runs at a fraction of a GFLOP/s on a Zen 3, no floor; on a
+2-core CPU a 16-row step can be compute-bound: its floor is then the FLOPs'). The
 prefill is held against the fp32 peak (`prefill_gemm_fraction`: it runs the model's own forward). `--vllm`
 adds vLLM CPU (the `.venv-vllm` engine, `make setup-vllm`) on the same rows, C and dtype, no EOS, its time
 per token step (prefill included) against the same floor. `--ops` adds the per-operator profile
@@ -201,7 +203,7 @@ def main(argv=None) -> None:
     with torch.no_grad():
         for dtype in args.dtypes.split(","):
             name = "fp32" if dtype == "model" else dtype
-            peak = gemm_peak(PEAK_DTYPE[dtype])
+            peak = max(gemm_peak(PEAK_DTYPE[dtype]), gemm_peak(torch.float32))
             calls, ops_calls = measure_native(model, ids, mask, C, dtype, args.repeats, args.torch_ops)
             assert all(c["decode_steps"] == steps for c in calls + ops_calls), calls + ops_calls
             assert all(c["kernel_steps"] in (0, steps) for c in calls), calls  # all steps, or none can
