@@ -357,8 +357,12 @@ constexpr bool HAS_LINEAR_BF16 = true;
 constexpr int VPB = 16 / LANES;  // vectors per block of 16 columns
 template <typename W> using XOf = typename Step<W>::X;  // the inputs' type as the tiles read them
 
+// `ahead`, `every`: this tile's share of the next column group's weights, one k step of them prefetched (into
+// L2) every `every` k steps; the row tiles of a group take a share each, so that memory streams through all
+// of them, not only the first (which reads the group from memory; the others find it in L2)
 template <typename W, int MB, int NB>
-void linear_tile(const XOf<W>* x, int64_t K, const W* w, const float* bias, W* y, int64_t N, int64_t n0) {
+void linear_tile(const XOf<W>* x, int64_t K, const W* w, const float* bias, W* y, int64_t N, int64_t n0,
+                 const W* ahead, int64_t every) {
   using S = Step<W>;
   constexpr int NV = NB * VPB;
   const int64_t steps = K / S::K_PER, block = K * 16;  // elements of one packed block
@@ -368,12 +372,20 @@ void linear_tile(const XOf<W>* x, int64_t K, const W* w, const float* bias, W* y
 #pragma GCC unroll 3
     for (int j = 0; j < NV; ++j) acc[m][j] = vzero();
   const W* wb = w + (n0 / 16) * block;
+  int64_t since = 0, line = 0;
   for (int64_t k = 0; k < steps; ++k) {
     if constexpr (PREFETCH > 0) {
 #pragma GCC unroll 3
       for (int j = 0; j < NB; ++j)
         _mm_prefetch(reinterpret_cast<const char*>(wb + j * block + (k + PREFETCH) * 16 * S::K_PER),
                      _MM_HINT_T0);
+      if (++since == every) {
+        since = 0;
+#pragma GCC unroll 3
+        for (int j = 0; j < NB; ++j)
+          _mm_prefetch(reinterpret_cast<const char*>(ahead + j * block + line * 16 * S::K_PER), _MM_HINT_T1);
+        ++line;
+      }
     }
     decltype(S::load_w(wb)) b[NV];
 #pragma GCC unroll 3
@@ -395,21 +407,28 @@ void linear_tile(const XOf<W>* x, int64_t K, const W* w, const float* bias, W* y
 }
 
 template <typename W, int NB, int MB>
-void linear_tail(int64_t rows, const XOf<W>* x, int64_t K, const W* w, const float* bias, W* y, int64_t N,
-                 int64_t n0) {  // a tile of `rows` < TILE_ROWS rows
+void linear_tile_of(int64_t rows, const XOf<W>* x, int64_t K, const W* w, const float* bias, W* y, int64_t N,
+                    int64_t n0, const W* ahead, int64_t every) {  // a tile of `rows` <= MB rows
   if constexpr (MB > 0) {
-    if (rows == MB) linear_tile<W, MB, NB>(x, K, w, bias, y, N, n0);
-    else linear_tail<W, NB, MB - 1>(rows, x, K, w, bias, y, N, n0);
+    if (rows == MB) linear_tile<W, MB, NB>(x, K, w, bias, y, N, n0, ahead, every);
+    else linear_tile_of<W, NB, MB - 1>(rows, x, K, w, bias, y, N, n0, ahead, every);
   }
 }
 
+// the rows in as few tiles as TILE_ROWS allows, of sizes as even as can be (16 rows on AVX2: 6, 5, 5, not 6,
+// 6, 4; 8 rows: 4, 4, not 6, 2, whose 4 accumulators would wait on the FMA's latency)
 template <typename W, int NB>
 void linear_rows(const XOf<W>* x, int64_t M, int64_t K, const W* w, const float* bias, W* y, int64_t N,
                  int64_t n0) {
-  int64_t m = 0;
-  for (; m + TILE_ROWS <= M; m += TILE_ROWS)
-    linear_tile<W, TILE_ROWS, NB>(x + m * K, K, w, bias, y + m * N, N, n0);
-  linear_tail<W, NB, TILE_ROWS - 1>(M - m, x + m * K, K, w, bias, y + m * N, N, n0);
+  const int64_t passes = (M + TILE_ROWS - 1) / TILE_ROWS, steps = K / Step<W>::K_PER;
+  const int64_t share = (steps + passes - 1) / passes;  // k steps of the next group each pass prefetches
+  const W* next = w + (n0 / 16 + NB) * K * 16;  // the next column group's weights (past the end: harmless)
+  for (int64_t p = 0, m = 0; p < passes; ++p) {
+    const int64_t rows = M / passes + (p < M % passes);
+    const W* ahead = next + p * share * 16 * Step<W>::K_PER;
+    linear_tile_of<W, NB, TILE_ROWS>(rows, x + m * K, K, w, bias, y + m * N, N, n0, ahead, passes);
+    m += rows;
+  }
 }
 
 template <typename W, int NB>
