@@ -1,8 +1,8 @@
 """The rollout dtype: which one a run samples in (`check_rollout_dtype`; "auto": `auto_rollout_dtype`, from
 what the machine multiplies natively, `cpu_flags`) and how the native engine's decode step runs a linear layer
 in it (`LINEAR_FORMATS`: the policy's weights copied once per call, packed for cpu_decode's linear kernel
-(fp32 / bf16 on AVX-512) or oneDNN's (fp32 / bf16 / fp16), or W8A8 int8 / fp8; `fused_linear` concatenates a
-layer's projections into one such matrix)."""
+(fp32 / bf16 on AVX-512 or AVX2) or oneDNN's (fp32 / bf16 / fp16), or W8A8 int8 / fp8; `fused_linear`
+concatenates a layer's projections into one such matrix)."""
 
 import functools
 
@@ -63,8 +63,9 @@ def _packed(w, bias, rows, dtype) -> Packed:
 
 
 def _our_linear(w, dtype):
-    """cpu_decode's linear kernel for `w` in `dtype` on a CPU where it is built (fp32 / bf16 on AVX-512; bf16
-    needs an even K), else None: at decode shapes it is faster than oneDNN's packed linear (cpu_decode)."""
+    """cpu_decode's linear kernel for `w` in `dtype` on a CPU where it is built (fp32 / bf16 on AVX-512 or
+    AVX2; bf16 needs an even K), else None: at decode shapes it is faster than oneDNN's packed linear
+    (cpu_decode)."""
     if w.device.type != "cpu" or (dtype == torch.bfloat16 and w.shape[1] % 2):
         return None
     return cpu_decode.linear_for(dtype)

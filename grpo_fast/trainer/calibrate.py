@@ -277,8 +277,9 @@ def cache_path() -> Path:
 
 def cache_key(shapes: Shapes) -> str:
     """CPU model name, a digest of its flags, torch version and ATen capability, the ISA settings of the
-    environment, threads, shapes: what a ratio depends on."""
-    from ..rollout import dtypes
+    environment, threads, shapes, a digest of the CPU decode kernels' source (the decode recipes run their
+    linear kernel: a newer kernel is measured again): what a ratio depends on."""
+    from ..rollout import cpu_decode, dtypes
 
     info = dtypes.cpu_info()
     flags = hashlib.sha1(" ".join(sorted(dtypes.cpu_flags())).encode()).hexdigest()[:12]
@@ -291,6 +292,7 @@ def cache_key(shapes: Shapes) -> str:
         *isa,
         f"threads {torch.get_num_threads()}",
         "shapes " + ",".join(f"{k}={v}" for k, v in asdict(shapes).items()),
+        "decode kernels " + hashlib.sha1(cpu_decode._SOURCE.encode()).hexdigest()[:8],
     ]
     return " | ".join(parts)
 
