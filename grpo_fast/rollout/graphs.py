@@ -39,16 +39,19 @@ def bucket_for(k: int, n: int) -> int:
     return next(b for b in buckets(n) if b >= k)
 
 
-def select_rows(alive, n: int, G: int, size):
+def select_rows(alive, n: int, G: int, size, unless=None):
     """What a compaction of n groups x G rows keeps, `alive` (R,) the rows still decoding or waiting for a
     tool: the groups with any, in order, then as many copies of the last of them as the new shape needs; in
     each, its alive rows first, then its other rows as fillers. `size(groups with any, the busiest group's
     count)` gives the new shape (n2, G2): the same two for the eager step, their buckets for a `Static`.
-    Returns (n2, G2), the kept groups (n2,), each new row's old row (n2 * G2,) and which are fillers."""
+    Returns (n2, G2), the kept groups (n2,), each new row's old row (n2 * G2,) and which are fillers; None,
+    with nothing sorted or gathered, when the new shape is `unless`."""
     running = alive.view(n, G)
     per_group = running.sum(1)
     keep = per_group.nonzero().squeeze(1)
     n2, G2 = size(len(keep), int(per_group.max()))
+    if (n2, G2) == unless:
+        return None
     groups = torch.cat([keep, keep[-1:].expand(n2 - len(keep))])
     order = torch.sort((~running[groups]).to(torch.int8), dim=1, stable=True).indices[:, :G2]
     src = (groups[:, None] * G + order).reshape(-1)
@@ -141,11 +144,10 @@ class Static:
         group, all filler. Rows that leave are copied to `final` first. Returns (bucket, its views, the
         original row of each buffer row, -1 a filler), or the same three when the bucket would not shrink."""
         n, G = bucket
-        shape, groups, src, filler = select_rows(
-            alive, n, G, lambda g, r: (bucket_for(g, self.n), bucket_for(r, self.G))
-        )
-        if shape == bucket:
+        kept = select_rows(alive, n, G, lambda g, r: (bucket_for(g, self.n), bucket_for(r, self.G)), bucket)
+        if kept is None:
             return bucket, b, rows
+        shape, groups, src, filler = kept
         final.take(b, rows)
         new_rows = torch.where(filler, -1, rows[src])
         v = self.view(*shape)
