@@ -264,11 +264,14 @@ constexpr int LANES = 16, TILE_ROWS = 8, TILE_BLOCKS = 3;
 constexpr int64_t PREFETCH = 0;  // (not measured here: the hardware's prefetch alone, as before)
 inline Vec vzero() { return _mm512_setzero_ps(); }
 inline Vec vadd(Vec a, Vec b) { return _mm512_add_ps(a, b); }
+inline __mmask16 mask16(int64_t left) {  // the first min(left, 16) lanes
+  return left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
+}
 inline Vec vload_part(const float* p, int64_t left) {
-  return _mm512_maskz_loadu_ps(left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1), p);
+  return _mm512_maskz_loadu_ps(mask16(left), p);
 }
 inline void vstore_part(float* y, Vec v, int64_t left) {
-  _mm512_mask_storeu_ps(y, left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1), v);
+  _mm512_mask_storeu_ps(y, mask16(left), v);
 }
 template <> struct Step<float> {
   using X = float;
@@ -291,8 +294,7 @@ template <> struct Step<at::BFloat16> {
   }
 };
 inline void vstore_part(at::BFloat16* y, Vec v, int64_t left) {  // round to nearest even
-  _mm256_mask_storeu_epi16(y, left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1),
-                           (__m256i)_mm512_cvtneps_pbh(v));
+  _mm256_mask_storeu_epi16(y, mask16(left), (__m256i)_mm512_cvtneps_pbh(v));
 }
 #else
 #define GRPO_NO_LINEAR_BF16 1
