@@ -48,10 +48,12 @@ def test_silu_mul(dtype):
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("io_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("d", [24, 64])  # vector blocks of 16 and a tail; four blocks of 16
-def test_rope_attend(kv_dtype, io_dtype, d):
+# d: vector tails only, blocks of 32 (AVX2) and a tail, whole blocks; rep: the heads sharing a KV head, run
+# three at a time (one group short, one exact, one and a remainder)
+@pytest.mark.parametrize("d,rep", [(24, 3), (40, 2), (64, 3), (64, 4)])
+def test_rope_attend(kv_dtype, io_dtype, d, rep):
     torch.manual_seed(0)
-    n, G, kvh, rep, P, cap = 3, 4, 2, 3, 70, 128  # P, t past one 64-key block
+    n, G, kvh, P, cap = 3, 4, 2, 70, 128  # P, t past one 64-key block
     R, h = n * G, kvh * rep
     qkv = torch.randn(R, (h + 2 * kvh) * d).to(io_dtype)
     pos = torch.randint(0, 200, (R,)).double()

@@ -198,6 +198,38 @@ def test_decode_attention_equals_one_softmax_over_prompt_and_own_keys(dtype, tol
             torch.testing.assert_close(out[r, j * d : (j + 1) * d], want, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("rollout_dtype", ["model", "bf16"])
+def test_the_layer_stack_in_one_call_samples_what_the_kernels_layer_by_layer_do(rollout_dtype, monkeypatch):
+    """cpu_decode.decode_layers (a step's layers in one C++ call) against the same kernels called layer by
+    layer from Python: the same tokens and log-probs, bit for bit, through EOS and compaction."""
+    if cpu_decode.kernels() is None:
+        pytest.skip(f"no CPU decode kernels: {cpu_decode.unavailable_reason()}")
+    if rollout_dtype == "bf16" and cpu_decode.linear_for(torch.bfloat16) is None:
+        pytest.skip("no bf16 linear kernel on this CPU")
+    monkeypatch.setattr(native, "SYNC_EVERY_CPU", 3)
+    model = _model("llama")
+    ids, mask = _prompts()
+
+    def run():
+        return generate_groups(
+            model, ids, mask, 4, 30, temperature=1.0, top_k=40, eos_token_id=EOS, engine="native",
+            rollout_dtype=rollout_dtype, generator=torch.Generator().manual_seed(3), return_logprobs=True,
+        )  # fmt: skip
+
+    stacks, real = [], native._stack_args
+    monkeypatch.setattr(native, "_stack_args", lambda *a: stacks.append(real(*a)) or stacks[-1])
+    in_one = run()
+    assert stacks and all(s is not None for s in stacks)
+    _kernel_steps_as_asked(model, True, "llama")
+    monkeypatch.setattr(native, "_stack_args", lambda *a: None)
+    by_layer = run()
+    _kernel_steps_as_asked(model, True, "llama")
+    lengths = in_one[1].sum(1)
+    assert len(set(lengths.tolist())) > 1  # EOS at different points
+    for a, b in zip(in_one, by_layer, strict=True):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize(
     "engine,share_prefix,top_p,top_k",
     [

@@ -22,10 +22,12 @@ calls:
   small-M GEMMs run well below the machine's bandwidth; on a Zen 3 (AVX2) it reaches torch's large-GEMM peak
   there at 16 rows, where torch's own bf16 product runs at 0.3 GFLOP/s.
 The attention keeps the keys transposed as well (d x slots, written once per step), so that a query's scores
-accumulate 64 keys at a time in vector registers; the GQA heads sharing a KV head run in one task; the
-softmax exponentiates vector-wide. Vectors are GCC / Clang vector extensions one machine register wide
-(AVX-512 or AVX2 as the machine has: the build is for this CPU, `-march=native`, cached under a name holding
-its model and flags).
+accumulate 32 (AVX2) or 64 keys at a time in vector registers; the GQA heads sharing a KV head run in one
+task, each key and value loaded once for up to three of them; the softmax exponentiates vector-wide.
+`decode_layers` runs a step's whole layer stack in one call (native's step, where every linear is the
+kernel's), with no return to the interpreter between the ~240 kernel calls. Vectors are GCC / Clang vector
+extensions one machine register wide (AVX-512 or AVX2 as the machine has: the build is for this CPU,
+`-march=native`, cached under a name holding its model and flags).
 """
 
 import functools
@@ -115,58 +117,82 @@ inline vf loadv(const at::BFloat16* p) {  // bf16 -> fp32: the 16 bits become th
 }
 
 // s[h][p] = q_h . key_p * scaling for `nq` queries against `count` keys stored transposed (keys_t[j][p], row
-// stride `ld`, readable up to `count` rounded up to KEYS): KEYS scores at a time in NREG registers over j
-// (all of them, past `count` too: a fixed count keeps the accumulators in registers)
+// stride `ld`, readable up to `count` rounded up to KEYS): heads HEADS at a time (a query padded with zeros
+// past nq) over SK keys in SREG registers each, every key loaded once for them all, over j (all of them, past
+// `count` too: fixed counts keep the accumulators in registers)
+constexpr int HEADS = 3, SREG = 4;
+constexpr int64_t SK = SREG * VL;  // 32 keys (AVX2), 64 (AVX-512): KEYS is a multiple
 template <typename KV>
 void scores(const float* q, int64_t nq, const KV* keys_t, int64_t ld, int64_t count, int64_t d,
             float scaling, float* out, int64_t out_stride) {
-  for (int64_t h = 0; h < nq; ++h) {
-    const float* qh = q + h * d;
-    for (int64_t p0 = 0; p0 < count; p0 += KEYS) {
-      vf a[NREG] = {};
+  std::vector<float> qs(HEADS * d);
+  for (int64_t h0 = 0; h0 < nq; h0 += HEADS) {
+    const int64_t hb = std::min<int64_t>(HEADS, nq - h0);
+    std::fill(qs.begin(), qs.end(), 0.f);
+    for (int64_t h = 0; h < hb; ++h)
+      for (int64_t j = 0; j < d; ++j) qs[h * d + j] = q[(h0 + h) * d + j] * scaling;
+    for (int64_t p0 = 0; p0 < count; p0 += SK) {
+      vf a[HEADS][SREG] = {};
       for (int64_t j = 0; j < d; ++j) {
-        const float qj = qh[j] * scaling;
         const KV* row = keys_t + j * ld + p0;
-#pragma GCC unroll 8
-        for (int k = 0; k < NREG; ++k) a[k] += qj * loadv(row + VL * k);
+#pragma GCC unroll 4
+        for (int s = 0; s < SREG; ++s) {
+          const vf k = loadv(row + VL * s);
+#pragma GCC unroll 3
+          for (int h = 0; h < HEADS; ++h) a[h][s] += qs[h * d + j] * k;
+        }
       }
-      float tmp[KEYS];
-      std::memcpy(tmp, a, sizeof(a));
-      std::memcpy(out + h * out_stride + p0, tmp, sizeof(float) * std::min(KEYS, count - p0));
+      for (int64_t h = 0; h < hb; ++h) {
+        float tmp[SK];
+        std::memcpy(tmp, a[h], sizeof(tmp));
+        std::memcpy(out + (h0 + h) * out_stride + p0, tmp, sizeof(float) * std::min(SK, count - p0));
+      }
     }
   }
 }
 
-// acc[h][:] += sum_p w[h][p] * values[p][:] for `nq` weight rows (stride `w_stride`): KEYS outputs at a time
-// in NREG registers over p, a narrower block, then a scalar tail, past d's last multiple of KEYS and of VL
+// acc[h][:] += sum_p w[h][p] * values[p][:] for `nq` weight rows (stride `w_stride`): heads HEADS at
+// a time (past nq the last head's weights again, its sums dropped) over SK outputs in SREG registers
+// each, every value loaded once for them all, over p; past d's last multiple of SK one head at a time, VL
+// outputs, then a scalar tail
 template <typename KV>
 void accumulate(const float* w, int64_t w_stride, int64_t nq, const KV* values, int64_t count, int64_t d,
                 float* acc) {
-  const int64_t dk = d / KEYS * KEYS, dv = d / VL * VL;
-  for (int64_t h = 0; h < nq; ++h) {
-    const float* wh = w + h * w_stride;
-    float* acc_h = acc + h * d;
-    for (int64_t j0 = 0; j0 < dk; j0 += KEYS) {
-      vf a[NREG] = {};
+  const int64_t ds = d / SK * SK, dv = d / VL * VL;
+  for (int64_t h0 = 0; h0 < nq; h0 += HEADS) {
+    const int64_t hb = std::min<int64_t>(HEADS, nq - h0);
+    const float* wh[HEADS];
+    for (int64_t h = 0; h < HEADS; ++h) wh[h] = w + (h0 + std::min(h, hb - 1)) * w_stride;
+    for (int64_t j0 = 0; j0 < ds; j0 += SK) {
+      vf a[HEADS][SREG] = {};
       for (int64_t p = 0; p < count; ++p) {
-        const float wp = wh[p];
         const KV* v = values + p * d + j0;
-#pragma GCC unroll 8
-        for (int k = 0; k < NREG; ++k) a[k] += wp * loadv(v + VL * k);
+#pragma GCC unroll 4
+        for (int s = 0; s < SREG; ++s) {
+          const vf x = loadv(v + VL * s);
+#pragma GCC unroll 3
+          for (int h = 0; h < HEADS; ++h) a[h][s] += wh[h][p] * x;
+        }
       }
-      float tmp[KEYS];
-      std::memcpy(tmp, a, sizeof(a));
-      for (int64_t b = 0; b < KEYS; ++b) acc_h[j0 + b] += tmp[b];
+      for (int64_t h = 0; h < hb; ++h) {
+        float tmp[SK];
+        std::memcpy(tmp, a[h], sizeof(tmp));
+        float* acc_h = acc + (h0 + h) * d + j0;
+        for (int64_t b = 0; b < SK; ++b) acc_h[b] += tmp[b];
+      }
     }
-    for (int64_t j0 = dk; j0 < dv; j0 += VL) {
-      vf a = {};
-      for (int64_t p = 0; p < count; ++p) a += wh[p] * loadv(values + p * d + j0);
-      float tmp[VL];
-      std::memcpy(tmp, &a, sizeof(a));
-      for (int64_t b = 0; b < VL; ++b) acc_h[j0 + b] += tmp[b];
+    for (int64_t h = 0; h < hb; ++h) {
+      float* acc_h = acc + (h0 + h) * d;
+      for (int64_t j0 = ds; j0 < dv; j0 += VL) {
+        vf a = {};
+        for (int64_t p = 0; p < count; ++p) a += wh[h][p] * loadv(values + p * d + j0);
+        float tmp[VL];
+        std::memcpy(tmp, &a, sizeof(a));
+        for (int64_t b = 0; b < VL; ++b) acc_h[j0 + b] += tmp[b];
+      }
+      for (int64_t p = 0; p < count && dv < d; ++p)
+        for (int64_t j = dv; j < d; ++j) acc_h[j] += wh[h][p] * f32(values[p * d + j]);
     }
-    for (int64_t p = 0; p < count && dv < d; ++p)
-      for (int64_t j = dv; j < d; ++j) acc_h[j] += wh[p] * f32(values[p * d + j]);
   }
 }
 
@@ -592,6 +618,37 @@ at::Tensor linear(at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> bia
   TORCH_CHECK(false, "linear: not built for ", x.scalar_type(), " on this CPU");
   return y;
 }
+
+// One decode step's decoder layers in one call, as native._decoder_kernels runs them from Python (per layer
+// the input norm, the qkv linear, RoPE and attention, o, the post-attention norm, gate_up, SiLU x up, down),
+// with no return to the interpreter between them. x (rows, hidden), the residual stream, is updated in place;
+// returns the final norm's output. Per layer: norms[2i], norms[2i + 1] (fp32 weights) and the final one last
+// with their eps; packed / bias / outs[4i + j] the qkv, o, gate_up and down linears (`linear`'s arguments);
+// kv[5i + j] the completion keys, their transposed twins, values, the prompts' transposed keys and values.
+at::Tensor decode_layers(at::Tensor x, at::Tensor cos, at::Tensor sin, at::Tensor pvalid, at::Tensor t,
+                         std::vector<at::Tensor> norms, std::vector<double> eps,
+                         std::vector<at::Tensor> packed, std::vector<c10::optional<at::Tensor>> bias,
+                         std::vector<int64_t> outs, std::vector<at::Tensor> kv, int64_t heads, double scaling,
+                         at::ScalarType dtype) {
+  const int64_t L = (static_cast<int64_t>(norms.size()) - 1) / 2;
+  TORCH_CHECK(L >= 1 && norms.size() == static_cast<size_t>(2 * L + 1) && eps.size() == norms.size() &&
+              packed.size() == static_cast<size_t>(4 * L) && bias.size() == packed.size() &&
+              outs.size() == packed.size() && kv.size() == static_cast<size_t>(5 * L),
+              "decode_layers: per layer 2 norms (and the final one), 4 linears, 5 KV tensors");
+  auto lin = [&](const at::Tensor& in, int64_t j) {
+    const auto wt = packed[j].scalar_type();
+    return linear(in.scalar_type() == wt ? in : in.to(wt), packed[j], bias[j], outs[j]);
+  };
+  c10::optional<at::Tensor> delta;
+  for (int64_t i = 0; i < L; ++i) {
+    auto h = add_rms_norm(x, delta, norms[2 * i], eps[2 * i], dtype);
+    auto a = rope_attend(lin(h, 4 * i), cos, sin, kv[5 * i], kv[5 * i + 1], kv[5 * i + 2], kv[5 * i + 3],
+                         kv[5 * i + 4], pvalid, t, heads, scaling, dtype);
+    h = add_rms_norm(x, lin(a, 4 * i + 1), norms[2 * i + 1], eps[2 * i + 1], dtype);
+    delta = lin(silu_mul(lin(h, 4 * i + 2)), 4 * i + 3);
+  }
+  return add_rms_norm(x, delta, norms[2 * L], eps[2 * L], x.scalar_type());
+}
 """
 
 
@@ -605,6 +662,10 @@ def cpu_info() -> dict:
     first = text.split("\n\n", 1)[0]
     return {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in first.splitlines())}
 
+
+# the module's functions
+FUNCTIONS = ("add_rms_norm", "rope_attend", "silu_mul", "linear", "linear_dtypes", "pack_linear")
+FUNCTIONS += ("decode_layers",)
 
 # eager on a CPU the native engine's decode step runs these kernels where they build (False: its PyTorch ops
 # and oneDNN's linears; a switch for tests and benchmarks, read at each generate call)
@@ -664,7 +725,7 @@ def _build():
         module = load_inline(
             name=name,
             cpp_sources=[_SOURCE],
-            functions=["add_rms_norm", "rope_attend", "silu_mul", "linear", "linear_dtypes", "pack_linear"],
+            functions=list(FUNCTIONS),
             # fast math compiles the kernels only: linked without it, the process keeps its denormals
             extra_cflags=["-O3", f"-march={march}", "-ffast-math", "-fopenmp"],
             extra_ldflags=["-fopenmp"],

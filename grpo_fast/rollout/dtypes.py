@@ -23,10 +23,12 @@ def _weight_of(m):
 class Packed:
     """A linear layer in a rollout format: `fn(x, *tensors)`, its weights (and scales, bias) in `tensors`.
     `refresh(newer)` copies a newer copy's tensors into these in place: their addresses stay, so a captured
-    CUDA graph that reads them samples from the newer weights."""
+    CUDA graph that reads them samples from the newer weights. `outputs`: where it is cpu_decode's `linear`
+    (tensors: the packed weights, the fp32 bias or None), its output count N (cpu_decode.decode_layers
+    calls it with these), else None."""
 
-    def __init__(self, fn, *tensors):
-        self.fn, self.tensors = fn, tensors
+    def __init__(self, fn, *tensors, outputs: int | None = None):
+        self.fn, self.tensors, self.outputs = fn, tensors, outputs
 
     def __call__(self, x):
         return self.fn(x, *self.tensors)
@@ -52,7 +54,8 @@ def _packed(w, bias, rows, dtype) -> Packed:
         def run(x, packed, bias32):
             return linear(cast(x).reshape(-1, K), packed, bias32, N).view(*x.shape[:-1], N)
 
-        return Packed(run, pack(w.detach(), dtype), None if bias is None else bias.detach().float())
+        bias32 = None if bias is None else bias.detach().float()
+        return Packed(run, pack(w.detach(), dtype), bias32, outputs=N)
     b = None if bias is None else bias.detach().to(dtype)
     if w.device.type == "cpu" and dtype in _ONEDNN_NATIVE and _ONEDNN_NATIVE[dtype]():
         linear = torch.ops.mkldnn._linear_pointwise

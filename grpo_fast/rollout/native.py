@@ -179,6 +179,36 @@ def _layer(layer, fmt, rows: int) -> _Layer:
     )
 
 
+@dataclass
+class _Kernels:
+    """cpu_decode's module for a generate call, and `_stack_args` of its layers (None: layer by layer)."""
+
+    mod: object
+    stack: tuple | None
+
+
+def _kernel_kv(b: _Buffers, i: int) -> tuple:
+    """Layer i's KV as cpu_decode's rope_attend takes it."""
+    return b.comp_k[i], b.comp_kt[i], b.comp_v[i], b.prompt_kt[i], b.prompt_v[i]
+
+
+def _stack_args(layers, final_rms):
+    """cpu_decode.decode_layers' weight arguments for `layers` (norm weights, their eps, packed linears, their
+    biases and output counts, the linears' input dtype), or None where a linear is not the kernel's (int8 /
+    fp8 formats, oneDNN's, a module) or the layers take different dtypes: the step then calls the kernels
+    layer by layer from Python."""
+    lins = [getattr(ly, name) for ly in layers for name in _LINEARS]
+    if not all(isinstance(f, Packed) and f.outputs is not None for f in lins):
+        return None
+    if len({ly.kernel_args[2] for ly in layers}) != 1:
+        return None
+    norms = [nw for ly in layers for nw in ly.kernel_args[:2]] + [final_rms]
+    return (
+        [w for w, _ in norms], [eps for _, eps in norms], [f.tensors[0] for f in lins],
+        [f.tensors[1] for f in lins], [f.outputs for f in lins], layers[0].kernel_args[2],
+    )  # fmt: skip
+
+
 def _transpose_keys(b: _Buffers) -> None:
     """The prompts' keys again, transposed (.., d, slots), for the CPU decode kernels, which read them in
     blocks of 64 (padded to it): made, or written into those a `graphs.Static` keeps. The completion keys'
@@ -306,30 +336,38 @@ class NativeEngine:
 
     def _decoder_kernels(self, x, cos, sin, layers, b: _Buffers, kern):
         """`_decoder` for one token per row through the CPU decode kernels (cpu_decode): per layer four
-        linears and four kernel calls; x (the residual stream) is updated in place."""
+        linears and four kernel calls, all layers in one call (decode_layers) where every linear is the
+        kernel's; x (the residual stream) is updated in place."""
         R, n = x.shape[0], b.prompt_bias.shape[0]
         cos, sin = cos.reshape(R, -1).float(), sin.reshape(R, -1).float()
         valid = (b.prompt_bias.view(n, -1) == 0).to(torch.uint8)
+        if kern.stack is not None:  # all layers in one call: no return to Python between kernels
+            norms, eps, packed, bias, outs, dtype = kern.stack
+            kv = [t for i in range(len(layers)) for t in _kernel_kv(b, i)]
+            return kern.mod.decode_layers(
+                x, cos, sin, valid, b.t, norms, eps, packed, bias, outs, kv, self.n_heads, self.scaling, dtype
+            )
+        mod = kern.mod
         delta = None  # the last linear's output, added to x by the next norm
         for i, ly in enumerate(layers):
             (w1, eps1), (w2, eps2), dtype = ly.kernel_args
-            h = kern.add_rms_norm(x, delta, w1, eps1, dtype)
-            a = kern.rope_attend(
-                ly.qkv(h), cos, sin, b.comp_k[i], b.comp_kt[i], b.comp_v[i], b.prompt_kt[i], b.prompt_v[i],
-                valid, b.t, self.n_heads, self.scaling, dtype,
-            )  # fmt: skip
-            h = kern.add_rms_norm(x, ly.o(a), w2, eps2, dtype)
-            delta = ly.down(kern.silu_mul(ly.gate_up(h)))
+            h = mod.add_rms_norm(x, delta, w1, eps1, dtype)
+            a = mod.rope_attend(
+                ly.qkv(h), cos, sin, *_kernel_kv(b, i), valid, b.t, self.n_heads, self.scaling, dtype
+            )
+            h = mod.add_rms_norm(x, ly.o(a), w2, eps2, dtype)
+            delta = ly.down(mod.silu_mul(ly.gate_up(h)))
         w, eps = self.final_rms
-        return kern.add_rms_norm(x, delta, w, eps, x.dtype)
+        return mod.add_rms_norm(x, delta, w, eps, x.dtype)
 
     def _kernels_for(self, layers, b: _Buffers, device):
-        """The CPU decode kernels where this step can run on them, else None."""
+        """The CPU decode kernels (a `_Kernels`) where this step can run on them, else None."""
         if not self._eager_cpu(device) or self.final_rms is None or b.comp_k[0].dtype not in _KERNEL_DTYPES:
             return None
         if any(ly.kernel_args is None for ly in layers) or self.head_dim % 2:
             return None
-        return cpu_decode.active()
+        mod = cpu_decode.active()
+        return None if mod is None else _Kernels(mod, _stack_args(layers, self.final_rms))
 
     def _step(
         self, b: _Buffers, layers, head, kern, eos, pad: int, temperature: float, top_k: int, top_p: float
