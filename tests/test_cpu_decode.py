@@ -143,3 +143,45 @@ def test_loading_the_kernels_leaves_denormals_alone():
     """Built with -ffast-math, but not linked with it: no flush-to-zero for the rest of the process."""
     tiny = torch.tensor([1e-39])
     assert kern is not None and float(tiny * 0.5) > 0
+
+
+def test_draw_samples_each_token_at_its_softmax_probability():
+    """The one-pass draw (no top-k / top-p) over several blocks of 256 tokens and a partial last one, tokens
+    of mass 0 among them (exp underflows) and a whole block without mass: token frequencies against fp64
+    softmax(logits / T), never a token of mass 0 (also at u = 0 and u just below 1), log-probs against fp64
+    log_softmax."""
+    torch.manual_seed(0)
+    V, N, T = 2 * 256 + 88, 100_000, 0.7
+    logits = torch.randn(V, dtype=torch.float64) * 1.5
+    logits[::7] = -1e4
+    logits[256:512] = -1e4
+    probs = torch.softmax(logits / T, 0)
+    keep = probs > 0
+    tok, logp = kern.draw(logits.float().expand(N, -1).contiguous(), torch.rand(N), T)
+    assert tok.dtype == torch.int64 and logp.dtype == torch.float32
+    freq = torch.bincount(tok, minlength=V).double() / N
+    assert freq[~keep].sum() == 0
+    se = (probs * (1 - probs) / N).sqrt()
+    assert ((freq - probs).abs() <= 5 * se + 1e-9).all()
+    chi2 = (N * (freq - probs)[keep] ** 2 / probs[keep]).sum()
+    dof = int(keep.sum()) - 1
+    assert chi2 < dof + 5 * (2 * dof) ** 0.5, (chi2, dof)
+    torch.testing.assert_close(logp.double(), torch.log_softmax(logits / T, 0)[tok], atol=2e-5, rtol=0)
+    edges, _ = kern.draw(logits.float().expand(2, -1).contiguous(), torch.tensor([0.0, 1 - 2**-24]), T)
+    assert keep[edges].all()
+    assert edges[0] == keep.nonzero()[0, 0] and edges[1] == keep.nonzero()[-1, 0]  # the first, the last
+
+
+def test_draw_reports_the_log_softmax_over_a_real_vocabulary():
+    """At SmolLM2's vocabulary, rows of different scales: log-probs equal fp64 log_softmax for likely and
+    for rare tokens (u at the edges picks the first tokens with mass)."""
+    torch.manual_seed(0)
+    logits = torch.randn(64, 49152) * torch.linspace(0.5, 8, 64)[:, None]
+    u = torch.rand(64)
+    u[-4:] = torch.tensor([0.0, 1e-7, 1 - 2**-24, 0.5])  # on the widest rows: the rarest tokens
+    tok, logp = kern.draw(logits, u, 1.0)
+    want = torch.log_softmax(logits.double(), -1).gather(-1, tok[:, None]).squeeze(-1)
+    assert torch.isfinite(logp).all() and want.min() < -15
+    torch.testing.assert_close(logp.double(), want, atol=2e-5, rtol=0)
+    with pytest.raises(RuntimeError, match="temperature"):
+        kern.draw(logits, u, 0.0)

@@ -619,6 +619,75 @@ at::Tensor linear(at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> bia
   return y;
 }
 
+// The decode's draw where nothing is filtered (no top-k / top-p, T > 0): per row of fp32 logits (R, V), the
+// token of softmax(logits / T) at the inverse CDF of u (R,), found over the sums of blocks of DRAW_BLOCK
+// tokens, then the chosen block's tokens (double sums), never one of mass 0; and its log-prob,
+// logits / T - max - log(sum). One pass for the max, one for the exponentials and the block sums.
+constexpr int64_t DRAW_BLOCK = 256;
+std::vector<at::Tensor> draw(at::Tensor logits, at::Tensor u, double temperature) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat, "draw: logits (rows, vocab), float32");
+  TORCH_CHECK(u.scalar_type() == at::kFloat && u.numel() == logits.size(0), "draw: u (rows,), float32");
+  TORCH_CHECK(temperature > 0, "draw: temperature > 0");
+  auto l = logits.contiguous(), uc = u.contiguous();
+  const int64_t R = l.size(0), V = l.size(1), nb = (V + DRAW_BLOCK - 1) / DRAW_BLOCK;
+  auto tok = at::empty({R}, l.options().dtype(at::kLong));
+  auto logp = at::empty({R}, l.options());
+  const float inv_t = static_cast<float>(1.0 / temperature);
+  const float* lp = l.data_ptr<float>();
+  const float* up = uc.data_ptr<float>();
+  int64_t* tp = tok.data_ptr<int64_t>();
+  float* op = logp.data_ptr<float>();
+  at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
+    std::vector<float> e(V), sums(nb);
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* x = lp + r * V;
+      float mx = MASKED;
+      for (int64_t i = 0; i < V; ++i) mx = std::max(mx, x[i]);
+      mx *= inv_t;
+      double total = 0.0;
+      for (int64_t b = 0; b < nb; ++b) {
+        const int64_t end = std::min(V, (b + 1) * DRAW_BLOCK);
+        float sb = 0.f;
+        for (int64_t i = b * DRAW_BLOCK; i < end; ++i) {
+          e[i] = std::exp(x[i] * inv_t - mx);
+          sb += e[i];
+        }
+        sums[b] = sb;
+        total += sb;
+      }
+      const double want = static_cast<double>(up[r]) * total;
+      int64_t j = -1, last = 0;
+      double below = 0.0;  // the mass of the blocks before j
+      for (int64_t b = 0; b < nb; ++b) {
+        if (sums[b] <= 0.f) continue;
+        last = b;
+        if (below + sums[b] > want) {
+          j = b;
+          break;
+        }
+        below += sums[b];
+      }
+      if (j < 0) {  // rounding put u * total past the last block with mass: its last token with mass
+        j = last;
+        below = total - sums[last];
+      }
+      const double rest = std::max(0.0, want - below);
+      const int64_t end = std::min(V, (j + 1) * DRAW_BLOCK);
+      int64_t k = -1;
+      double acc = 0.0;
+      for (int64_t i = j * DRAW_BLOCK; i < end; ++i) {
+        if (e[i] <= 0.f) continue;
+        k = i;
+        acc += e[i];
+        if (acc > rest) break;
+      }
+      tp[r] = k;
+      op[r] = x[k] * inv_t - mx - static_cast<float>(std::log(total));
+    }
+  });
+  return {tok, logp};
+}
+
 // One decode step's decoder layers in one call, as native._decoder_kernels runs them from Python (per layer
 // the input norm, the qkv linear, RoPE and attention, o, the post-attention norm, gate_up, SiLU x up, down),
 // with no return to the interpreter between them. x (rows, hidden), the residual stream, is updated in place;
@@ -665,7 +734,7 @@ def cpu_info() -> dict:
 
 # the module's functions
 FUNCTIONS = ("add_rms_norm", "rope_attend", "silu_mul", "linear", "linear_dtypes", "pack_linear")
-FUNCTIONS += ("decode_layers",)
+FUNCTIONS += ("decode_layers", "draw")
 
 # eager on a CPU the native engine's decode step runs these kernels where they build (False: its PyTorch ops
 # and oneDNN's linears; a switch for tests and benchmarks, read at each generate call)

@@ -381,7 +381,7 @@ class NativeEngine:
         if kern is not None:
             self._kernel_steps += 1
             logits = head(self._decoder_kernels(x.contiguous(), cos, sin, layers, b, kern))
-            return self._draw_and_book(b, logits, eos, pad, temperature, top_k, top_p)
+            return self._draw_and_book(b, logits, eos, pad, temperature, top_k, top_p, kern)
         # the completion slots attended: eager on a CPU only those written so far (a host read costs nothing
         # there; SmolLM2's own-KV attention over a 256-slot capacity, fp32: 298 -> 82 us at 64 slots written,
         # 344 -> 240 us at 256); a compiled or GPU step keeps the full capacity, its shapes fixed
@@ -406,9 +406,13 @@ class NativeEngine:
         logits = head(self.final_norm(self._decoder(x, cos, sin, layers, attend)))
         return self._draw_and_book(b, logits, eos, pad, temperature, top_k, top_p)
 
-    def _draw_and_book(self, b: _Buffers, logits, eos, pad, temperature, top_k, top_p):
+    def _draw_and_book(self, b: _Buffers, logits, eos, pad, temperature, top_k, top_p, kern=None):
         t, C = b.t, b.out.shape[1] - 1
-        nxt, logp = draw(logits, b.noise.gather(0, (t + 1)[None, :]).squeeze(0), temperature, top_k, top_p)
+        u = b.noise.gather(0, (t + 1)[None, :]).squeeze(0)
+        if kern is not None and temperature > 0 and not top_k and top_p >= 1:  # cpu_decode's one-pass draw
+            nxt, logp = kern.mod.draw(logits.float(), u, float(temperature))
+        else:
+            nxt, logp = draw(logits, u, temperature, top_k, top_p)
         # bookkeeping on the device: rows already done emit padding (into the scratch column past their end),
         # stop counting and stay at their position
         nxt = torch.where(b.done, pad, nxt)
