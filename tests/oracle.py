@@ -154,3 +154,17 @@ def assert_greedy_equal(model, prompt_ids, prompt_mask, G, got, want, tie=NEAR_T
         prompt = prompt_ids[s // G][prompt_mask[s // G].bool()]
         row = [ids[s][mask[s].bool()] for ids, mask in (got, want)]
         assert_greedy_row_equal(model, prompt, *row, tie=tie)
+
+
+def assert_draws_follow(tok, probs):
+    """N drawn tokens (N,) against fp64 probabilities (V,): none of mass 0; each token's frequency within 5
+    standard errors of its probability; the chi-square statistic under dof + 5 sd."""
+    N = tok.numel()
+    freq = torch.bincount(tok, minlength=probs.numel()).double() / N
+    keep = probs > 0
+    assert freq[~keep].sum() == 0
+    se = (probs * (1 - probs) / N).sqrt()
+    assert ((freq - probs).abs() <= 5 * se + 1e-9).all()
+    chi2 = (N * (freq - probs)[keep] ** 2 / probs[keep]).sum()
+    dof = int(keep.sum()) - 1
+    assert chi2 < dof + 5 * (2 * dof) ** 0.5, (chi2, dof)

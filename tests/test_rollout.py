@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 from grpo_fast.kernels import fused_linear_logprobs
-from oracle import assert_greedy_equal, assert_greedy_row_equal
+from oracle import assert_draws_follow, assert_greedy_equal, assert_greedy_row_equal
 from tiny_models import eos_likely_lm, ragged_prompts
 from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -123,14 +123,7 @@ def test_the_two_level_inverse_cdf_draws_each_token_with_its_probability():
     probs[BLOCK : 2 * BLOCK] = 0  # a whole block without mass
     probs /= probs.sum()
     tok = inverse_cdf(probs.float().expand(N, -1).contiguous(), torch.rand(N))
-    freq = torch.bincount(tok, minlength=V).double() / N
-    keep = probs > 0
-    assert freq[~keep].sum() == 0
-    se = (probs * (1 - probs) / N).sqrt()
-    assert ((freq - probs).abs() <= 5 * se + 1e-9).all()
-    chi2 = (N * (freq - probs)[keep] ** 2 / probs[keep]).sum()
-    dof = int(keep.sum()) - 1
-    assert chi2 < dof + 5 * (2 * dof) ** 0.5, (chi2, dof)
+    assert_draws_follow(tok, probs)
     edges = inverse_cdf(probs.float().expand(2, -1).contiguous(), torch.tensor([0.0, 1 - 2**-24]))
     assert (probs[edges] > 0).all()
 
