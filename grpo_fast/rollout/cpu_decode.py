@@ -116,21 +116,19 @@ inline vf loadv(const at::BFloat16* p) {  // bf16 -> fp32: the 16 bits become th
   return v;
 }
 
-// s[h][p] = q_h . key_p * scaling for `nq` queries against `count` keys stored transposed (keys_t[j][p], row
-// stride `ld`, readable up to `count` rounded up to KEYS): heads HEADS at a time (a query padded with zeros
-// past nq) over SK keys in SREG registers each, every key loaded once for them all, over j (all of them, past
-// `count` too: fixed counts keep the accumulators in registers)
+// s[h][p] = qs_h . key_p for `nq` queries, already scaled and padded with zero queries to a multiple of
+// HEADS (`padded_queries`), against `count` keys stored transposed (keys_t[j][p], row stride `ld`, readable
+// up to `count` rounded up to KEYS): HEADS heads at a time over SK keys in SREG registers each, every key
+// loaded once for them all, over j (all of them, past `count` too: fixed counts keep the accumulators in
+// registers)
 constexpr int HEADS = 3, SREG = 4;
 constexpr int64_t SK = SREG * VL;  // 32 keys (AVX2), 64 (AVX-512): KEYS is a multiple
 template <typename KV>
-void scores(const float* q, int64_t nq, const KV* keys_t, int64_t ld, int64_t count, int64_t d,
-            float scaling, float* out, int64_t out_stride) {
-  std::vector<float> qs(HEADS * d);
+void scores(const float* qs, int64_t nq, const KV* keys_t, int64_t ld, int64_t count, int64_t d, float* out,
+            int64_t out_stride) {
   for (int64_t h0 = 0; h0 < nq; h0 += HEADS) {
+    const float* qg = qs + h0 * d;
     const int64_t hb = std::min<int64_t>(HEADS, nq - h0);
-    std::fill(qs.begin(), qs.end(), 0.f);
-    for (int64_t h = 0; h < hb; ++h)
-      for (int64_t j = 0; j < d; ++j) qs[h * d + j] = q[(h0 + h) * d + j] * scaling;
     for (int64_t p0 = 0; p0 < count; p0 += SK) {
       vf a[HEADS][SREG] = {};
       for (int64_t j = 0; j < d; ++j) {
@@ -139,7 +137,7 @@ void scores(const float* q, int64_t nq, const KV* keys_t, int64_t ld, int64_t co
         for (int s = 0; s < SREG; ++s) {
           const vf k = loadv(row + VL * s);
 #pragma GCC unroll 3
-          for (int h = 0; h < HEADS; ++h) a[h][s] += qs[h * d + j] * k;
+          for (int h = 0; h < HEADS; ++h) a[h][s] += qg[h * d + j] * k;
         }
       }
       for (int64_t h = 0; h < hb; ++h) {
@@ -149,6 +147,14 @@ void scores(const float* q, int64_t nq, const KV* keys_t, int64_t ld, int64_t co
       }
     }
   }
+}
+
+// `nq` queries (d each) times `scaling` into qs, then zero queries up to a multiple of HEADS: what `scores`
+// reads (qs holds padded_heads(nq) * d)
+inline int64_t padded_heads(int64_t nq) { return (nq + HEADS - 1) / HEADS * HEADS; }
+inline void padded_queries(const float* q, int64_t nq, int64_t d, float scaling, float* qs) {
+  for (int64_t i = 0; i < nq * d; ++i) qs[i] = q[i] * scaling;
+  std::fill(qs + nq * d, qs + padded_heads(nq) * d, 0.f);
 }
 
 // acc[h][:] += sum_p w[h][p] * values[p][:] for `nq` weight rows (stride `w_stride`): heads HEADS at
@@ -237,15 +243,15 @@ void rope_attend_impl(const Q* qkv, const float* cos, const float* sin, KV* ck, 
   // 2. per (row, KV head): its rep query heads over the group's prompt keys and the row's own keys 0..t
   at::parallel_for(0, R * kvh, 1, [&](int64_t i0, int64_t i1) {
     const int64_t stride = P + cap;
-    std::vector<float> sc(rep * stride), acc(rep * d);
+    std::vector<float> sc(rep * stride), acc(rep * d), qs(padded_heads(rep) * d);
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t r = i / kvh, kh = i % kvh, g = r / G, len = t[r] + 1, L = P + len;
-      const float* q = q_all.data() + (r * nh + kh * rep) * d;
+      padded_queries(q_all.data() + (r * nh + kh * rep) * d, rep, d, scaling, qs.data());
       const KV* pv_h = pv + (g * kvh + kh) * P * d;
       const KV* cv_h = cv + (r * kvh + kh) * cap * d;
       const uint8_t* valid = pvalid + g * P;
-      scores(q, rep, pkt + (g * kvh + kh) * d * ldp, ldp, P, d, scaling, sc.data(), stride);
-      scores(q, rep, ckt + (r * kvh + kh) * d * cap, cap, len, d, scaling, sc.data() + P, stride);
+      scores(qs.data(), rep, pkt + (g * kvh + kh) * d * ldp, ldp, P, d, sc.data(), stride);
+      scores(qs.data(), rep, ckt + (r * kvh + kh) * d * cap, cap, len, d, sc.data() + P, stride);
       for (int64_t h = 0; h < rep; ++h) {
         float* s = sc.data() + h * stride;
         for (int64_t p = 0; p < P; ++p) s[p] = valid[p] ? s[p] : MASKED;
