@@ -68,10 +68,7 @@ def test_rope_attend(kv_dtype, io_dtype, d, rep):
     t = torch.randint(0, cap, (R,))
     t[0], t[1] = 0, cap - 1
     ck0, cv0 = ck.clone(), cv.clone()
-    ckt, pkt = (
-        ck.transpose(-1, -2).contiguous(),
-        torch.nn.functional.pad(pk.transpose(-1, -2), (0, -pk.shape[2] % 64)),
-    )
+    ckt, pkt = _blocked(ck), _blocked(pk)
     out = kern.rope_attend(qkv, cos.float(), sin.float(), ck, ckt, cv, pkt, pv, valid, t, h, 0.25, io_dtype)
     assert out.dtype == io_dtype and out.shape == (R, h * d)
     x = qkv.double()
@@ -83,7 +80,6 @@ def test_rope_attend(kv_dtype, io_dtype, d, rep):
         g, s = r // G, int(t[r])
         torch.testing.assert_close(ck[r, :, s].double(), k_new[r].to(kv_dtype).double(), atol=tol, rtol=tol)
         torch.testing.assert_close(cv[r, :, s].double(), v_new[r].to(kv_dtype).double(), atol=0, rtol=0)
-        assert torch.equal(ckt[r, :, :, s], ck[r, :, s])  # the transposed copy written too
         others = torch.arange(cap) != s  # every other slot untouched
         assert torch.equal(ck[r, :, others], ck0[r, :, others]) and torch.equal(
             cv[r, :, others], cv0[r, :, others]
@@ -93,6 +89,27 @@ def test_rope_attend(kv_dtype, io_dtype, d, rep):
             vals = torch.cat([pv[g, j // rep][valid[g].bool()], cv[r, j // rep, : s + 1]]).double()
             want = torch.softmax(keys @ q[r, j] * 0.25, 0) @ vals
             torch.testing.assert_close(out[r, j * d : (j + 1) * d].double(), want, atol=tol, rtol=tol)
+    assert torch.equal(ckt, _blocked(ck))  # the blocked copy written at each row's slot t, nothing else
+
+
+def _blocked(k):
+    """Keys (.., slots, d) as rope_attend reads them, written out key by key: key p's element j at [..,
+    p // 64, j, p % 64], zeros past the last key."""
+    *lead, slots, d = k.shape
+    out = torch.zeros(*lead, -(-slots // 64), d, 64, dtype=k.dtype)
+    for p in range(slots):
+        out[..., p // 64, :, p % 64] = k[..., p, :]
+    return out
+
+
+def test_blocked_keys_lay_keys_out_as_rope_attend_reads_them():
+    k = torch.randn(2, 3, 70, 5)
+    assert torch.equal(cpu_decode.blocked_keys(k), _blocked(k))
+    kt, new = _blocked(k[0]), torch.randn(4, 3, 5)  # one row: 4 keys written at slots 62..65, two blocks
+    cpu_decode.write_blocked_keys(kt, torch.arange(62, 66), new)
+    want = k[0].clone()
+    want[:, 62:66] = new.transpose(0, 1)
+    assert torch.equal(kt, _blocked(want))
 
 
 LINEAR = [d for d in (torch.float32, torch.bfloat16) if cpu_decode.linear_for(d) is not None]

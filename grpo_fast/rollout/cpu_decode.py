@@ -9,9 +9,9 @@ calls:
   RMSNorm(x) * weight in the next linear's dtype (fp32 arithmetic, the HF module's: x * rsqrt(mean(x^2) + eps)
   cast to the weight's dtype, times the weight);
 - `rope_attend(qkv, cos, sin, ck, ckt, cv, pkt, pv, pvalid, t, heads, scaling, dtype)`: RoPE on the step's
-  queries and keys (rotate-half, HF's), the row's key (into `ck` and its transposed copy `ckt`) and value
+  queries and keys (rotate-half, HF's), the row's key (into `ck` and its blocked copy `ckt`) and value
   written into its completion KV at slot t, then one fp32 softmax per query over its group's prompt keys
-  (those `pvalid` marks; `pkt` transposed) and its own completion keys 0..t;
+  (those `pvalid` marks; `pkt` blocked) and its own completion keys 0..t;
 - `silu_mul(gate_up)`: SiLU(gate) * up of the fused gate / up projection, in its dtype;
 - `linear(x, packed, bias, N)` (fp32 and bf16 weights on AVX-512, bf16 through vdpbf16ps where AVX512-BF16
   has it; fp32 and bf16 on AVX2 + FMA, bf16 widened to fp32 in registers; `linear_for`): the linears
@@ -21,9 +21,10 @@ calls:
   rows, weights streamed from memory, Zen 4: bf16 ~16 -> ~13 ms, fp32 ~26 -> ~20 ms; 8 rows 1.6x), whose
   small-M GEMMs run well below the machine's bandwidth; on a Zen 3 (AVX2) it reaches torch's large-GEMM peak
   there at 16 rows, where torch's own bf16 product runs at 0.3 GFLOP/s.
-The attention keeps the keys transposed as well (d x slots, written once per step), so that a query's scores
-accumulate 32 (AVX2) or 64 keys at a time in vector registers; the GQA heads sharing a KV head run in one
-task, each key and value loaded once for up to three of them; the softmax exponentiates vector-wide.
+The attention keeps the keys transposed as well, in blocks of 64 keys (d x 64 each, `blocked_keys`), so that
+a query's scores accumulate 32 (AVX2) or 64 keys at a time in vector registers; one task per (row, KV head)
+does RoPE on its query heads and key, writes the key and value, and runs those query heads together, each
+key and value loaded once for up to three of them; the softmax exponentiates vector-wide.
 `decode_layers` runs a step's whole layer stack in one call (native's step, where every linear is the
 kernel's), with no return to the interpreter between the ~240 kernel calls. Vectors are GCC / Clang vector
 extensions one machine register wide (AVX-512 or AVX2 as the machine has: the build is for this CPU,
@@ -36,6 +37,8 @@ import os
 import shutil
 import sys
 import threading
+
+import torch
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -117,14 +120,15 @@ inline vf loadv(const at::BFloat16* p) {  // bf16 -> fp32: the 16 bits become th
 }
 
 // s[h][p] = qs_h . key_p for `nq` queries, already scaled and padded with zero queries to a multiple of
-// HEADS (`padded_queries`), against `count` keys stored transposed (keys_t[j][p], row stride `ld`, readable
-// up to `count` rounded up to KEYS): HEADS heads at a time over SK keys in SREG registers each, every key
-// loaded once for them all, over j (all of them, past `count` too: fixed counts keep the accumulators in
-// registers)
+// HEADS (`padded_heads`), against `count` keys stored in blocks of KEYS keys, each block transposed
+// (`blocked_keys`: key p's element j at keys_t[p / KEYS][j][p % KEYS], readable up to `count` rounded up to
+// KEYS; one block is one contiguous read, where rows of a whole transposed cache were 64 reads 1 KiB
+// apart): HEADS heads at a time over SK keys in SREG registers each, every key loaded once for them all,
+// over j (all of them, past `count` too: fixed counts keep the accumulators in registers)
 constexpr int HEADS = 3, SREG = 4;
 constexpr int64_t SK = SREG * VL;  // 32 keys (AVX2), 64 (AVX-512): KEYS is a multiple
 template <typename KV>
-void scores(const float* qs, int64_t nq, const KV* keys_t, int64_t ld, int64_t count, int64_t d, float* out,
+void scores(const float* qs, int64_t nq, const KV* keys_t, int64_t count, int64_t d, float* out,
             int64_t out_stride) {
   for (int64_t h0 = 0; h0 < nq; h0 += HEADS) {
     const float* qg = qs + h0 * d;
@@ -132,7 +136,7 @@ void scores(const float* qs, int64_t nq, const KV* keys_t, int64_t ld, int64_t c
     for (int64_t p0 = 0; p0 < count; p0 += SK) {
       vf a[HEADS][SREG] = {};
       for (int64_t j = 0; j < d; ++j) {
-        const KV* row = keys_t + j * ld + p0;
+        const KV* row = keys_t + ((p0 / KEYS) * d + j) * KEYS + p0 % KEYS;
 #pragma GCC unroll 4
         for (int s = 0; s < SREG; ++s) {
           const vf k = loadv(row + VL * s);
@@ -149,12 +153,18 @@ void scores(const float* qs, int64_t nq, const KV* keys_t, int64_t ld, int64_t c
   }
 }
 
-// `nq` queries (d each) times `scaling` into qs, then zero queries up to a multiple of HEADS: what `scores`
-// reads (qs holds padded_heads(nq) * d)
+// the heads `scores` runs for nq queries: nq rounded up to a multiple of HEADS (zero queries past nq)
 inline int64_t padded_heads(int64_t nq) { return (nq + HEADS - 1) / HEADS * HEADS; }
-inline void padded_queries(const float* q, int64_t nq, int64_t d, float scaling, float* qs) {
-  for (int64_t i = 0; i < nq * d; ++i) qs[i] = q[i] * scaling;
-  std::fill(qs + nq * d, qs + padded_heads(nq) * d, 0.f);
+
+// RoPE (rotate-half, HF's) of one head's d values in fp32: out = x * cos + rotate_half(x) * sin
+template <typename Q>
+inline void rope(const Q* x, const float* c, const float* s, int64_t d, float* out) {
+  const int64_t half = d / 2;
+  for (int64_t j = 0; j < half; ++j) {
+    const float lo = f32(x[j]), hi = f32(x[j + half]);
+    out[j] = lo * c[j] - hi * s[j];
+    out[j + half] = hi * c[j + half] + lo * s[j + half];
+  }
 }
 
 // acc[h][:] += sum_p w[h][p] * values[p][:] for `nq` weight rows (stride `w_stride`): heads HEADS at
@@ -207,51 +217,38 @@ void rope_attend_impl(const Q* qkv, const float* cos, const float* sin, KV* ck, 
                       const KV* pkt, const KV* pv, const uint8_t* pvalid, const int64_t* t, O* out, int64_t R,
                       int64_t n, int64_t nh, int64_t kvh, int64_t d, int64_t cap, int64_t P, int64_t ldp,
                       float scaling) {
-  const int64_t G = R / n, rep = nh / kvh, half = d / 2, width = (nh + 2 * kvh) * d;
-  std::vector<float> q_all(R * nh * d);
-  // 1. RoPE on queries and keys; the new key (both layouts) and value into the row's completion KV at slot t
-  at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
-    std::vector<float> x(d), rot(d);
-    for (int64_t r = r0; r < r1; ++r) {
-      const Q* row = qkv + r * width;
-      const float* c = cos + r * d;
-      const float* s = sin + r * d;
-      for (int64_t h = 0; h < nh + kvh; ++h) {
-        for (int64_t j = 0; j < d; ++j) x[j] = f32(row[h * d + j]);
-        for (int64_t j = 0; j < half; ++j) {
-          rot[j] = x[j] * c[j] - x[j + half] * s[j];
-          rot[j + half] = x[j + half] * c[j + half] + x[j] * s[j + half];
-        }
-        if (h < nh) {
-          std::copy(rot.begin(), rot.end(), q_all.begin() + (r * nh + h) * d);
-        } else {
-          const int64_t kh = h - nh;
-          KV* dst = ck + ((r * kvh + kh) * cap + t[r]) * d;
-          KV* dst_t = ckt + (r * kvh + kh) * d * cap + t[r];
-          for (int64_t j = 0; j < d; ++j) {
-            dst[j] = static_cast<KV>(rot[j]);
-            dst_t[j * cap] = dst[j];
-          }
-        }
-      }
-      for (int64_t h = 0; h < kvh; ++h) {
-        KV* dst = cv + ((r * kvh + h) * cap + t[r]) * d;
-        for (int64_t j = 0; j < d; ++j) dst[j] = static_cast<KV>(f32(row[(nh + kvh + h) * d + j]));
-      }
-    }
-  });
-  // 2. per (row, KV head): its rep query heads over the group's prompt keys and the row's own keys 0..t
+  const int64_t G = R / n, rep = nh / kvh, width = (nh + 2 * kvh) * d;
+  // per (row, KV head), one task: RoPE on its rep query heads (scaled, into qs) and its key, the key (both
+  // layouts) and value written into the row's completion KV at slot t, then those queries over the group's
+  // prompt keys and the row's own keys 0..t
   at::parallel_for(0, R * kvh, 1, [&](int64_t i0, int64_t i1) {
     const int64_t stride = P + cap;
-    std::vector<float> sc(rep * stride), acc(rep * d), qs(padded_heads(rep) * d);
+    std::vector<float> sc(rep * stride), acc(rep * d), qs(padded_heads(rep) * d, 0.f), key(d);
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t r = i / kvh, kh = i % kvh, g = r / G, len = t[r] + 1, L = P + len;
-      padded_queries(q_all.data() + (r * nh + kh * rep) * d, rep, d, scaling, qs.data());
+      const Q* row = qkv + r * width;
+      const float* c = cos + r * d;
+      const float* sn = sin + r * d;
+      for (int64_t h = 0; h < rep; ++h) {
+        float* q = qs.data() + h * d;
+        rope(row + (kh * rep + h) * d, c, sn, d, q);
+        for (int64_t j = 0; j < d; ++j) q[j] *= scaling;
+      }
+      rope(row + (nh + kh) * d, c, sn, d, key.data());
+      KV* dst = ck + ((r * kvh + kh) * cap + t[r]) * d;
+      KV* dst_t = ckt + ((r * kvh + kh) * cap + t[r] / KEYS * KEYS) * d + t[r] % KEYS;
+      KV* dst_v = cv + ((r * kvh + kh) * cap + t[r]) * d;
+      const Q* v = row + (nh + kvh + kh) * d;
+      for (int64_t j = 0; j < d; ++j) {
+        dst[j] = static_cast<KV>(key[j]);
+        dst_t[j * KEYS] = dst[j];
+        dst_v[j] = static_cast<KV>(f32(v[j]));
+      }
       const KV* pv_h = pv + (g * kvh + kh) * P * d;
       const KV* cv_h = cv + (r * kvh + kh) * cap * d;
       const uint8_t* valid = pvalid + g * P;
-      scores(qs.data(), rep, pkt + (g * kvh + kh) * d * ldp, ldp, P, d, sc.data(), stride);
-      scores(qs.data(), rep, ckt + (r * kvh + kh) * d * cap, cap, len, d, sc.data() + P, stride);
+      scores(qs.data(), rep, pkt + (g * kvh + kh) * d * ldp, P, d, sc.data(), stride);
+      scores(qs.data(), rep, ckt + (r * kvh + kh) * d * cap, len, d, sc.data() + P, stride);
       for (int64_t h = 0; h < rep; ++h) {
         float* s = sc.data() + h * stride;
         for (int64_t p = 0; p < P; ++p) s[p] = valid[p] ? s[p] : MASKED;
@@ -548,10 +545,11 @@ at::Tensor rope_attend(at::Tensor qkv, at::Tensor cos, at::Tensor sin, at::Tenso
   TORCH_CHECK(pkt.scalar_type() == ck.scalar_type() && pv.scalar_type() == ck.scalar_type() &&
               ckt.scalar_type() == ck.scalar_type(), "one KV dtype");
   const int64_t R = qkv.size(0), n = pv.size(0), kvh = pv.size(1), P = pv.size(2), d = pv.size(3);
-  const int64_t ldp = pkt.size(3), cap = ck.size(2);
-  TORCH_CHECK(pkt.size(2) == d && ldp >= (P + 63) / 64 * 64 && ckt.size(2) == d && ckt.size(3) == cap &&
-              cap % 64 == 0 && d % 2 == 0, "keys_t: (.., d, slots) with slots a multiple of 64 (the prompt's "
-              "padded); d even");
+  const int64_t ldp = pkt.size(2) * KEYS, cap = ck.size(2);
+  TORCH_CHECK(pkt.dim() == 5 && pkt.size(3) == d && pkt.size(4) == KEYS && ldp >= P && ckt.dim() == 5 &&
+              ckt.size(2) * KEYS == cap && ckt.size(3) == d && ckt.size(4) == KEYS && d % 2 == 0,
+              "pkt, ckt: the prompts' and completions' keys in blocks of 64 (.., slots / 64, d, 64: "
+              "blocked_keys); d even");
   auto q = qkv.contiguous();
   TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat, "cos, sin: float32");
   TORCH_CHECK(pvalid.scalar_type() == at::kByte && t.scalar_type() == at::kLong, "pvalid: uint8, t: int64");
@@ -699,7 +697,7 @@ std::vector<at::Tensor> draw(at::Tensor logits, at::Tensor u, double temperature
 // with no return to the interpreter between them. x (rows, hidden), the residual stream, is updated in place;
 // returns the final norm's output. Per layer: norms[2i], norms[2i + 1] (fp32 weights) and the final one last
 // with their eps; packed / bias / outs[4i + j] the qkv, o, gate_up and down linears (`linear`'s arguments);
-// kv[5i + j] the completion keys, their transposed twins, values, the prompts' transposed keys and values.
+// kv[5i + j] the completion keys, their blocked twins, values, the prompts' blocked keys and values.
 at::Tensor decode_layers(at::Tensor x, at::Tensor cos, at::Tensor sin, at::Tensor pvalid, at::Tensor t,
                          std::vector<at::Tensor> norms, std::vector<double> eps,
                          std::vector<at::Tensor> packed, std::vector<c10::optional<at::Tensor>> bias,
@@ -736,6 +734,22 @@ def cpu_info() -> dict:
         return {}
     first = text.split("\n\n", 1)[0]
     return {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in first.splitlines())}
+
+
+KEYS = 64  # keys per block of the kernels' key layout (the C++ KEYS)
+
+
+def blocked_keys(k):
+    """Keys (.., slots, d) in the layout rope_attend reads: blocks of KEYS keys, each transposed, (..,
+    ceil(slots / KEYS), d, KEYS), zeros past the last key."""
+    *lead, slots, d = k.shape
+    k = torch.nn.functional.pad(k, (0, 0, 0, -slots % KEYS))
+    return k.view(*lead, -1, KEYS, d).transpose(-1, -2).contiguous()
+
+
+def write_blocked_keys(kt, slots, k) -> None:
+    """Keys k (L, .., d) into one row's blocked keys kt (.., slots / KEYS, d, KEYS) at `slots` (L,)."""
+    kt[:, slots // KEYS, :, slots % KEYS] = k
 
 
 # the module's functions

@@ -89,7 +89,8 @@ class _Buffers:
     # multi-turn bookkeeping (host side, never read by the step): waiting for a tool / over for good
     parked: torch.Tensor  # (R,) bool
     final: torch.Tensor  # (R,) bool
-    # the keys again, transposed (.., d, slots), for the CPU decode kernels (`_transpose_keys`)
+    # the keys again, in blocks of 64 transposed (.., slots / 64, d, 64), for the CPU decode kernels
+    # (`_transpose_keys`)
     prompt_kt: list | None = None
     comp_kt: list | None = None
 
@@ -210,14 +211,13 @@ def _stack_args(layers, final_rms):
 
 
 def _transpose_keys(b: _Buffers) -> None:
-    """The prompts' keys again, transposed (.., d, slots), for the CPU decode kernels, which read them in
-    blocks of 64 (padded to it): made, or written into those a `graphs.Static` keeps. The completion keys'
-    twins start empty (zeros, as `_refill` leaves them on a kept Static); the step writes both."""
-    pad = -b.prompt_k[0].shape[2] % 64
-    pkt = [torch.nn.functional.pad(k.transpose(-1, -2), (0, pad)) for k in b.prompt_k]
+    """The prompts' keys again, in blocks of 64 transposed (`cpu_decode.blocked_keys`), for the CPU decode
+    kernels: made, or written into those a `graphs.Static` keeps. The completion keys' twins start empty
+    (zeros, as `_refill` leaves them on a kept Static); the step writes both."""
+    pkt = [cpu_decode.blocked_keys(k) for k in b.prompt_k]
     if b.prompt_kt is None:
         b.prompt_kt = pkt
-        b.comp_kt = [k.new_zeros(k.shape[0], k.shape[1], k.shape[3], k.shape[2]) for k in b.comp_k]
+        b.comp_kt = [cpu_decode.blocked_keys(torch.zeros_like(k)) for k in b.comp_k]
         return
     for dst, src in zip(b.prompt_kt, pkt):
         dst.copy_(src)
@@ -446,7 +446,7 @@ class NativeEngine:
             b.comp_k[i][r, :, e : e + L] = k.transpose(0, 1)
             b.comp_v[i][r, :, e : e + L] = v.transpose(0, 1)
             if b.comp_kt is not None:
-                b.comp_kt[i][r, :, :, e : e + L] = k.permute(1, 2, 0)
+                cpu_decode.write_blocked_keys(b.comp_kt[i][r], slots, k)
             ck, cv = (c[i][r : r + 1].expand(L, kvh, cap, d) for c in (b.comp_k, b.comp_v))
             pk, pv = b.prompt_k[i][g : g + 1], b.prompt_v[i][g : g + 1]
             return _merge_attention(q, pk, pv, ck, cv, prompt_bias, own_bias, self.scaling)
