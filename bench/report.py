@@ -363,6 +363,11 @@ def profile_decode_section(res: dict, summary: dict) -> str:
             f"- {r['engine']} {r['dtype']}: {r['ms_per_step']:.1f} ms per token step against a floor of "
             f"{r['floor_ms_per_step']:.1f} ms ({r['bound']}-bound): `decode_bandwidth_fraction` "
             f"{r['bandwidth_fraction']:.2f}, roofline fraction {r['roofline_fraction']:.2f}"
+            + (  # the most the machine allows (absent from results before it was measured)
+                f", bandwidth fraction ceiling {r['bandwidth_fraction_ceiling']:.2f}"
+                if "bandwidth_fraction_ceiling" in r
+                else ""
+            )
         )
     return (
         f"## The rollout against the machine's floor (SmolLM2-135M-Instruct, {res['rows_n']} rows, "

@@ -15,10 +15,13 @@ The floor of a decode step is what it must read and what it must compute:
   completion tokens so far; the KV is in the policy's dtype, fp32);
 - FLOPs: 2 x rows x those weights, plus the attention's products.
 `decode_bandwidth_fraction` = bytes x steps / (decode seconds x read bandwidth); `decode_roofline_fraction`
-= max(bytes / bandwidth, FLOPs / the dtype's GEMM peak) / seconds, the peak measured here on a 2048^3
-product in that dtype, or in fp32 where that is faster (16-bit weights can always be widened and multiplied
-in fp32: without AVX512-BF16 torch's bf16 product runs at a fraction of a GFLOP/s on a Zen 3, no floor; on a
-2-core CPU a 16-row step can be compute-bound: its floor is then the FLOPs'). The
+= max(bytes / bandwidth, FLOPs / the dtype's peak) / seconds, the peak the fastest of what this machine is
+measured to do: a 2048^3 product in that dtype, one in fp32 (16-bit weights can always be widened and
+multiplied in fp32: without AVX512-BF16 torch's bf16 product runs at a fraction of a GFLOP/s on a Zen 3, no
+floor), and fp32 FMAs on registers alone on all threads (`fma_peak`: no GEMM goes faster; on a Zen 3 torch's
+fp32 product reaches ~0.8 of it). On a 2-core CPU a 16-row step can be compute-bound: its floor is then the
+FLOPs', and `decode_bandwidth_fraction_ceiling` = bandwidth floor / floor is the most bandwidth fraction
+the machine allows that dtype (1 where the bandwidth bounds it). The
 prefill is held against the fp32 peak (`prefill_gemm_fraction`: it runs the model's own forward). `--vllm`
 adds vLLM CPU (the `.venv-vllm` engine, `make setup-vllm`) on the same rows, C and dtype, no EOS, its time
 per token step (prefill included) against the same floor. `--ops` adds the per-operator profile
@@ -78,6 +81,52 @@ def gemm_peak(dtype, n: int = 2048, repeats: int = 3) -> float:
         a @ b
         times.append(time.perf_counter() - t0)
     return 2 * n**3 / statistics.median(times) / 1e9
+
+
+_FMA_SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <chrono>
+#if defined(__AVX512F__)
+typedef float vf __attribute__((vector_size(64)));
+#else
+typedef float vf __attribute__((vector_size(32)));
+#endif
+// GFLOP/s of `iters` x 12 independent vector FMA chains per thread, all threads at once
+double fma_rate(int64_t iters) {
+  const int64_t threads = at::get_num_threads();
+  const auto t0 = std::chrono::steady_clock::now();
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    const vf x = (vf){} + 0.999f, y = (vf){} + 1e-4f;
+    vf a0 = (vf){} + 1.f, a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0, a8 = a0, a9 = a0,
+       a10 = a0, a11 = a0;  // named, not an array: an array's chains go through the stack
+    for (int64_t it = 0; it < iters; ++it) {
+      a0 = a0 * x + y; a1 = a1 * x + y; a2 = a2 * x + y; a3 = a3 * x + y;
+      a4 = a4 * x + y; a5 = a5 * x + y; a6 = a6 * x + y; a7 = a7 * x + y;
+      a8 = a8 * x + y; a9 = a9 * x + y; a10 = a10 * x + y; a11 = a11 * x + y;
+      __asm__ volatile("" : "+x"(a0), "+x"(a1), "+x"(a2), "+x"(a3), "+x"(a4), "+x"(a5), "+x"(a6), "+x"(a7),
+                       "+x"(a8), "+x"(a9), "+x"(a10), "+x"(a11));
+    }
+    volatile float sink = (a0 + a1 + a2 + a3 + a4 + a5 + a6 + a7 + a8 + a9 + a10 + a11)[0];
+    (void)sink;
+  });
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return 2.0 * 12 * (sizeof(vf) / 4) * iters * threads / s / 1e9;
+}
+"""
+
+
+def fma_peak(repeats: int = 5) -> float:
+    """fp32 GFLOP/s of FMAs on registers alone on all threads (the median of `repeats` ~0.2 s runs): the
+    machine's arithmetic ceiling, which no product of matrices passes."""
+    from torch.utils.cpp_extension import load_inline
+
+    mod = load_inline(
+        name="grpo_fast_bench_fma", cpp_sources=[_FMA_SOURCE], functions=["fma_rate"],
+        extra_cflags=["-O2", "-march=native", "-ffp-contract=fast", "-fopenmp"], extra_ldflags=["-fopenmp"],
+    )  # fmt: skip
+    iters = max(1, int(5e7 * 100 / max(1.0, mod.fma_rate(1_000_000))))  # ~0.2 s a run
+    return statistics.median(mod.fma_rate(iters) for _ in range(repeats))
 
 
 def decode_work(model, prompt_tokens: int, groups: int, rows: int, steps: int, dtype: str) -> dict:
@@ -154,6 +203,7 @@ def fractions(work: dict, steps: int, decode_s: float, bw: float, peak: float) -
     return dict(
         ms_per_step=1e3 * decode_s / steps, floor_ms_per_step=1e3 * floor / steps,
         bandwidth_fraction=floor_bw / decode_s, roofline_fraction=floor / decode_s,
+        bandwidth_fraction_ceiling=floor_bw / floor,
         bound="bandwidth" if floor == floor_bw else "compute",
     )  # fmt: skip
 
@@ -200,10 +250,12 @@ def main(argv=None) -> None:
     R, C, steps = PROMPTS * G, args.C, args.C - 1  # the first token comes from the prefill's logits
     prompt_tokens = int(mask.sum())
     measured, ops, vllm = [], [], {}
+    fma = fma_peak()
+    print(f"fp32 FMA peak (registers, all threads): {fma:.0f} GFLOP/s", flush=True)
     with torch.no_grad():
         for dtype in args.dtypes.split(","):
             name = "fp32" if dtype == "model" else dtype
-            peak = max(gemm_peak(PEAK_DTYPE[dtype]), gemm_peak(torch.float32))
+            peak = max(gemm_peak(PEAK_DTYPE[dtype]), gemm_peak(torch.float32), fma)
             calls, ops_calls = measure_native(model, ids, mask, C, dtype, args.repeats, args.torch_ops)
             assert all(c["decode_steps"] == steps for c in calls + ops_calls), calls + ops_calls
             assert all(c["kernel_steps"] in (0, steps) for c in calls), calls  # all steps, or none can
@@ -247,6 +299,7 @@ def main(argv=None) -> None:
                          ms_per_step_all=[p["ms_per_step"] for p in per]))  # fmt: skip
         summary[f"decode_bandwidth_fraction_{name}"] = f["bandwidth_fraction"]
         summary[f"decode_roofline_fraction_{name}"] = f["roofline_fraction"]
+        summary[f"decode_bandwidth_fraction_ceiling_{name}"] = f["bandwidth_fraction_ceiling"]
         summary[f"decode_ms_per_step_{name}"] = f["ms_per_step"]
         summary[f"prefill_gemm_fraction_{name}"] = pre
         print(f"native {name}: {f['ms_per_step']:.1f} ms/step (floor {f['floor_ms_per_step']:.1f}, "
@@ -266,8 +319,9 @@ def main(argv=None) -> None:
                ("floor_ms_per_step", "floor ms"), ("bound", "floor bound by"),
                ("bandwidth_fraction", "decode_bandwidth_fraction"),
                ("roofline_fraction", "roofline fraction"),
+               ("bandwidth_fraction_ceiling", "bandwidth fraction ceiling"),
                ("gbytes_per_step", "GB per step"), ("gflop_per_step", "GFLOP per step"),
-               ("bandwidth_gbs", "read GB/s"), ("gemm_peak_gflops", "GEMM peak GFLOP/s"),
+               ("bandwidth_gbs", "read GB/s"), ("gemm_peak_gflops", "peak GFLOP/s"),
                ("prefill_ms", "prefill ms"), ("prefill_gemm_fraction", "prefill GEMM fraction"),
                ("pack_ms", "weight packing ms"), ("env", "environment"), ("error", "note")]  # fmt: skip
     op_md = f"\n## Operators (one call, C={min(C, 64)})\n\n{markdown_table(ops, OP_COLUMNS)}\n" if ops else ""
@@ -283,6 +337,7 @@ def main(argv=None) -> None:
         + "\n"
         + op_md
     )
+    summary["fma_peak_gflops"] = fma
     payload = {"machine": info, "summary": summary, "rows": rows, "ops": ops, "C": C, "rows_n": R}
     out = write_results("profile_decode", payload, md, Path(args.out_dir) if args.out_dir else None)
     print(md)
