@@ -29,3 +29,19 @@ def test_decode_bytes_are_the_weights_per_step_and_the_kv_written_so_far(dtype, 
     assert work["bytes"] == per_step * steps + kv
     linear = sum(p.numel() for n, p in model.model.layers.named_parameters() if "proj" in n)
     assert work["flops"] > 2 * rows * steps * (linear + cfg.vocab_size * cfg.hidden_size)
+
+
+@pytest.mark.parametrize("gb,gflop,bound", [(0.6, 4.5, "compute"), (0.6, 1.0, "bandwidth")])
+def test_fractions_hold_a_step_against_the_slower_floor_and_say_the_bandwidth_ceiling(gb, gflop, bound):
+    from bench.profiles.decode import fractions
+
+    steps, seconds, bw, peak = 10, 0.4, 30.0, 200.0  # 40 ms a step, 30 GB/s, 200 GFLOP/s
+    f = fractions(dict(bytes=gb * 1e9 * steps, flops=gflop * 1e9 * steps), steps, seconds, bw, peak)
+    t_bytes, t_flops = gb / bw, gflop / peak  # seconds a step each floor takes
+    assert f["bound"] == bound
+    assert f["ms_per_step"] == pytest.approx(40.0)
+    assert f["floor_ms_per_step"] == pytest.approx(1e3 * max(t_bytes, t_flops))
+    assert f["bandwidth_fraction"] == pytest.approx(t_bytes / 0.04)
+    assert f["roofline_fraction"] == pytest.approx(max(t_bytes, t_flops) / 0.04)
+    # the most bandwidth fraction any code reaches: the step at its floor
+    assert f["bandwidth_fraction_ceiling"] == pytest.approx(t_bytes / max(t_bytes, t_flops))
