@@ -105,6 +105,7 @@ def _blocked(k):
 def test_blocked_keys_lay_keys_out_as_rope_attend_reads_them():
     k = torch.randn(2, 3, 70, 5)
     assert torch.equal(cpu_decode.blocked_keys(k), _blocked(k))
+    assert torch.equal(cpu_decode.blocked_zeros(k), _blocked(torch.zeros_like(k)))
     kt, new = _blocked(k[0]), torch.randn(4, 3, 5)  # one row: 4 keys written at slots 62..65, two blocks
     cpu_decode.write_blocked_keys(kt, torch.arange(62, 66), new)
     want = k[0].clone()

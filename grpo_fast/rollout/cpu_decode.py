@@ -747,6 +747,12 @@ def blocked_keys(k):
     return k.view(*lead, -1, KEYS, d).transpose(-1, -2).contiguous()
 
 
+def blocked_zeros(k):
+    """Zeros in the layout `blocked_keys` gives keys shaped like k (.., slots, d), made in place of k."""
+    *lead, slots, d = k.shape
+    return k.new_zeros(*lead, -(-slots // KEYS), d, KEYS)
+
+
 def write_blocked_keys(kt, slots, k) -> None:
     """Keys k (L, .., d) into one row's blocked keys kt (.., slots / KEYS, d, KEYS) at `slots` (L,)."""
     kt[:, slots // KEYS, :, slots % KEYS] = k

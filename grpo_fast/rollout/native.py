@@ -217,7 +217,7 @@ def _transpose_keys(b: _Buffers) -> None:
     pkt = [cpu_decode.blocked_keys(k) for k in b.prompt_k]
     if b.prompt_kt is None:
         b.prompt_kt = pkt
-        b.comp_kt = [cpu_decode.blocked_keys(torch.zeros_like(k)) for k in b.comp_k]
+        b.comp_kt = [cpu_decode.blocked_zeros(k) for k in b.comp_k]
         return
     for dst, src in zip(b.prompt_kt, pkt):
         dst.copy_(src)
