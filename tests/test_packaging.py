@@ -81,3 +81,36 @@ def test_transformers_models_import_from_the_checkout(python):
     assert done.returncode == 0, done.stderr
     hub, agrees, has_version = done.stdout.split()
     assert agrees == "True" and has_version == hub, done.stdout
+
+
+def test_every_name_imported_from_our_packages_exists():
+    """Each `from grpo_fast... / bench... / kernels... import name` in the source tree, those inside functions
+    included (bench's modules import lazily, so a name lost in a move only fails the day its section runs),
+    names something the module has."""
+    import ast
+
+    missing = []
+    for path in sorted(p for part in ("grpo_fast", "bench", "kernels") for p in (ROOT / part).rglob("*.py")):
+        package = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            base = (
+                node.module
+                if not node.level
+                else ".".join(
+                    package.split(".")[: len(package.split(".")) - node.level + 1] + [node.module or ""]
+                )
+            ).strip(".")
+            if base.split(".")[0] not in ("grpo_fast", "bench", "kernels"):
+                continue
+            if base.startswith("kernels"):
+                base = "grpo_fast." + base  # kernels/ is the package grpo_fast.kernels
+            module = importlib.import_module(base)
+            for alias in node.names:
+                if alias.name != "*" and not hasattr(module, alias.name):
+                    try:
+                        importlib.import_module(f"{base}.{alias.name}")  # a submodule
+                    except ImportError:
+                        missing.append(f"{path.relative_to(ROOT)}:{node.lineno}: {base}.{alias.name}")
+    assert not missing, missing

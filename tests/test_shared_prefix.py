@@ -62,6 +62,11 @@ def test_ragged_groups_equal_plain_forward():
             got = completion_hidden_states(model, p_ids, p_mask, c_ids[rows], c_mask[rows], share, counts)
             valid = c_mask[rows].bool()
             assert (got - want)[valid].abs().max().item() < 1e-5, share
+        for attention in ("segments", "varlen", "mask"):
+            got = shared_prefix_forward(
+                model, p_ids, p_mask, c_ids[rows], c_mask[rows], attention=attention, counts=counts
+            )
+            assert (got - want)[valid].abs().max().item() < 1e-5, attention
     with pytest.raises(ValueError, match="counts must give each"):
         shared_prefix_forward(model, p_ids, p_mask, c_ids[rows], c_mask[rows], counts=[4, 4])
 
@@ -96,6 +101,21 @@ def test_foreign_gradient_checkpointing_keeps_the_mask():
     _assert_shared_equals_plain(model, "auto")
     with pytest.raises(ValueError, match="checkpointing_kwargs"):
         shared_prefix_forward(model, *_batch()[:4], attention="segments")
+
+
+@pytest.mark.parametrize("attention", ["segments", "varlen"])
+def test_per_segment_layouts_run_real_tokens_only(attention):
+    """The per-segment attentions never cross a segment, so every group's real tokens run in one row: the
+    decoder's layers see as many tokens as the prompts and completions hold, not groups padded to the
+    longest (the linear layers' work is per token)."""
+    model = _model("llama").eval()
+    p_ids, p_mask, c_ids, c_mask, _ = _batch()
+    seen = []
+    hook = model.model.embed_tokens.register_forward_hook(lambda m, args, out: seen.append(tuple(out.shape)))
+    with torch.no_grad():
+        shared_prefix_forward(model, p_ids, p_mask, c_ids, c_mask, attention=attention)
+    hook.remove()
+    assert seen == [(1, int(p_mask.sum() + c_mask.sum()), 32)]
 
 
 def _assert_shared_equals_plain(model, attention):

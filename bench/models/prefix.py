@@ -64,7 +64,7 @@ def _inputs(P, C, G, V):
 
 
 def measure_one(a):
-    from grpo_fast.models.shared_prefix import generate_groups
+    from grpo_fast.rollout import generate_groups
     from grpo_fast.trainer.modeling import completion_hidden_states
 
     device = torch.device("cpu")
