@@ -17,6 +17,7 @@ profile_train.{json,md} with the CPU model and flags.
 
 import argparse
 import functools
+import resource
 import tempfile
 import time
 from pathlib import Path
@@ -29,8 +30,9 @@ COLUMNS = [("op", "operator"), ("share", "share of self CPU time"), ("calls", "c
            ("ms_per_call", "ms per call"), ("seconds", "seconds")]  # fmt: skip
 
 
-def gemm_rate(tokens: int, config, repeats: int = 3) -> float:
-    """fp32 GFLOP/s of one decoder layer's linear layers, forward + backward, over `tokens` rows."""
+def gemm_layer(tokens: int, config):
+    """One decoder layer's linear layers at the model's shapes over `tokens` rows, fp32, with gradients: the
+    leaves each GEMM-rate measurement reuses (made once, before the phases)."""
     H, F = config.hidden_size, config.intermediate_size
     kv = config.num_key_value_heads * (getattr(config, "head_dim", None) or H // config.num_attention_heads)
     shapes = [(H, H), (kv, H), (kv, H), (H, H), (F, H), (F, H), (H, F)]
@@ -39,6 +41,11 @@ def gemm_rate(tokens: int, config, repeats: int = 3) -> float:
               for o, i in shapes]  # fmt: skip
     for _, w in leaves:
         w.requires_grad_()
+    return leaves
+
+
+def gemm_rate(leaves, repeats: int = 3) -> float:
+    """fp32 GFLOP/s of one decoder layer's linear layers (gemm_layer), forward + backward."""
 
     def layer():
         for x, w in leaves:
@@ -50,7 +57,7 @@ def gemm_rate(tokens: int, config, repeats: int = 3) -> float:
         t0 = time.perf_counter()
         layer()
         times.append(time.perf_counter() - t0)
-    flops = sum(6 * tokens * o * i for o, i in shapes)
+    flops = sum(6 * x.shape[0] * w.numel() for x, w in leaves)
     return flops / sorted(times)[len(times) // 2] / 1e9
 
 
@@ -98,15 +105,18 @@ def main(argv=None) -> None:
         sc = score_rollout(run, rows, ro)
         config = run.model.config
         tokens_run = int(ro.prompt_mask.sum() + ro.completion_mask.sum())  # prefix sharing: each prompt once
+        leaves = gemm_layer(tokens_run, config)
+        gemm_rate(leaves)
         optimize(run, ro, sc)  # warm-up: allocator, packed weights, first-call paths
         # unprofiled phases (the profiler's cost is not the phase's), each right after a GEMM-rate measurement
         # at the model's shapes: a shared machine's speed drifts, so each phase is set against its own rate
-        times, rates = [], []
+        times, rates, system = [], [], []
         for _ in range(args.repeats):
-            rates.append(gemm_rate(tokens_run, config))
-            t0 = time.perf_counter()
+            rates.append(gemm_rate(leaves))
+            r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
             optimize(run, ro, sc)
             times.append(time.perf_counter() - t0)
+            system.append(resource.getrusage(resource.RUSAGE_SELF).ru_stime - r0.ru_stime)
         t0 = time.perf_counter()
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             optimize(run, ro, sc)
@@ -126,7 +136,8 @@ def main(argv=None) -> None:
     mid = sorted(range(len(times)), key=lambda i: fractions[i])[len(times) // 2]  # the median pair
     phase_s, rate, fraction = times[mid], rates[mid], fractions[mid]
     achieved = flops / phase_s / 1e9
-    summary = dict(phase_s=phase_s, phase_s_all=times, profiled_s=profiled_s, attention=args.attention,
+    summary = dict(phase_s=phase_s, phase_s_all=times, system_s_all=system, profiled_s=profiled_s,
+                   attention=args.attention,
                    tokens_run=tokens_run, trained_tokens=trained, gemm_tflop=flops / 1e12,
                    achieved_gflops=achieved, gemm_rate_gflops=rate, train_phase_gemm_fraction=fraction,
                    fractions=fractions, gemm_rates=rates,
@@ -139,7 +150,8 @@ def main(argv=None) -> None:
         f"--optim {args.optim}, shared-prefix attention {args.attention}; a warm-up phase, "
         f"{args.repeats} timed phases, each after a GEMM-rate measurement (the median pair), and a profiled "
         "one on the same rollout.\n\n"
-        f"Phase {phase_s:.2f} s (of {', '.join(f'{t:.2f}' for t in times)}; {profiled_s:.2f} s under "
+        f"Phase {phase_s:.2f} s (of {', '.join(f'{t:.2f}' for t in times)}, of which the kernel's time, "
+        f"page faults mostly: {', '.join(f'{t:.2f}' for t in system)}; {profiled_s:.2f} s under "
         f"the profiler) for {tokens_run} tokens run ({trained} trained): "
         f"{flops / 1e12:.2f} TFLOP of GEMMs at {achieved:.1f} GFLOP/s; this machine's fp32 GEMM rate at the "
         f"model's shapes {rate:.1f} GFLOP/s (of {', '.join(f'{r:.0f}' for r in rates)}): "

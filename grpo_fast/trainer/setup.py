@@ -31,7 +31,7 @@ from .distributed import (
     wrap,
 )
 from .log import MetricsLog
-from .memory import map_large_allocations
+from .memory import hold_freed_memory, map_large_allocations
 from .modeling import fp32_source, load_model_and_tokenizer, load_weights_from_checkpoint, model_path
 from .optimizers import AdamW16, build_optimizer
 from .precision import Precision, kept_on_resume
@@ -208,6 +208,7 @@ def plan_memory(cfg: GRPOConfig, dist: DistInfo, device):
     groups into micro-batches from their real lengths (grpo_fast.trainer.batching); a ValueError naming what
     fits if nothing does. Returns (cfg, record or None, packer or None)."""
     if not cfg.max_memory_gb:
+        hold_freed_memory(device)  # CPU: the heap keeps freed tensors for the next step (memory)
         return cfg, None, None
     import dataclasses
 
