@@ -154,10 +154,16 @@ def map_large_allocations(device) -> bool:
     its tensors and its peak varied +-8% with the batch; held at 128 KiB, within 50 MiB and 4%. Held only in
     training (the rollout back at 32 MiB), peaks still drifted up to +5% after step 3, so the trainer holds
     it for the whole run under --max-memory-gb. It costs page faults: ~25% of the training phase's time on
-    SmolLM2, and in long rollouts up to ~1.9x generation time (4 layers, C=8192). Returns whether it was set.
-    GRPO_FAST_TRIM=0 leaves the allocator alone."""
+    SmolLM2, and in long rollouts up to ~1.9x generation time (4 layers, C=8192). The heap's top is trimmed at
+    glibc's default 128 KiB (whatever hold_freed_memory set before in this process). Returns whether it was
+    set. GRPO_FAST_TRIM=0 leaves the allocator alone."""
     libc = _glibc_on(device)
-    return bool(libc is not None and libc.mallopt(_M_MMAP_THRESHOLD, int(MMAP_ABOVE_MIB * 2**20)))
+    if libc is None:
+        return False
+    return bool(
+        libc.mallopt(_M_MMAP_THRESHOLD, int(MMAP_ABOVE_MIB * 2**20))
+        and libc.mallopt(_M_TRIM_THRESHOLD, 2**17)
+    )
 
 
 def hold_freed_memory(device) -> bool:
