@@ -143,6 +143,7 @@ def _meminfo_kib(field: str) -> float:
 MMAP_ABOVE_MIB = 0.125  # glibc's initial mmap threshold, held there under a budget (map_large_allocations)
 _M_MMAP_THRESHOLD, _M_TRIM_THRESHOLD = -3, -1  # glibc's mallopt parameters
 HOLD_MMAP_ABOVE_MIB = 1024  # without a budget, the heap serves every tensor under 1 GiB (hold_freed_memory)
+_policy = {"mapped": False}  # map_large_allocations was asked for in this process: it stands
 
 
 def map_large_allocations(device) -> bool:
@@ -160,6 +161,7 @@ def map_large_allocations(device) -> bool:
     libc = _glibc_on(device)
     if libc is None:
         return False
+    _policy["mapped"] = True
     return bool(
         libc.mallopt(_M_MMAP_THRESHOLD, int(MMAP_ABOVE_MIB * 2**20))
         and libc.mallopt(_M_TRIM_THRESHOLD, 2**17)
@@ -177,9 +179,11 @@ def hold_freed_memory(device) -> bool:
     grew and shrank the heap by 2.7 GB through brk, and every page was faulted in again, 780k faults, 6-14 s
     of kernel time in phases of 18-25 s on a 2-core VM (~18 us a fault). Held, the heap stays at its peak
     between steps (the next step's working set), handed back by release_free_memory when the machine runs
-    short. Returns whether it was set; GRPO_FAST_TRIM=0 leaves the allocator alone."""
+    short. A process that asked for map_large_allocations keeps it (bench.models.memory measures the budget's
+    policy on trainers without one). Returns whether it was set; GRPO_FAST_TRIM=0 leaves the allocator
+    alone."""
     libc = _glibc_on(device)
-    if libc is None:
+    if libc is None or _policy["mapped"]:
         return False
     return bool(
         libc.mallopt(_M_MMAP_THRESHOLD, HOLD_MMAP_ABOVE_MIB * 2**20) and libc.mallopt(_M_TRIM_THRESHOLD, -1)
