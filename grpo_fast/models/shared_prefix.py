@@ -1,11 +1,13 @@
 """Training with the G samples of a group sharing their prompt: one prompt forward per group. Exact, for any
 Llama / Qwen2 / Mistral-style Hugging Face model.
 
-Each group is laid out as one sequence [prompt; completion_1; ...; completion_G] (every completion sees the
-prompt and, causally, itself) with RoPE positions of the unshared layout, so the prompt is run, and
-differentiated, once per group (Prefix Grouper's construction). The attention runs per segment (the prompt,
-each completion over [prompt; itself]) without an (L, L) mask; a 4D mask through the model's SDPA and, for
-models loaded with a flash-attention implementation, variable-length packing are the other layouts.
+Each group is laid out as one sequence [prompt; completion_1; ...; completion_G] of its real tokens (every
+completion sees the prompt and, causally, itself) with RoPE positions of the unshared layout, so the prompt is
+run, and differentiated, once per group (Prefix Grouper's construction). By default every group of a
+micro-batch runs in one row with no padding (packed_row), its attention per segment (the prompt, each
+completion over [prompt; itself]) without an (L, L) mask; variable-length packing of the same row (for models
+loaded with a flash-attention implementation) and a row per group with a 4D mask through the model's SDPA are
+the other layouts.
 """
 
 import functools
@@ -32,11 +34,10 @@ def _no_mask(*args, **kwargs):
 # Training forward: [prompt; completion_1; ...; completion_G] per group, real tokens only
 # --------------------------------------------------------------------------------------------------------
 def _groups(prompt_mask, completion_mask, counts):
-    """Per group, its real tokens in layout order: (src, pos, seg, sizes). `src` indexes the flat token pool
-    [prompt_ids (n * P); completion_ids (rows * C)], `pos` are the unshared layout's RoPE positions, `seg` is
-    -1 on the prompt and g on completion g, `sizes` = [prompt length, each completion's length]. counts[i]:
-    the completions of prompt i (consecutive rows; groups may differ, as in micro-batches packed to a memory
-    budget)."""
+    """Per group, its real tokens in layout order: (src, pos, sizes). `src` indexes the flat token pool
+    [prompt_ids (n * P); completion_ids (rows * C)], `pos` are the unshared layout's RoPE positions, `sizes`
+    = [prompt length, each completion's length]. counts[i]: the completions of prompt i (consecutive rows;
+    groups may differ, as in micro-batches packed to a memory budget)."""
     n, P = prompt_mask.shape
     C = completion_mask.shape[1]
     device = prompt_mask.device
@@ -46,33 +47,38 @@ def _groups(prompt_mask, completion_mask, counts):
     for i in range(n):
         p_idx = torch.nonzero(prompt_mask[i]).squeeze(1)
         p_len = len(p_idx)
-        src, pos, seg = [i * P + p_idx], [torch.arange(p_len, device=device)], [torch.full((p_len,), -1)]
-        for g in range(counts[i]):
-            s = first[i] + g
+        src, pos = [i * P + p_idx], [torch.arange(p_len, device=device)]
+        for s in range(first[i], first[i + 1]):
             src.append(n * P + s * C + torch.arange(lens[s], device=device))
             pos.append(p_len + torch.arange(lens[s], device=device))
-            seg.append(torch.full((lens[s],), g))
-        sizes = [p_len, *lens[first[i] : first[i + 1]]]
-        out.append((torch.cat(src), torch.cat(pos), torch.cat(seg).to(device), sizes))
+        out.append((torch.cat(src), torch.cat(pos), [p_len, *lens[first[i] : first[i + 1]]]))
     return out
 
 
-def _predictors(groups, starts, rows, C, device):
+def _segments(sizes, starts=None):
+    """Walks groups laid out one after another (or from `starts`, where each begins): per group, (where its
+    prompt starts, the prompt's length, [(where each completion starts, its length)])."""
+    at = 0
+    for i, (p, *lens) in enumerate(sizes):
+        start = at = starts[i] if starts is not None else at
+        at += p
+        comps = []
+        for ln in lens:
+            comps.append((at, ln))
+            at += ln
+        yield start, p, comps
+
+
+def _predictors(sizes, rows, C, device, starts=None):
     """(rows, C) indices into the flat hidden states of the state predicting each completion token (0 beyond a
-    completion's end); starts[i]: where group i begins in the flat layout."""
+    completion's end), the groups laid out as _segments walks them."""
     pred = torch.zeros(rows, C, dtype=torch.long, device=device)
     s = 0
-    for (_, _, _, sizes), start in zip(groups, starts):
-        p_len, at = sizes[0], start + sizes[0]
-        for ln in sizes[1:]:
+    for start, p, comps in _segments(sizes, starts):
+        for at, ln in comps:
             if ln:  # token 0 is predicted by the prompt's last state, token j by completion token j - 1
-                pred[s, :ln] = torch.cat(
-                    [
-                        torch.tensor([start + p_len - 1], device=device),
-                        at + torch.arange(ln - 1, device=device),
-                    ]
-                )
-            at += ln
+                pred[s, 0] = start + p - 1
+                pred[s, 1:ln] = at + torch.arange(ln - 1, device=device)
             s += 1
     return pred
 
@@ -92,11 +98,14 @@ def packed_group_layout(prompt_mask, completion_mask, counts):
     L = max(len(x[0]) for x in groups)
     src = torch.zeros(n, L, dtype=torch.long, device=device)
     pos = torch.zeros(n, L, dtype=torch.long, device=device)
-    seg = torch.full((n, L), -2, dtype=torch.long, device=device)  # -2: padding
-    for i, (s_i, p_i, g_i, _) in enumerate(groups):
+    seg = torch.full((n, L), -2, dtype=torch.long, device=device)  # -2: padding, -1: prompt, g: completion g
+    for i, (s_i, p_i, sizes) in enumerate(groups):
         k = len(s_i)
-        src[i, :k], pos[i, :k], seg[i, :k] = s_i, p_i, g_i
-    pred = _predictors(groups, [i * L for i in range(n)], rows, C, device)
+        src[i, :k], pos[i, :k] = s_i, p_i
+        seg[i, :k] = torch.arange(-1, len(sizes) - 1, device=device).repeat_interleave(
+            torch.tensor(sizes, device=device)
+        )
+    pred = _predictors([g[2] for g in groups], rows, C, device, starts=[i * L for i in range(n)])
     idx = torch.arange(L, device=device)
     causal = idx[None, :] <= idx[:, None]
     same_or_prompt = (seg[:, None, :] == seg[:, :, None]) | (seg[:, None, :] == -1)
@@ -116,24 +125,21 @@ def packed_row(prompt_mask, completion_mask, counts):
     (summing to T)."""
     rows, C = completion_mask.shape
     groups = _groups(prompt_mask, completion_mask, counts)
-    starts = [0, *itertools.accumulate(len(g[0]) for g in groups)][:-1]
+    sizes = [g[2] for g in groups]
     src = torch.cat([g[0] for g in groups])[None]
     pos = torch.cat([g[1] for g in groups])[None]
-    pred = _predictors(groups, starts, rows, C, prompt_mask.device)
-    return src, pos, pred, [g[3] for g in groups]
+    return src, pos, _predictors(sizes, rows, C, prompt_mask.device), sizes
 
 
 def _segment_masks(sizes, device):
     """Per group of packed_row: (prompt length, [(completion length, its bottom-right causal mask over
     [prompt; itself])]), the masks built once per forward (every layer reuses them)."""
     masks, out = {}, []
-    for p, *lens in sizes:
-        comps = []
-        for ln in lens:
+    for _, p, comps in _segments(sizes):
+        for _, ln in comps:
             if (p, ln) not in masks:
                 masks[(p, ln)] = torch.ones(ln, p + ln, dtype=torch.bool, device=device).tril(p)
-            comps.append((ln, masks[(p, ln)]))
-        out.append((p, comps))
+        out.append((p, [(ln, masks[(p, ln)]) for _, ln in comps]))
     return out
 
 
@@ -211,20 +217,18 @@ def _varlen_packing(sizes, device):
     over [prompt; itself] (bottom-right causal), empty segments left out. The queries are the row itself, in
     order; the keys are gathered (the prompt's keys repeated per completion, as Prefix Grouper does): returns
     (k_idx, cu_q, cu_k, max_q, max_k)."""
-    k_idx, len_q, len_k, at = [], [], [], 0
-    for p, *lens in sizes:
-        prompt = torch.arange(at, at + p, device=device)
+    k_idx, len_q, len_k = [], [], []
+    for start, p, comps in _segments(sizes):
+        prompt = torch.arange(start, start + p, device=device)
         if p:
             k_idx.append(prompt)
             len_q.append(p)
             len_k.append(p)
-        at += p
-        for ln in lens:
+        for at, ln in comps:
             if ln:
                 k_idx += [prompt, torch.arange(at, at + ln, device=device)]
                 len_q.append(ln)
                 len_k.append(p + ln)
-            at += ln
     cu = lambda lens: torch.tensor([0, *lens], device=device).cumsum(0).to(torch.int32)  # noqa: E731
     return torch.cat(k_idx), cu(len_q), cu(len_k), max(len_q), max(len_k)
 
