@@ -373,7 +373,7 @@ def for_run(run, make):
         push, close = weights.push, None
     base_state = run.sampler.state_dict()
     local = cfg.prompts_per_step // info.world
-    device = "cpu" if server else run.device  # a server's rollout draws request seeds on the CPU
+    device = "cpu" if on_servers else run.device  # a server's rollout draws request seeds on the CPU
 
     def produce(j):
         rows = run.sampler.next()[info.rank * local : (info.rank + 1) * local]
