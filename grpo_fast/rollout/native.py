@@ -90,7 +90,7 @@ class _Buffers:
     parked: torch.Tensor  # (R,) bool
     final: torch.Tensor  # (R,) bool
     # the keys again, in blocks of 64 transposed (.., slots / 64, d, 64), for the CPU decode kernels
-    # (`_transpose_keys`)
+    # (`_block_keys`)
     prompt_kt: list | None = None
     comp_kt: list | None = None
 
@@ -210,7 +210,7 @@ def _stack_args(layers, final_rms):
     )  # fmt: skip
 
 
-def _transpose_keys(b: _Buffers) -> None:
+def _block_keys(b: _Buffers) -> None:
     """The prompts' keys again, in blocks of 64 transposed (`cpu_decode.blocked_keys`), for the CPU decode
     kernels: made, or written into those a `graphs.Static` keeps. The completion keys' twins start empty
     (zeros, as `_refill` leaves them on a kept Static); the step writes both."""
@@ -593,7 +593,7 @@ class NativeEngine:
         layers, head = self._weights(R, device, pk[0].dtype, st)
         kern = self._kernels_for(layers, b, device)  # for the whole call
         if kern is not None:
-            _transpose_keys(st.full if st is not None else b)
+            _block_keys(st.full if st is not None else b)
             b = st.view(n, G) if st is not None else b
         args = (layers, head, kern, eos_t, pad, float(temperature), int(top_k or 0), float(top_p))
         t_pack, steps, capture_s = time.perf_counter(), 0, st.capture_s if st is not None else 0.0
