@@ -198,3 +198,34 @@ def test_draw_reports_the_log_softmax_over_a_real_vocabulary():
     torch.testing.assert_close(logp.double(), want, atol=2e-5, rtol=0)
     with pytest.raises(RuntimeError, match="temperature"):
         kern.draw(logits, u, 0.0)
+
+
+def test_kernels_release_the_gil():
+    """A kernel call lets other Python threads run (colocated asynchronous GRPO trains on one while another
+    decodes): with the interpreter's switch interval made huge, a thread that held the GIL through its call
+    would let the main thread run only after the call had returned. `linear` of a 1024 x 2048 input through a
+    2048 x 2048 packed weight (~9 GFLOP, tenths of a second) is still running when the main thread wakes."""
+    import sys
+    import threading
+
+    pack, linear = cpu_decode.linear_for(torch.float32)
+    w = pack(torch.randn(2048, 2048), torch.float32)
+    x = torch.randn(1024, 2048)
+    calling, returned = threading.Event(), threading.Event()
+
+    def call():
+        calling.set()  # the main thread may run from here on only where this thread lets go of the GIL
+        linear(x, w, None, 2048)
+        returned.set()
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1000.0)
+    try:
+        thread = threading.Thread(target=call)
+        thread.start()
+        calling.wait()
+        during = not returned.is_set()
+        thread.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert during, "the main thread ran only after the kernel call had returned: the kernel held the GIL"
