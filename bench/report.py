@@ -86,9 +86,9 @@ def _fastest_line(rows, summary, prefix) -> str:
     """The fastest of our rows (every one exact or corrected: a low-precision or stale rollout is corrected by
     the rollout-mismatch weights), against TRL in fp32 and, where measured, TRL at its default bf16.
     Measured rows only: a pipelined row with too few steps after its head start has its step modeled
-    (bench.models.e2e's steady_figure), and the model assumes generation and training overlap for free, where
-    on a CPU they share the cores (SmolLM2 on a 2-core Zen 3: modeled 11.8 s a step from 2 steps, measured
-    20.0 s over 5, the synchronous step 19.1 s)."""
+    (bench.models.e2e's steady_figure), and the model assumes generation and training overlap for free
+    (SmolLM2 on a 2-core Zen 3: modeled 11.8 s a step from 2 steps, measured 20.0 s over 5 with the CPU
+    kernels holding the GIL, the synchronous step 19.1 s)."""
     ours = [r for r in rows if r["provider"].startswith("grpo_fast") and "step_s" in r]
     modeled = [r["provider"] for r in ours if r.get("steady", "").startswith("step model")]
     ours = [r for r in ours if r["provider"] not in modeled]
