@@ -172,6 +172,12 @@ class GRPOConfig:
     )  # fmt: skip
     # --- GRPO ---
     beta: float = _f(0.0, "KL coefficient (k3 estimator against the reference model)")
+    use_bias_correction_kl: bool = _f(
+        True,
+        "multiply the k3 KL by the importance ratio (TRL's name and default, DeepSeek-V3.2): the KL's "
+        "gradient is then the unbiased reverse-KL gradient; it changes the gradient whenever beta != 0, "
+        "on-policy too (the ratio is differentiable where its value is 1)",
+    )
     epsilon: float = _f(0.2, "lower clip epsilon")
     epsilon_high: float = _f(None, "upper clip epsilon (default: epsilon)", type=float)
     loss_type: str = _f(

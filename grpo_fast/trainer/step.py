@@ -336,6 +336,7 @@ def loss_options(cfg: GRPOConfig, engine: str, rollout_dtype: str = "model") -> 
     """The fused loss's options from the config (TRL's names mapped to the kernel's)."""
     return dict(
         beta=cfg.beta,
+        use_bias_correction_kl=cfg.use_bias_correction_kl,
         epsilon_low=cfg.epsilon,
         epsilon_high=cfg.epsilon_high,
         loss_type=cfg.loss_type,
