@@ -26,7 +26,7 @@ from transformers import AutoModelForCausalLM
 import grpo_fast.trainer.setup as setup_mod
 import grpo_fast.trainer.step as step_mod
 import grpo_fast.trainer.train as train_mod
-from grpo_fast.rewards import accuracy_reward
+from grpo_fast.rewards import load_reward
 from grpo_fast.tasks import arithmetic
 from grpo_fast.trainer.config import parse_config
 from grpo_fast.trainer.modeling import load_tokenizer
@@ -146,38 +146,77 @@ class StepSpy:
         self.handle.remove()
 
 
-def _train_trl(model_dir, rows, completions, loss_type="dapo", clip=1.0, beta=0.0):
+# A reward of the completion's text alone that leaves some completions unscored (None), loaded by both
+# trainers from one file. Alone: every group at both steps holds unscored rows beside two or more different
+# scores (TRL leaves the unscored out of the group's mean and std and gives them advantage 0; filling them
+# with the group's mean shrank the std: 14% off TRL's gradient). Beside accuracy, under normalize_then_sum:
+# a function that scores some rows only (without the aggregation, 18% off).
+REWARD_SOURCE = """
+def shape(completions, **kwargs):
+    texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
+    return [None if len(t) % 4 == 2 else (len(t) % 5) / 4 for t in texts]
+"""
+REWARDS = {
+    "accuracy": dict(funcs=["accuracy"], weights=None, aggregation="sum_then_normalize"),
+    "accuracy + shape, normalize_then_sum": dict(
+        funcs=["accuracy", "shape"], weights=[1.0, 0.5], aggregation="normalize_then_sum"
+    ),
+    "shape alone, rows unscored": dict(funcs=["shape"], weights=None, aggregation="sum_then_normalize"),
+}
+
+
+def _reward_spec(model_dir, name):
+    """--reward's spec of a REWARDS function: a built-in's name, or the shared file's function."""
+    if name == "accuracy":
+        return name
+    path = model_dir / "rewards.py"
+    if not path.exists():
+        path.write_text(REWARD_SOURCE)
+    return f"{path}:{name}"
+
+
+def _train_trl(model_dir, rows, completions, loss_type="dapo", clip=1.0, kl=None, rewards=None):
+    rewards, kl = rewards or REWARDS["accuracy"], kl or KL["none"]
     tok = load_tokenizer(str(model_dir))
     args = trl.GRPOConfig(
         output_dir=str(model_dir / "trl"), per_device_train_batch_size=N_PROMPTS * G,
         gradient_accumulation_steps=1, num_generations=G, max_completion_length=C, learning_rate=LR,
-        lr_scheduler_type="linear", max_grad_norm=clip, loss_type=loss_type, beta=beta, max_steps=STEPS,
+        lr_scheduler_type="linear", max_grad_norm=clip, loss_type=loss_type, max_steps=STEPS, **kl,
         logging_steps=1, save_strategy="no", report_to="none", bf16=False, use_cpu=True, seed=0,
-        disable_tqdm=True,
+        disable_tqdm=True, reward_weights=rewards["weights"],
+        multi_objective_aggregation=rewards["aggregation"],
     )  # fmt: skip
+    funcs = [load_reward(_reward_spec(model_dir, f)) for f in rewards["funcs"]]
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trainer = trl.GRPOTrainer(model=model, reward_funcs=accuracy_reward, args=args,
+        trainer = trl.GRPOTrainer(model=model, reward_funcs=funcs, args=args,
                                   train_dataset=Dataset.from_list(rows), processing_class=tok)  # fmt: skip
     trainer._generate_single_turn = _trl_rollout(completions)
     with StepSpy() as spy:
         trainer.train()
     names = {id(p): n for n, p in trainer.model.named_parameters()}
-    rewards = [r["reward"] for r in trainer.state.log_history if "reward" in r]
-    return spy, names, {n: p.detach().clone() for n, p in trainer.model.named_parameters()}, rewards
+    logs = [r for r in trainer.state.log_history if "reward" in r]
+    return spy, names, {n: p.detach().clone() for n, p in trainer.model.named_parameters()}, logs
 
 
-def _train_ours(model_dir, rows, completions, tmp_path, monkeypatch, loss_type="dapo", clip=1.0, beta=0.0):
+def _train_ours(
+    model_dir, rows, completions, tmp_path, monkeypatch, loss_type="dapo", clip=1.0, kl=None, rewards=None
+):
+    rewards, kl = rewards or REWARDS["accuracy"], kl or KL["none"]
     data = tmp_path / "rows.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     cfg = parse_config([
-        "--model", str(model_dir), "--dataset", str(data), "--reward", "accuracy", "--output-dir",
+        "--model", str(model_dir), "--dataset", str(data), "--output-dir",
         str(tmp_path / "ours"), "--num-generations", str(G), "--prompts-per-step", str(N_PROMPTS),
         "--max-completion-length", str(C), "--learning-rate", str(LR), "--lr-scheduler-type", "linear",
-        "--max-grad-norm", str(clip), "--loss-type", loss_type, "--beta", str(beta), "--max-steps",
+        "--max-grad-norm", str(clip), "--loss-type", loss_type, "--max-steps",
         str(STEPS), "--no-bf16", "--rollout", "native", "--eval-max-samples", "0", "--save-steps", "0",
-        "--seed", "0",
+        "--seed", "0", "--multi-objective-aggregation", rewards["aggregation"],
+        *[a for f in rewards["funcs"] for a in ("--reward", _reward_spec(model_dir, f))],
+        *(["--reward-weights", *map(str, rewards["weights"])] if rewards["weights"] else []),
+        *[a for k, v in kl.items() for a in ((f"--{k}".replace("_", "-"), str(v)) if v is not True
+                                               else (f"--{k}".replace("_", "-"),))],
     ])  # fmt: skip
     tok = load_tokenizer(str(model_dir))
     monkeypatch.setattr(step_mod, "generate_groups", _our_rollout(completions, tok.pad_token_id))
@@ -214,6 +253,15 @@ def _by_name(grads, names):
 # (KL and its gradient 0), not at the second: there, the KL without the ratio (this trainer before it had
 # the option) puts the gradient 3.3% off TRL's, against the tolerance of 0.01%.
 BETA = 0.04
+# sync_ref_model (TR-DPO, TRL's callback): after step 1 the reference is 0.6 x policy + 0.4 x base, which the
+# KL of step 2 reads (without the sync, its gradient is 2.5% off TRL's)
+KL = {
+    "none": dict(beta=0.0),
+    "k3": dict(beta=BETA),
+    "k3, reference synced": dict(
+        beta=BETA, sync_ref_model=True, ref_model_sync_steps=1, ref_model_mixup_alpha=0.6
+    ),
+}
 STILL = {
     "mixed": (),
     "one still group": ((1, 1), (1, 2)),
@@ -223,27 +271,39 @@ STILL = {
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "loss_type, still, beta",
-    [("dapo", "mixed", 0.0), ("dapo", "one still group", 0.0), ("grpo", "one still group", 0.0),
-     ("bnpo", "one still group", 0.0), ("dapo", "all still at step 1", 0.0), ("dapo", "mixed", BETA)],
+    "loss_type, still, kl, rewards",
+    [("dapo", "mixed", "none", "accuracy"), ("dapo", "one still group", "none", "accuracy"),
+     ("grpo", "one still group", "none", "accuracy"), ("bnpo", "one still group", "none", "accuracy"),
+     ("dapo", "all still at step 1", "none", "accuracy"), ("dapo", "mixed", "k3", "accuracy"),
+     ("dapo", "mixed", "k3, reference synced", "accuracy"),
+     ("dapo", "mixed", "none", "accuracy + shape, normalize_then_sum"),
+     ("dapo", "mixed", "none", "shape alone, rows unscored")],
 )  # fmt: skip
-def test_two_steps_move_the_weights_as_trl(two_layer_dir, tmp_path, monkeypatch, loss_type, still, beta):
+def test_two_steps_move_the_weights_as_trl(
+    two_layer_dir, tmp_path, monkeypatch, loss_type, still, kl, rewards
+):
     rows = [{k: r[k] for k in ("prompt", "answer")} for r in arithmetic.dataset_rows("train")[:N_PROMPTS]]
     completions = Completions(two_layer_dir, rows, STILL[still])
     base = {n: p.detach().clone() for n, p in completions.model.named_parameters()}
     clip = 1.0 if still == "mixed" else 1e9
-    t_spy, t_names, t_after, t_rewards = _train_trl(two_layer_dir, rows, completions, loss_type, clip, beta)
-    o_spy, o_names, o_after, records = _train_ours(
-        two_layer_dir, rows, completions, tmp_path, monkeypatch, loss_type, clip, beta
+    t_spy, t_names, t_after, t_logs = _train_trl(
+        two_layer_dir, rows, completions, loss_type, clip, KL[kl], REWARDS[rewards]
     )
-    o_rewards = [r["reward_mean"] for r in records]
+    o_spy, o_names, o_after, records = _train_ours(
+        two_layer_dir, rows, completions, tmp_path, monkeypatch, loss_type, clip, KL[kl], REWARDS[rewards]
+    )
+    o_rewards, t_rewards = [r["reward_mean"] for r in records], [r["reward"] for r in t_logs]
 
     assert completions.calls == {"trl": STEPS, "ours": STEPS}
     # each step: the whole 4-row dataset, so both batches hold the same prompts and completions
-    assert o_rewards == pytest.approx(t_rewards, abs=1e-6) and 0 < t_rewards[-1] < 1, (o_rewards, t_rewards)
+    assert o_rewards == pytest.approx(t_rewards, abs=1e-6), (o_rewards, t_rewards)
+    zero_std = [r["frac_reward_zero_std"] for r in records]
+    assert zero_std == pytest.approx([r["frac_reward_zero_std"] for r in t_logs], abs=1e-6)
     skipped = [sum(1 for k, c in STILL[still] if c == step) for step in range(1, STEPS + 1)]
-    assert [r["zero_advantage_groups_skipped"] for r in records] == skipped
-    assert [r["frac_reward_zero_std"] for r in records] == [s / N_PROMPTS for s in skipped]
+    if rewards == "accuracy":  # right or wrong: a still group is one whose rewards are all equal
+        assert 0 < t_rewards[-1] < 1
+        assert [r["zero_advantage_groups_skipped"] for r in records] == skipped
+        assert zero_std == [s / N_PROMPTS for s in skipped]
     assert len(o_spy.steps) == len(t_spy.steps) == STEPS
     for k, ((t_groups, t_grads), (o_groups, o_grads)) in enumerate(zip(t_spy.steps, o_spy.steps)):
         for key in ("lr", "betas", "eps", "weight_decay"):  # the schedule's lr at this step, AdamW's settings

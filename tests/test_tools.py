@@ -600,3 +600,29 @@ def test_tiny_model_greedy_trajectories_equal_the_plain_loop(tiny_tool_model, en
     )  # fmt: skip
     assert sum(tr.tool_calls) == len(questions)  # every one called the tool
     assert_like_plain_loop(model, tok, tr, questions, [tools_task.calculator], 40, 2)
+
+
+def test_chat_template_kwargs_reach_every_rendering_of_a_trajectory():
+    """chat_template_kwargs (TRL's; e.g. Qwen3's enable_thinking): the prompt and each tool turn rendered
+    with them. A template that writes a marker where `mark` is set: the prompt carries it, and the tool's turn
+    (rendered with and without the tool message, compared) stays a continuation of the conversation."""
+    from transformers import AutoModelForCausalLM
+
+    from grpo_fast.tasks import tools_task
+    from grpo_fast.trainer.modeling import load_tokenizer
+
+    tok = load_tokenizer(str(tools_task.ASSET_DIR))
+    model = AutoModelForCausalLM.from_pretrained(tools_task.ASSET_DIR, dtype=torch.float32).eval()
+    template = "{% if mark %}MARKED {% endif %}" + T.CHATML_TOOLS_TEMPLATE
+    prompt = [[{"role": "user", "content": "What is 6 times 7?"}]]
+    texts = {}
+    for kw in (None, {"mark": True}):
+        tr = generate_trajectories(
+            model, tok, prompt, 2, 8, tools=[multiply], chat_template=template, chat_template_kwargs=kw,
+            temperature=0.0, engine="reference",
+        )  # fmt: skip
+        texts[bool(kw)] = tr.texts[0]
+    assert texts[True] == "MARKED " + texts[False] and not texts[False].startswith("MARKED")
+    tool = [{"role": "tool", "name": "multiply", "content": "42"}]
+    with_kw = T.tool_turn_ids(tok, template, tool, [tok.eos_token_id], {"mark": True})
+    assert with_kw == T.tool_turn_ids(tok, template, tool, [tok.eos_token_id])  # the marker is in both halves

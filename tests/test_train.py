@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 import torch
-from oracle import naive_grpo_loss
+from oracle import naive_advantages, naive_grpo_loss
 from replay import first_step_batch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
@@ -160,19 +160,24 @@ def test_engine_logprobs_reach_the_loss_with_every_option(tmp_path):
     assert sampling_correction(off, "vllm") is None
 
 
-def test_resume_reproduces_uninterrupted_run(tmp_path):
+# sync_ref_model: the reference moves every step, so a resumed run must restore it (not rebuild the base)
+SYNCED = ["--beta", "0.04", "--sync-ref-model", "--ref-model-sync-steps", "1"]
+
+
+@pytest.mark.parametrize("extra", [[], SYNCED], ids=["fixed reference", "synced reference"])
+def test_resume_reproduces_uninterrupted_run(tmp_path, extra):
     full_dir, part_dir = tmp_path / "full", tmp_path / "part"
     full_dir.mkdir()
     part_dir.mkdir()
-    train(_cfg(full_dir, "--max-steps", "4", "--learning-rate", "1e-4"))
-    train(_cfg(part_dir, "--max-steps", "2", "--learning-rate", "1e-4"))
+    train(_cfg(full_dir, "--max-steps", "4", "--learning-rate", "1e-4", *extra))
+    train(_cfg(part_dir, "--max-steps", "2", "--learning-rate", "1e-4", *extra))
     # as if killed during step 3: its metrics record written, its save torn before the rename
     with open(part_dir / "run" / "metrics.jsonl", "a") as f:
         f.write(json.dumps({"step": 3, "loss": 99.0}) + "\n")
     (part_dir / "run" / ".checkpoint-3-torn").mkdir()
-    train(_cfg(part_dir, "--max-steps", "4", "--learning-rate", "1e-4", "--resume"))
+    train(_cfg(part_dir, "--max-steps", "4", "--learning-rate", "1e-4", "--resume", *extra))
     assert not (part_dir / "run" / ".checkpoint-3-torn").exists()
-    keys = ("reward_mean", "loss", "completion_len_mean", "grad_norm", "clip_ratio")
+    keys = ("reward_mean", "loss", "completion_len_mean", "grad_norm", "clip_ratio", "kl")
     a = [r for r in _records(full_dir) if "loss" in r]
     b = [r for r in _records(part_dir) if "loss" in r]
     assert [r["step"] for r in b] == [1, 2, 3, 4]
@@ -224,6 +229,73 @@ def test_demo_defaults_log_metrics_plot_and_checkpoint(tmp_path):
     reloaded = AutoModelForCausalLM.from_pretrained(ckpt)  # loadable by transformers
     assert sum(p.numel() for p in reloaded.parameters()) > 0
     assert summary["checkpoint"] == str(ckpt)
+
+
+def test_log_completions_writes_and_prints_what_was_scored(tmp_path, capsys):
+    """--log-completions: each logged step's prompts, completions, scores and advantages in completions.jsonl
+    (the advantages those scores give by the group formula; the rewards those of metrics.jsonl), the first
+    --num-completions-to-print of them printed; a resumed run drops the samples of the steps it redoes."""
+    log = ["--log-completions", "--num-completions-to-print", "3", "--logging-steps", "2"]
+    train(_cfg(tmp_path, "--max-steps", "3", "--save-steps", "2", *log))
+    samples = [json.loads(x) for x in (tmp_path / "run" / "completions.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in samples] == [2] * 8 + [3] * 8  # logged steps: every 2nd, and the last
+    records = {r["step"]: r for r in _records(tmp_path) if "reward_mean" in r}
+    for step in (2, 3):
+        rows = [x for x in samples if x["step"] == step]
+        rewards = torch.tensor([x["rewards"]["shop_answer_reward"] for x in rows])
+        assert float(rewards.mean()) == pytest.approx(records[step]["reward_mean"], abs=1e-6)
+        want = naive_advantages(rewards, 4)
+        assert [x["advantage"] for x in rows] == pytest.approx(want.tolist(), abs=1e-5)
+        assert all(isinstance(x["completion"], str) and x["prompt"] for x in rows)
+    printed = capsys.readouterr().out
+    assert printed.count("[completion]") == 6 and printed.count("--- step 2") == 3
+    train(_cfg(tmp_path, "--max-steps", "3", "--resume", *log))  # from checkpoint-2: step 3 again
+    again = [json.loads(x) for x in (tmp_path / "run" / "completions.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in again] == [2] * 8 + [3] * 8 and again[:8] == samples[:8]
+
+
+def test_no_shuffle_dataset_trains_the_prompts_in_file_order(tmp_path):
+    """--no-shuffle-dataset (TRL's shuffle_dataset=False): step k trains rows 2k, 2k+1 of the file, through
+    the epoch's end into the next (the same order again); shuffled, the first steps are not the file's."""
+    rows = [{"prompt": f"What is {i} + 1 ?", "answer": str(i + 1)} for i in range(5)]
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    common = ["--dataset", str(data), "--reward", "integer_answer", "--max-steps", "4", "--log-completions",
+              "--num-completions-to-print", "0"]  # fmt: skip
+    order = {}
+    for name, flags in (("ordered", ["--no-shuffle-dataset"]), ("shuffled", [])):
+        train(parse_config(["--output-dir", str(tmp_path / name), *QUICK, *common, *flags]))
+        samples = (tmp_path / name / "completions.jsonl").read_text().splitlines()
+        order[name] = [json.loads(x)["prompt"] for x in samples][::4]  # one per group of 4
+    want = [rows[i % 5]["prompt"] for i in range(8)]  # 5 rows: the 2nd epoch starts at step 3's second
+    assert order["ordered"] == want
+    assert sorted(order["shuffled"][:5]) == sorted(want[:5]) and order["shuffled"] != want
+
+
+def test_chat_template_kwargs_reach_the_prompts(tmp_path):
+    """--chat-template-kwargs (TRL's chat_template_kwargs, e.g. '{"enable_thinking": false}' for Qwen3): the
+    prompts the model is given are rendered with them (a template that writes a marker when `mark` is set)."""
+    model_dir = tmp_path / "marked"
+    shutil.copytree(ASSET, model_dir)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    tok.chat_template = (
+        "{% if mark %}MARKED {% endif %}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+        "{% if add_generation_prompt %} ={% endif %}"
+    )
+    tok.save_pretrained(model_dir)
+    data = tmp_path / "rows.jsonl"
+    row = {"prompt": [{"role": "user", "content": "What is 2 + 1 ?"}], "answer": "3"}
+    data.write_text((json.dumps(row) + "\n") * 2)
+    prompts = {}
+    for name, flags in (("plain", []), ("marked", ["--chat-template-kwargs", '{"mark": true}'])):
+        argv = ["--model", str(model_dir), "--dataset", str(data), "--reward", "integer_answer",
+                "--max-steps", "1", "--log-completions", "--num-completions-to-print", "0",
+                *flags]  # fmt: skip
+        train(parse_config(["--output-dir", str(tmp_path / name), *QUICK, *argv]))
+        prompts[name] = json.loads((tmp_path / name / "completions.jsonl").read_text().splitlines()[0])[
+            "prompt"
+        ]
+    assert prompts == {"plain": "What is 2 + 1 ? =", "marked": "MARKED What is 2 + 1 ? ="}
 
 
 def test_output_dir_with_checkpoints_needs_resume_or_overwrite(tmp_path):
@@ -427,6 +499,13 @@ def test_unknown_flag_values(argv, words, capsys):
         (["--dist-timeout-s", "0"], "dist_timeout_s must be > 0"),
         (["--num-generations", "1"], "num_generations must be >= 2, got 1: .*every advantage is 0"),
         (["--delta", "0"], "delta must be > 0"),
+        (["--sync-ref-model"], "sync_ref_model needs a reference .*beta is 0"),
+        (["--sync-ref-model", "--beta", "0.04", "--lora-r", "4"], "sync_ref_model needs .*LoRA"),
+        (
+            ["--sync-ref-model", "--beta", "0.04", "--ref-model-sync-steps", "0"],
+            "ref_model_sync_steps must be",
+        ),
+        (["--beta", "0.04", "--ref-model-mixup-alpha", "1.5"], r"ref_model_mixup_alpha must be in \[0, 1\]"),
         (["--top-entropy-quantile", "1.5"], r"top_entropy_quantile must be in \[0, 1\]"),
         (["--rollout", "vllm", "--loss-type", "vespo"], "vespo needs vllm_importance_sampling_mode token_"),
         (["--bf16", "--loss-type", "vespo"], "vespo needs .*16-bit training"),

@@ -231,21 +231,23 @@ def tool_chat_template(tokenizer, chat_template: str | None = None) -> str:
     )
 
 
-def render(tokenizer, messages, schemas, template, add_generation_prompt=True) -> str:
+def render(tokenizer, messages, schemas, template, add_generation_prompt=True, **template_kwargs) -> str:
+    """The conversation through the chat template (`template_kwargs`: TRL's chat_template_kwargs)."""
     return tokenizer.apply_chat_template(
         messages, tools=schemas or None, chat_template=template, tokenize=False,
-        add_generation_prompt=add_generation_prompt,
+        add_generation_prompt=add_generation_prompt, **template_kwargs,
     )  # fmt: skip
 
 
-def tool_turn_ids(tokenizer, template, tool_messages, eos_ids) -> list[int]:
+def tool_turn_ids(tokenizer, template, tool_messages, eos_ids, template_kwargs=None) -> list[int]:
     """The tokens of the tool's turn after the model's turn ended (at its EOS), through the next generation
     prompt: the template rendered with and without `tool_messages` after a short conversation, compared."""
     calls = [{"type": "function", "function": {"name": tool_messages[0]["name"], "arguments": {}}}]
     head = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "", "tool_calls": calls}]
     enc = lambda text: tokenizer(text, add_special_tokens=False).input_ids  # noqa: E731
-    before = enc(render(tokenizer, head, None, template, add_generation_prompt=False))
-    after = enc(render(tokenizer, head + tool_messages, None, template))
+    kw = template_kwargs or {}
+    before = enc(render(tokenizer, head, None, template, add_generation_prompt=False, **kw))
+    after = enc(render(tokenizer, head + tool_messages, None, template, **kw))
     ends = [i for i, t in enumerate(before) if t in eos_ids]
     if ends:  # the model's turn ends at its EOS; what the template writes after it belongs to the tool's turn
         before = before[: ends[-1] + 1]

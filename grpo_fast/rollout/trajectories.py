@@ -90,8 +90,9 @@ class _Turns:
     its prompt, model-token flags, log-probs, messages and counts. Also the native engine's turn hook
     (`start` / `finish`, see NativeEngine.generate): tools run in a thread while the other rows decode."""
 
-    def __init__(self, tokenizer, boxes, template, eos_ids, C, limit, timeout_s):
+    def __init__(self, tokenizer, boxes, template, eos_ids, C, limit, timeout_s, template_kwargs=None):
         self.tok, self.boxes, self.template, self.eos_ids = tokenizer, boxes, template, eos_ids
+        self.template_kwargs = template_kwargs or {}
         self.C, self.limit, self.timeout_s = C, limit, timeout_s
         N = len(boxes)
         self.messages = [[] for _ in range(N)]
@@ -120,7 +121,7 @@ class _Turns:
         left to answer (the trajectory ends as it is)."""
         self.fails[t] += sum(r.failed for r in results)
         tool_msgs = [{"role": "tool", "name": r.name, "content": r.content} for r in results]
-        turn = tools_mod.tool_turn_ids(self.tok, self.template, tool_msgs, self.eos_ids)
+        turn = tools_mod.tool_turn_ids(self.tok, self.template, tool_msgs, self.eos_ids, self.template_kwargs)
         if len(self.comp[t]) + len(turn) >= self.C:
             return None
         self.comp[t] += turn
@@ -203,6 +204,7 @@ def generate_trajectories(
     max_tool_calling_iterations=None,
     tool_timeout_s=10.0,
     chat_template=None,
+    chat_template_kwargs=None,
     max_prompt_length=None,
     eos_token_id=None,
     engine="auto",
@@ -224,6 +226,7 @@ def generate_trajectories(
         max_tool_calling_iterations: tool rounds per trajectory (None: until the length limit).
         tool_timeout_s: seconds each tool call may run.
         chat_template: a template that renders tools (default: the tokenizer's when it does, else ChatML's).
+        chat_template_kwargs: extra keyword arguments of the chat template (TRL's), every rendering.
         max_prompt_length: rendered prompts are cut to their last this many tokens.
         eos_token_id: int or list of ints ending a model turn (default: the tokenizer's).
         carry_kv: native engine: each row keeps its KV cache across its turns (True), or every turn is a new
@@ -281,7 +284,9 @@ def generate_trajectories(
         key = (t // G, repr(convs[t]))
         if key not in rendered:
             if template or getattr(tokenizer, "chat_template", None):
-                text = tools_mod.render(tokenizer, convs[t], boxes[t].schemas, template)
+                text = tools_mod.render(
+                    tokenizer, convs[t], boxes[t].schemas, template, **(chat_template_kwargs or {})
+                )
             else:
                 text = convs[t][-1]["content"]
             ids = enc(text)
@@ -291,7 +296,7 @@ def generate_trajectories(
     prompt_ids, prompt_mask = _left_pad([full[g * G][: common[g]] for g in range(n)], pad, device)
     texts = [rendered[(g, repr(convs[g * G]))][0] for g in range(n)]
 
-    st = _Turns(tokenizer, boxes, template, eos_ids, C, limit, tool_timeout_s)
+    st = _Turns(tokenizer, boxes, template, eos_ids, C, limit, tool_timeout_s, chat_template_kwargs)
     st.comp = [list(full[t][common[t // G] :]) for t in range(n * G)]  # a prompt's own tail: not the model's
     st.tmask = [[0] * len(c) for c in st.comp]
     st.logps = [[0.0] * len(c) for c in st.comp]

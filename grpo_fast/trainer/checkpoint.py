@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 _NAME = re.compile(r"^checkpoint-(\d+)$")
+REFERENCE = "reference.safetensors"  # sync_ref_model: the moving reference's weights
 
 
 def _fsync_dir(path: Path) -> None:
@@ -42,11 +43,13 @@ def save_checkpoint(
     keep: int,
     model_state: dict | None = None,
     scaler=None,
+    reference_state: dict | None = None,
 ) -> Path:
     """checkpoint-<step>: the model as `save_pretrained` writes it (from `model_state` when given: FSDP's
     gathered full state), the optimizer's full name-keyed state (`distributed.full_optimizer_state`, loadable
     with any world size: 16-bit weights' fp32 masters or compensations are in it), scheduler, fp16's loss
-    scaler, RNG states, sampler position; trainer_state.json last."""
+    scaler, RNG states, sampler position, a moving reference's full state when given (sync_ref_model:
+    reference.safetensors); trainer_state.json last."""
     out_dir.mkdir(parents=True, exist_ok=True)
     final = out_dir / f"checkpoint-{step}"
     tmp = Path(tempfile.mkdtemp(prefix=f".checkpoint-{step}-", dir=out_dir))
@@ -57,6 +60,10 @@ def save_checkpoint(
             model.save_pretrained(tmp, safe_serialization=True)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
+        if reference_state is not None:
+            from safetensors.torch import save_file
+
+            save_file({k: v.detach().contiguous() for k, v in reference_state.items()}, tmp / REFERENCE)
         torch.save(
             {
                 "optimizer": optimizer_state,
@@ -93,6 +100,28 @@ def save_checkpoint(
     for old in list_checkpoints(out_dir)[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def load_reference(model, ckpt: Path) -> bool:
+    """A moving reference's weights from checkpoint `ckpt` into `model` (False, nothing loaded, where the
+    checkpoint holds none: a run that did not sync its reference)."""
+    from safetensors.torch import load_file
+
+    if not (ckpt / REFERENCE).is_file():
+        return False
+    missing, unexpected = model.load_state_dict(load_file(ckpt / REFERENCE), strict=False)
+    if unexpected or set(missing) - _tied_heads(model):
+        raise ValueError(f"{ckpt / REFERENCE}: not this model's weights (missing {missing}, unexpected "
+                         f"{unexpected})")  # fmt: skip
+    return True
+
+
+def _tied_heads(model) -> set:
+    """The LM head's weight name where it is tied to the embeddings (saved once, as save_pretrained does)."""
+    if not getattr(model.config, "tie_word_embeddings", False):
+        return set()
+    head = model.get_output_embeddings()
+    return {f"{n}.weight" for n, m in model.named_modules() if m is head}
 
 
 def list_checkpoints(out_dir: Path) -> list[Path]:

@@ -19,6 +19,14 @@ def _f(default, help: str, **kw):
     return field(default=default, metadata={"help": help, **kw})
 
 
+def chat_template_kwargs(text: str) -> dict:
+    """--chat-template-kwargs: a JSON object (argparse reports a ValueError as the flag's invalid value)."""
+    value = json.loads(text)
+    if not isinstance(value, dict):
+        raise ValueError(f"expected a JSON object, got {text!r}")
+    return value
+
+
 @dataclass
 class GRPOConfig:
     # --- model and data ---
@@ -59,11 +67,20 @@ class GRPOConfig:
     lora_target_modules: str = _f("all-linear", "LoRA target modules (comma-separated names or all-linear)")
     dataset: str = _f("", "local JSONL/JSON/CSV/Parquet file or Hub dataset name; empty = the embedded task")
     dataset_split: str = _f("train", "split of a Hub dataset")
+    shuffle_dataset: bool = _f(
+        True, "draw the prompts in a new random order each epoch (TRL's name and default); off: in file order"
+    )
     eval_dataset: str = _f(
         "", "held-out prompts (file or Hub name); empty = none (embedded task: its eval split)"
     )
     eval_split: str = _f("test", "split of a Hub eval dataset")
     max_prompt_length: int = _f(512, "prompts are cut to their last N tokens")
+    chat_template_kwargs: dict = _f(
+        None,
+        "extra keyword arguments of the chat template, a JSON object (TRL's name), e.g. "
+        "'{\"enable_thinking\": false}' for Qwen3: every prompt, multi-turn conversations and held-out too",
+        type=chat_template_kwargs,
+    )
     # --- rewards ---
     reward: list = _f(
         None,
@@ -178,6 +195,14 @@ class GRPOConfig:
         "gradient is then the unbiased reverse-KL gradient; it changes the gradient whenever beta != 0, "
         "on-policy too (the ratio is differentiable where its value is 1)",
     )
+    sync_ref_model: bool = _f(
+        False,
+        "TR-DPO's moving reference (TRL's name): every ref_model_sync_steps optimizer steps the reference "
+        "becomes ref_model_mixup_alpha x policy + (1 - alpha) x reference; needs beta != 0, no LoRA. "
+        "Checkpoints keep the reference (reference.safetensors), so --resume continues with it",
+    )
+    ref_model_mixup_alpha: float = _f(0.6, "sync_ref_model: the policy's share of the new reference (TRL's)")
+    ref_model_sync_steps: int = _f(512, "sync_ref_model: optimizer steps between syncs (TRL's)")
     epsilon: float = _f(0.2, "lower clip epsilon")
     epsilon_high: float = _f(None, "upper clip epsilon (default: epsilon)", type=float)
     loss_type: str = _f(
@@ -227,6 +252,13 @@ class GRPOConfig:
         "ratios keep TRL's meaning",
     )
     scale_rewards: str = _f("group", "advantage scaling", choices=("group", "batch", "none"))
+    multi_objective_aggregation: str = _f(
+        "sum_then_normalize",
+        "how several reward functions make one advantage (TRL's name and default): sum_then_normalize (the "
+        "weighted sum, scaled as scale_rewards says) or normalize_then_sum (GDPO: each function's rewards "
+        "normalized within their group, the weighted sum normalized over the batch; scale_rewards unused)",
+        choices=("sum_then_normalize", "normalize_then_sum"),
+    )
     importance_sampling_level: str = _f(
         "token", "importance ratio per token or per sequence (GSPO)", choices=("token", "sequence")
     )
@@ -266,6 +298,14 @@ class GRPOConfig:
     # --- output ---
     output_dir: str = _f("runs/grpo", "where metrics, plots and checkpoints go")
     logging_steps: int = _f(1, "write a metrics record every N steps")
+    log_completions: bool = _f(
+        False,
+        "at each logged step, append its prompts, completions, each reward function's score and the "
+        "advantages to <output_dir>/completions.jsonl and print them (TRL's name): what the rewards pay for",
+    )
+    num_completions_to_print: int = _f(
+        None, "--log-completions: how many of a step's completions to print (TRL's; default all)", type=int
+    )
     eval_steps: int = _f(0, "evaluate held-out greedy accuracy every N steps (0 = only before and after)")
     eval_max_samples: int = _f(256, "held-out prompts per evaluation")
     save_steps: int = _f(0, "checkpoint every N steps (0 = only at the end)")
@@ -461,6 +501,18 @@ def validate(cfg: GRPOConfig, require_reward: bool = True) -> GRPOConfig:
         raise ValueError(
             f"delta must be > 0 (a cap on the ratio; TRL suggests > 1 + epsilon_high), got {cfg.delta}"
         )
+    if cfg.sync_ref_model and (cfg.beta == 0 or cfg.lora_r):
+        raise ValueError(
+            "sync_ref_model needs a reference model of its own to move: "
+            + ("beta is 0 (no KL term, no reference)" if cfg.beta == 0 else "with LoRA (lora_r > 0) the "
+               "reference is the base with adapters off, which is not synced")
+        )  # fmt: skip
+    if cfg.chat_template_kwargs is not None and not isinstance(cfg.chat_template_kwargs, dict):
+        raise ValueError(f"chat_template_kwargs must be a mapping, got {cfg.chat_template_kwargs!r}")
+    if not 0 <= cfg.ref_model_mixup_alpha <= 1:
+        raise ValueError(f"ref_model_mixup_alpha must be in [0, 1], got {cfg.ref_model_mixup_alpha}")
+    if cfg.ref_model_sync_steps < 1:
+        raise ValueError(f"ref_model_sync_steps must be >= 1, got {cfg.ref_model_sync_steps}")
     if not 0 <= cfg.top_entropy_quantile <= 1:
         raise ValueError(f"top_entropy_quantile must be in [0, 1], got {cfg.top_entropy_quantile}")
     check_correction(cfg)

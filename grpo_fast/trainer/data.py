@@ -142,32 +142,36 @@ def _prompt_problem(prompt) -> str | None:
     return None
 
 
-def render_prompt(prompt, tokenizer) -> str:
-    """Text the model sees: the chat template (with the generation prompt) when there is one."""
+def render_prompt(prompt, tokenizer, template_kwargs: dict | None = None) -> str:
+    """Text the model sees: the chat template (with the generation prompt and `template_kwargs`, TRL's
+    chat_template_kwargs) when there is one."""
+    kw = template_kwargs or {}
     if isinstance(prompt, list):
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError(
                 "a conversational prompt (list of messages) needs a tokenizer with a chat template"
             )
-        return tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+        return tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False, **kw)
     if getattr(tokenizer, "chat_template", None):
         return tokenizer.apply_chat_template(
-            [{"role": "user", "content": str(prompt)}], add_generation_prompt=True, tokenize=False
+            [{"role": "user", "content": str(prompt)}], add_generation_prompt=True, tokenize=False, **kw
         )
     return str(prompt)
 
 
 class PromptSampler:
-    """Prompts in a reshuffled order each epoch; its state (epoch, position) goes into checkpoints."""
+    """Prompts in a reshuffled order each epoch (`shuffle`, else in the rows' order every epoch); its state
+    (epoch, position) goes into checkpoints."""
 
-    def __init__(self, rows: list[dict], batch: int, seed: int):
-        self.rows, self.batch, self.seed = rows, batch, seed
+    def __init__(self, rows: list[dict], batch: int, seed: int, shuffle: bool = True):
+        self.rows, self.batch, self.seed, self.shuffle = rows, batch, seed, shuffle
         self.epoch, self.pos = 0, 0
         self._order = self._shuffle()
 
     def _shuffle(self):
         order = list(range(len(self.rows)))
-        random.Random(self.seed * 100_003 + self.epoch).shuffle(order)
+        if self.shuffle:
+            random.Random(self.seed * 100_003 + self.epoch).shuffle(order)
         return order
 
     def next(self) -> list[dict]:

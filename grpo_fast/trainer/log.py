@@ -13,12 +13,9 @@ class MetricsLog:
         """resume_step: continue a run's log, dropping records of steps after that checkpoint (they are
         redone)."""
         self.path = out_dir / "metrics.jsonl"
-        if resume_step is not None and self.path.is_file():
-            kept = [
-                x for x in self.path.read_text().splitlines() if json.loads(x).get("step", 0) <= resume_step
-            ]
-            self.path.write_text("".join(x + "\n" for x in kept))
-        self.fh = open(self.path, "a" if resume_step is not None else "w")
+        self.fh = _open_log(self.path, resume_step)
+        self.completions_path = out_dir / "completions.jsonl"  # --log-completions: opened at its first write
+        self.resume_step, self.completions = resume_step, None
         self.tb = self.wb = None
         if report_to == "tensorboard":
             from torch.utils.tensorboard import SummaryWriter
@@ -38,12 +35,42 @@ class MetricsLog:
         if self.wb is not None:
             self.wb.log(record, step=record["step"])
 
+    def write_completions(self, samples: list[dict]) -> None:
+        """A logged step's samples (--log-completions), one JSON object each, into completions.jsonl."""
+        if self.completions is None:
+            self.completions = _open_log(self.completions_path, self.resume_step)
+        self.completions.write("".join(json.dumps(x) + "\n" for x in samples))
+        self.completions.flush()
+
     def close(self):
         self.fh.close()
+        if self.completions is not None:
+            self.completions.close()
         if self.tb is not None:
             self.tb.close()
         if self.wb is not None:
             self.wb.finish()
+
+
+def _open_log(path: Path, resume_step: int | None):
+    """A JSONL log for appending: a fresh run's afresh; a resumed run's without the records of steps after
+    its checkpoint (they are redone)."""
+    if resume_step is not None and path.is_file():
+        kept = [x for x in path.read_text().splitlines() if json.loads(x).get("step", 0) <= resume_step]
+        path.write_text("".join(x + "\n" for x in kept))
+    return open(path, "a" if resume_step is not None else "w")
+
+
+def print_completions(samples: list[dict], limit: int | None) -> None:
+    """The first `limit` (None: all) of a step's samples, as TRL's log_completions prints them: prompt,
+    completion (a multi-turn one's last message), each reward and the advantage."""
+    for x in samples[:limit]:
+        completion = x["completion"]
+        if isinstance(completion, list):
+            completion = completion[-1].get("content", "") if completion else ""
+        scores = "  ".join(f"{k} {v:.3g}" for k, v in x["rewards"].items() if v is not None)
+        print(f"--- step {x['step']}  {scores}  advantage {x['advantage']:.3g}\n[prompt] {x['prompt']}\n"
+              f"[completion] {completion}", flush=True)  # fmt: skip
 
 
 def plot_curves(metrics_path: Path, png: Path) -> bool:

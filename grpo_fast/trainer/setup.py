@@ -123,11 +123,15 @@ def setup(cfg: GRPOConfig) -> Run:
     ref_model = None
     if cfg.beta != 0.0 and not info["lora"]:
         ref_model = copy.deepcopy(model).eval().requires_grad_(False)
-    sampler = PromptSampler(train_rows, cfg.prompts_per_step, cfg.seed)  # the global batch, on every rank
+    # the global batch, on every rank
+    sampler = PromptSampler(train_rows, cfg.prompts_per_step, cfg.seed, cfg.shuffle_dataset)
     generator = torch.Generator(device=device).manual_seed(cfg.seed + dist.rank)
     resume_from = prepare_output_dir(cfg, out, dist, device)
     if resume_from is not None:  # weights before wrapping: any world size wrote them whole
         load_weights_from_checkpoint(model, resume_from, info["lora"])
+        if cfg.sync_ref_model and not ckpt_mod.load_reference(ref_model, resume_from) and dist.main:
+            print(f"grpo-fast: {resume_from} holds no synced reference (its run did not sync one): the "
+                  "reference starts again from the base model", flush=True)  # fmt: skip
     # colocated asynchronous GRPO: the generation thread's own copy of the weights, whole (before FSDP2 shards
     # the policy), as resumed
     rollout_copy = copy.deepcopy(model) if cfg.max_staleness and not server_mode(cfg) else None

@@ -53,16 +53,19 @@ class Rollout:
 @dataclass
 class Scored:
     scores: object  # rewards.Scores of this rank's completions
+    all_scores: torch.Tensor  # (global n * G, functions) each reward function's, NaN where it did not score
     all_rewards: torch.Tensor  # (global n * G,) weighted rewards, NaN where no function scored
     advantages: torch.Tensor  # (n * G,) this rank's
+    zero_std: torch.Tensor  # (global n * G,) TRL's is_std_zero: the std the row's advantage divides by is 0
+    completions: list  # (n * G,) this rank's, as the reward functions read them (texts, or messages)
     loss_mask: torch.Tensor  # (n * G, C) completion mask minus failed / truncated samples
 
 
 # --------------------------------------------------------------------------------------------------------
 # 1. rollout
 # --------------------------------------------------------------------------------------------------------
-def encode_prompts(rows, tokenizer, max_prompt_length, device):
-    texts = [render_prompt(r["prompt"], tokenizer) for r in rows]
+def encode_prompts(rows, tokenizer, max_prompt_length, device, template_kwargs=None):
+    texts = [render_prompt(r["prompt"], tokenizer, template_kwargs) for r in rows]
     tokenizer.padding_side, tokenizer.truncation_side = "left", "left"
     enc = tokenizer(
         texts,
@@ -130,7 +133,9 @@ def rollout(run, rows, generator=None) -> Rollout:
     if run.multi_turn:
         return multi_turn_rollout(run, rows, generator)
     cfg = run.cfg
-    texts, p_ids, p_mask = encode_prompts(rows, run.tokenizer, cfg.max_prompt_length, run.device)
+    texts, p_ids, p_mask = encode_prompts(
+        rows, run.tokenizer, cfg.max_prompt_length, run.device, cfg.chat_template_kwargs
+    )
     through = generating_through(run)
     finished = (lambda done: all_done(done, run.dist)) if run.dist.on and not server_mode(cfg) else None
     with torch.no_grad():
@@ -225,6 +230,7 @@ def multi_turn_rollout(run, rows, generator=None) -> Rollout:
             max_tool_calling_iterations=cfg.max_tool_calling_iterations,
             tool_timeout_s=cfg.tool_timeout_s,
             max_prompt_length=cfg.max_prompt_length,
+            chat_template_kwargs=cfg.chat_template_kwargs,
             **sampling_options(run, generator),
             **engine_options(cfg, run.identity),
         )
@@ -261,15 +267,55 @@ def reward_function_metrics(run) -> dict:
     }
 
 
-def advantages_of(rewards: torch.Tensor, G: int, scale: str) -> torch.Tensor:
-    """Group advantages; samples no reward function scored (NaN) get 0 and do not move their group."""
-    nan = rewards.isnan()
-    if nan.any():
-        groups = rewards.view(-1, G)
-        fill = torch.nan_to_num(groups.nanmean(dim=1, keepdim=True), nan=0.0).expand_as(groups)
-        rewards = torch.where(groups.isnan(), fill, groups).reshape(-1)
-    adv = group_advantages(rewards, G, scale=scale)
-    return adv.masked_fill(nan.to(adv.device), 0.0)
+EPS = 1e-4  # TRL's, added to every std an advantage divides by
+
+
+def _nanstd(x: torch.Tensor, dim=None) -> torch.Tensor:
+    """The unbiased std of the values that are not NaN (TRL's nanstd): NaN where fewer than two are."""
+    keep = dim is not None
+    mean = x.nanmean(dim=dim, keepdim=True) if keep else x.nanmean()
+    count = (~x.isnan()).sum(dim=dim, keepdim=keep) if keep else (~x.isnan()).sum()
+    var = ((x - mean) ** 2).nanmean(dim=dim, keepdim=keep) * count / (count - 1)
+    return var.masked_fill(count < 2, float("nan")).sqrt()
+
+
+def normalized(x: torch.Tensor, G: int, scale: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (rows,) less its group's mean, over the group's std + EPS ("group"), the batch's ("batch") or
+    nothing ("none"), as TRL's advantages: NaN-aware (NaN values neither counted nor given a value; a std
+    over fewer than two values is NaN, and so are the advantages it divides), exactly 0 where a group's
+    values are all equal (as the kernel gives); and TRL's is_std_zero per row. Finite x runs the
+    group-advantage kernel."""
+    groups = x.view(-1, G)
+    if scale == "batch":
+        std = (_nanstd(x) if x.numel() > 1 else x.new_zeros(())).expand_as(groups)
+    else:
+        std = (_nanstd(groups, 1) if G > 1 else groups.new_zeros(len(groups), 1)).expand_as(groups)
+    zero = torch.isclose(std, torch.zeros_like(std)).reshape(-1)
+    if not x.isnan().any():
+        return group_advantages(x, G, scale=scale, eps=EPS), zero
+    nan = groups.isnan()
+    equal = groups.masked_fill(nan, -torch.inf).amax(1) == groups.masked_fill(nan, torch.inf).amin(1)
+    adv = (groups - groups.nanmean(1, keepdim=True)).masked_fill(equal[:, None], 0.0)
+    return (adv if scale == "none" else adv / (std + EPS)).reshape(-1), zero
+
+
+def advantages_of(per_func: torch.Tensor, weights, G: int, scale: str, aggregation: str):
+    """TRL 1.16's advantages from each reward function's scores `per_func` (rows, functions; NaN where one
+    did not score a row): sum_then_normalize, the weighted sum normalized within its group as `scale` says;
+    normalize_then_sum (GDPO), each function's scores normalized within their group, their weighted sum over
+    the batch (`scale` unused). A row no function scored, or whose advantage is otherwise NaN, gets 0: it
+    does not move the policy. Returns the weighted sums (the logged rewards: NaN where no function scored),
+    the advantages and TRL's is_std_zero per row."""
+    w = torch.as_tensor(weights, dtype=per_func.dtype, device=per_func.device)
+    unscorable = per_func.isnan().all(1)
+    rewards = (per_func * w).nansum(1).masked_fill(unscorable, float("nan"))
+    if aggregation == "normalize_then_sum":
+        each = torch.stack([normalized(f, G, "group")[0] for f in per_func.unbind(1)], 1)
+        summed = (each * w).nansum(1).masked_fill(unscorable, float("nan"))
+        adv, zero = normalized(summed, len(summed), "group")
+    else:
+        adv, zero = normalized(rewards, G, scale)
+    return rewards, adv.nan_to_num(0.0), zero
 
 
 def score_rollout(run, rows, ro: Rollout) -> Scored:
@@ -292,16 +338,37 @@ def score_rollout(run, rows, ro: Rollout) -> Scored:
         columns,
         on_error=cfg.on_reward_error,
     )
-    all_rewards = all_gather_rows(scores.rewards.to(run.device), dist)
-    mine = slice(dist.rank * len(completions), (dist.rank + 1) * len(completions))
-    advantages = advantages_of(all_rewards, G, cfg.scale_rewards)[mine]
+    all_scores = all_gather_rows(scores.per_func.to(run.device), dist)
+    all_rewards, advantages, zero_std = advantages_of(
+        all_scores, run.reward_weights, G, cfg.scale_rewards, cfg.multi_objective_aggregation
+    )
+    advantages = advantages[dist.rank * len(completions) : (dist.rank + 1) * len(completions)]
     loss_mask = ro.model_mask.clone()  # tool tokens are attended, never trained on nor counted
     loss_mask[scores.failed.to(run.device)] = 0
     if cfg.mask_truncated_completions:  # truncated: the last token is not EOS
         last = (ro.completion_mask.sum(1) - 1).clamp(min=0)
         ended = ro.completion_ids.gather(1, last[:, None]).squeeze(1) == run.tokenizer.eos_token_id
         loss_mask[~(ended & ro.completion_mask.any(1).bool())] = 0
-    return Scored(scores, all_rewards, advantages, loss_mask)
+    return Scored(scores, all_scores, all_rewards, advantages, zero_std, completions, loss_mask)
+
+
+def completion_samples(run, ro: Rollout, sc: Scored) -> list[dict]:
+    """The step's samples for --log-completions, every rank's on the main rank ([] elsewhere): the prompt and
+    the completion as the reward functions read them, each function's score (None: not scored), the
+    advantage."""
+    G, dist = run.cfg.num_generations, run.dist
+    first = dist.rank * len(sc.completions)
+    mine = [
+        {"step": run.step, "prompt": ro.texts[i // G], "completion": c, "advantage": float(sc.advantages[i]),
+         "rewards": {n: None if math.isnan(v) else v
+                     for n, v in zip(run.reward_names, sc.all_scores[first + i].tolist())}}
+        for i, c in enumerate(sc.completions)
+    ]  # fmt: skip
+    if not dist.on:
+        return mine
+    every = [None] * dist.world
+    torch.distributed.all_gather_object(every, mine)
+    return [x for part in every for x in part] if dist.main else []
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -547,12 +614,26 @@ def optimize(run, ro: Rollout, sc: Scored) -> tuple[dict, float, int]:
         run.scheduler.step()
         run.optimizer.zero_grad(set_to_none=True)
         run.step += 1
+        if cfg.sync_ref_model and run.step % cfg.ref_model_sync_steps == 0:
+            sync_reference(run.ref_policy, run.policy, cfg.ref_model_mixup_alpha)
     for key in CLIP_KEYS:
         if key in metrics:
             metrics[key] = metrics[key] * trained / active.clamp(min=1)
     metrics.setdefault("loss", torch.zeros(()))
     metrics["zero_advantage_groups_skipped"] = float(skipped)
     return metrics, grad_norm, len(micro)
+
+
+@torch.no_grad()
+def sync_reference(ref, policy, alpha: float) -> None:
+    """TR-DPO's reference update (TRL's sync_ref_model): ref = alpha x policy + (1 - alpha) x ref, parameter
+    by parameter, in place (each rank its own replica or shard: FSDP2 modules resharded first, since a
+    forward without backward leaves the root's parameters whole)."""
+    for module in (*ref.modules(), *policy.modules()):
+        if callable(getattr(module, "reshard", None)):  # torch.distributed.fsdp.FSDPModule
+            module.reshard()
+    for r, p in zip(ref.parameters(), policy.parameters(), strict=True):
+        r.mul_(1.0 - alpha).add_(p.detach(), alpha=alpha)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -570,17 +651,6 @@ def reduce_metrics(metrics: dict, n_active, dist: DistInfo) -> dict:
     return dict(zip(keys, (totals[: len(keys)] / totals[len(keys) :].clamp(min=1e-12)).tolist()))
 
 
-def frac_zero_std(rewards: torch.Tensor, G: int) -> float:
-    """TRL's frac_reward_zero_std: the share of groups whose rewards are all equal (samples no function
-    scored, NaN, left out; a group with none scored counts as equal)."""
-    groups = rewards.view(-1, G)
-    nan = groups.isnan()
-    hi = groups.masked_fill(nan, float("-inf")).amax(1)
-    lo = groups.masked_fill(nan, float("inf")).amin(1)
-    equal = nan.all(1) | torch.isclose(hi - lo, torch.zeros_like(hi))
-    return float(equal.float().mean())
-
-
 def step_record(run, ro: Rollout, sc: Scored, metrics: dict, grad_norm: float, times, peaks, micro=1) -> dict:
     """The metrics.jsonl record of a step: the loss summed over ranks' shares, token metrics weighted by each
     rank's active tokens, rewards and tokens of the global batch. `times`: clock at start, after rollout,
@@ -591,7 +661,7 @@ def step_record(run, ro: Rollout, sc: Scored, metrics: dict, grad_norm: float, t
     metrics = dict(metrics)
     skipped = metrics.pop("zero_advantage_groups_skipped", 0.0)
     metrics = reduce_metrics(metrics, sc.loss_mask.sum(), dist)
-    all_scores = all_gather_rows(sc.scores.per_func.to(run.device), dist).cpu()
+    all_scores = sc.all_scores.cpu()
     model_tokens = ro.model_mask.sum()  # the model's tokens (a tool's turn is not the model's)
     counts = all_sum(
         torch.stack([ro.prompt_mask.sum() * G + ro.completion_mask.sum(), model_tokens]).float(), dist
@@ -603,7 +673,7 @@ def step_record(run, ro: Rollout, sc: Scored, metrics: dict, grad_norm: float, t
         "step": run.step,
         "reward_mean": float(rewards.nanmean()),
         "reward_std": float(valid.std()) if len(valid) > 1 else 0.0,
-        "frac_reward_zero_std": frac_zero_std(rewards, G),
+        "frac_reward_zero_std": float(sc.zero_std.float().mean()),
         "zero_advantage_groups_skipped": int(skipped),
         **{f"rewards/{n}_mean": float(all_scores[:, j].nanmean()) for j, n in enumerate(run.reward_names)},
         **reward_function_metrics(run),
@@ -664,7 +734,9 @@ def evaluate(
             hits += int((scored.per_func[:counted, 0] >= 1.0 - 1e-6).sum())
             total += counted
             continue
-        texts, ids, mask = encode_prompts(chunk, tokenizer, cfg.max_prompt_length, device)
+        texts, ids, mask = encode_prompts(
+            chunk, tokenizer, cfg.max_prompt_length, device, cfg.chat_template_kwargs
+        )
         comp, cmask = policy(
             generate_groups,
             ids,

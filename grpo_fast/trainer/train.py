@@ -45,10 +45,10 @@ from .distributed import (
     full_optimizer_state,
     shutdown,
 )
-from .log import plot_curves
+from .log import plot_curves, print_completions
 from .memory import peak_mib, release_free_memory, reset_peak
 from .setup import Run, setup
-from .step import encode_prompts, evaluate, optimize, rollout, score_rollout, step_record
+from .step import completion_samples, encode_prompts, evaluate, optimize, rollout, score_rollout, step_record
 from .stopping import Stopping
 
 __all__ = ["train", "main", "encode_prompts"]
@@ -100,7 +100,8 @@ def train(cfg: GRPOConfig) -> dict:
                 record = step_record(run, ro, sc, metrics, grad_norm, (t0, t1, t2, t3), peaks, micro)
                 record.update(extra, time_sync_s=t4 - t3)  # 4. log
                 record["tokens_per_s"] *= (t3 - t0) / (t4 - t0)  # over the whole step, the push included
-                after_step(run, record, bar)
+                samples = completion_samples(run, ro, sc) if cfg.log_completions and logged(run) else None
+                after_step(run, record, bar, samples)
             if stopped:
                 break
         if not stopped:  # a signal during the last step
@@ -153,12 +154,22 @@ def should_stop(run: Run, signals) -> bool | None:
     return False
 
 
-def after_step(run: Run, record: dict, bar) -> None:
-    """Log the step, evaluate and checkpoint when due, show progress."""
+def logged(run: Run) -> bool:
+    """Whether this step is logged (every logging_steps, and the last)."""
+    return run.step % run.cfg.logging_steps == 0 or run.step >= run.cfg.max_steps
+
+
+def after_step(run: Run, record: dict, bar, samples: list | None = None) -> None:
+    """Log the step (and its completions, `samples`, with --log-completions), evaluate and checkpoint when
+    due, show progress."""
     cfg = run.cfg
     bar.update(cfg.num_iterations)
-    if run.step % cfg.logging_steps == 0 or run.step >= cfg.max_steps:
+    if logged(run):
         log_record(run, record)
+    if samples and run.log is not None:
+        run.log.write_completions(samples)
+        bar.clear()
+        print_completions(samples, cfg.num_completions_to_print)
     if run.eval_rows and cfg.eval_steps and run.step % cfg.eval_steps == 0:
         evaluate_and_log(run)
     bar.set_postfix(
@@ -213,6 +224,7 @@ def finish(run: Run, stopped: bool) -> dict:
         print(f"done: {json.dumps(summary)}", flush=True)
         print(
             f"outputs in {out}/: metrics.jsonl (per-step metrics, eval records), "
+            f"{'completions.jsonl (logged steps), ' if cfg.log_completions else ''}"
             f"{'curves.png, ' if drawn else ''}config.json, {final.name}/",
             flush=True,
         )
@@ -238,12 +250,14 @@ def save(run: Run, at_step: int) -> Path:
     extra = {"elapsed_train_s": run.elapsed_train, "config": to_dict(cfg), "world_size": dist.world}
     model_state = full_model_state(run.policy, dist) if dist.kind == "fsdp" and dist.on else None
     optimizer_state = full_optimizer_state(run.policy, run.optimizer, dist)  # a collective: every rank
+    # a moving reference (sync_ref_model) is no longer the base a resumed run would rebuild: saved with it
+    reference = full_model_state(run.ref_policy, dist) if cfg.sync_ref_model else None
     path = None
     if dist.main:
         path = ckpt_mod.save_checkpoint(
             run.out, at_step, run.model, run.tokenizer, optimizer_state, run.scheduler,
             sampler_state(run), run.generator, extra, cfg.save_total_limit, model_state=model_state,
-            scaler=run.scaler,
+            scaler=run.scaler, reference_state=reference,
         )  # fmt: skip
     barrier(dist)
     run.saved[at_step] = path or run.out / f"checkpoint-{at_step}"
