@@ -83,7 +83,13 @@ def _addresses(st, b, args) -> dict:
 def _run(model, compile, G=6, C=60, seed=0, **kw):
     ids, mask = _prompts()
     opts = dict(
-        temperature=1.0, top_k=30, top_p=0.95, eos_token_id=EOS, engine="native", return_logprobs=True
+        temperature=1.0,
+        top_k=30,
+        top_p=0.95,
+        min_p=0.02,
+        eos_token_id=EOS,
+        engine="native",
+        return_logprobs=True,
     )
     opts.update(kw)
     return generate_groups(
@@ -239,8 +245,8 @@ def test_the_trainer_flag_reaches_the_engine():
 
 @pytest.mark.parametrize("rollout_dtype", ["model", "fp8"])
 def test_the_step_cuda_captures_reads_nothing_back_on_the_host(monkeypatch, rollout_dtype):
-    """The step exactly as CUDA runs it (no CPU kernels, the full KV capacity), top-k / top-p and the draw
-    included, makes no host read: a CUDA graph can capture it. Checked with the operators it dispatches."""
+    """The step exactly as CUDA runs it (no CPU kernels, the full KV capacity), top-k / top-p / min-p and the
+    draw included, makes no host read: a CUDA graph can capture it. Checked with the operators it runs."""
     monkeypatch.setattr(cpu_decode, "ENABLED", False)
     monkeypatch.setattr(native.NativeEngine, "_eager_cpu", lambda self, device: False)
     real, modes = graphs.Static.step, []

@@ -403,3 +403,21 @@ def test_native_rollout_opt_in_generates_what_trl_generates(tmp_path):
     assert native.state.global_step == 3
     with pytest.raises(ValueError, match="rollout must be 'trl'"):
         integ.GRPOTrainer(model=model, reward_funcs=_reward, rollout="vllm")
+
+
+def test_native_rollout_takes_min_p(tmp_path, monkeypatch):
+    """TRL's min_p reaches the native engine (transformers' order: after top-k and top-p), no fallback."""
+    import warnings
+
+    model = AutoModelForCausalLM.from_pretrained(default_task.ASSET_DIR)
+    native = _trainer(integ.GRPOTrainer, model, tmp_path, {"rollout": "native"}, min_p=0.1)
+    tok = native._tokenizer
+    prompts = [
+        tok(r["prompt"], add_special_tokens=False).input_ids for r in default_task.dataset_rows("train")[:2]
+    ]
+    calls, orig = [], integ.generate_groups
+    monkeypatch.setattr(integ, "generate_groups", lambda *a, **k: calls.append(k) or orig(*a, **k))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a fallback to TRL's generation warns
+        got, _ = native._generate_single_turn([p for p in prompts for _ in range(2)], None, {}, 2)
+    assert len(calls) == 1 and calls[0]["min_p"] == 0.1 and len(got) == 4

@@ -89,12 +89,14 @@ def test_sampled_tokens_follow_the_softmax():
     torch.manual_seed(0)
     logits = torch.randn(1, 40) * 2
     N = 100_000
-    for T, k, p in ((1.0, 0, 1.0), (0.7, 10, 1.0), (1.3, 0, 0.8)):
-        tok, logp = draw(logits.expand(N, -1), torch.rand(N), T, k, p)
+    for T, k, p, m in ((1.0, 0, 1.0, 0.0), (0.7, 10, 1.0, 0.0), (1.3, 0, 0.8, 0.0), (1.0, 0, 1.0, 0.05)):
+        tok, logp = draw(logits.expand(N, -1), torch.rand(N), T, k, p, m)
         z = logits[0].double() / T
         keep = torch.ones_like(z, dtype=torch.bool)
         if k:
             keep &= z >= torch.topk(z, k).values[-1]
+        if m:  # min-p: at least m x the likeliest token's probability
+            keep &= torch.softmax(z, 0) >= m * torch.softmax(z, 0).max()
         if p < 1.0:
             order = torch.argsort(z, descending=True)
             probs = torch.softmax(z[order], 0)
@@ -110,6 +112,28 @@ def test_sampled_tokens_follow_the_softmax():
         assert chi2 < 80, chi2
         # the reported log-prob is the unfiltered softmax(logits / T)
         assert torch.allclose(logp, torch.log_softmax(logits[0] / T, 0)[tok], atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "top_k,top_p,min_p", [(0, 1.0, 0.1), (20, 1.0, 0.05), (0, 0.9, 0.2), (30, 0.95, 0.02)]
+)
+def test_filters_keep_what_transformers_warpers_keep(top_k, top_p, min_p):
+    """top-k, top-p and min-p together keep the tokens transformers' own warpers keep, applied in its order
+    (TopK, TopP, MinP: what TRL's generation and HF `generate` run)."""
+    from transformers.generation.logits_process import MinPLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    torch.manual_seed(0)
+    scaled = torch.randn(64, 500) * 3
+    hf = scaled.clone()
+    for warper in (TopKLogitsWarper(top_k) if top_k else None, TopPLogitsWarper(top_p) if top_p < 1 else None,
+                   MinPLogitsWarper(min_p)):  # fmt: skip
+        hf = warper(None, hf) if warper is not None else hf
+    ours = filtered(scaled, top_k, top_p, min_p)
+    assert torch.equal(torch.isfinite(ours), torch.isfinite(hf))
+    assert (
+        torch.isfinite(ours).sum(1).min() >= 1 and (~torch.isfinite(ours)).any(1).all()
+    )  # each row filtered
+    torch.testing.assert_close(ours[torch.isfinite(ours)], scaled[torch.isfinite(ours)])
 
 
 def test_the_two_level_inverse_cdf_draws_each_token_with_its_probability():
@@ -224,26 +248,28 @@ def test_the_layer_stack_in_one_call_samples_what_the_kernels_layer_by_layer_do(
 
 
 @pytest.mark.parametrize(
-    "engine,share_prefix,top_p,top_k",
+    "engine,share_prefix,top_p,top_k,min_p",
     [
-        ("native", True, 1.0, 0),
-        ("native", False, 1.0, 0),
-        ("native", True, 0.9, 20),
-        ("reference", True, 0.9, 20),
-        ("reference", False, 1.0, 0),
+        ("native", True, 1.0, 0, 0.0),
+        ("native", False, 1.0, 0, 0.0),
+        ("native", True, 0.9, 20, 0.0),
+        ("native", True, 1.0, 0, 0.5),
+        ("reference", True, 0.9, 20, 0.0),
+        ("reference", False, 1.0, 0, 0.5),
     ],
 )
 def test_sampled_completions_logprobs_equal_the_training_forward(
-    engine, share_prefix, top_p, top_k, cpu_kernels
+    engine, share_prefix, top_p, top_k, min_p, cpu_kernels
 ):
     """The engine's log-probs are the trainer's (the rollout-mismatch ratio exp(trainer - engine) is 1), also
-    under top-p / top-k truncation: both score softmax(logits / T) over the whole vocabulary."""
+    under top-p / top-k / min-p truncation: both score softmax(logits / T) over the whole vocabulary."""
     model = _model("qwen2")
     ids, mask = _prompts()
     G, T = 4, 0.8
     c_ids, c_mask, logp = generate_groups(
         model, ids, mask, G, 20, temperature=T, eos_token_id=EOS, share_prefix=share_prefix, top_p=top_p,
-        top_k=top_k, generator=torch.Generator().manual_seed(0), engine=engine, return_logprobs=True,
+        top_k=top_k, min_p=min_p, generator=torch.Generator().manual_seed(0), engine=engine,
+        return_logprobs=True,
     )  # fmt: skip
     if engine == "native":
         _kernel_steps_as_asked(model, cpu_kernels, "qwen2")
@@ -254,9 +280,11 @@ def test_sampled_completions_logprobs_equal_the_training_forward(
     assert torch.allclose(logp, ref * c_mask, atol=1e-5), (logp - ref * c_mask).abs().max()
     ratio = torch.exp(ref - logp)[c_mask.bool()]
     assert (ratio - 1).abs().max() < 1e-4, ratio
-    if top_p < 1:  # the truncation is real: renormalized (vLLM's processed) log-probs would be biased
+    if (
+        top_p < 1 or min_p
+    ):  # the truncation is real: renormalized (vLLM's processed) log-probs would be biased
         scaled = (hidden @ lm_head_of(model).weight.T / T).reshape(-1, model.config.vocab_size)
-        kept = torch.log_softmax(filtered(scaled, top_k, top_p), -1).gather(-1, c_ids.reshape(-1, 1))
+        kept = torch.log_softmax(filtered(scaled, top_k, top_p, min_p), -1).gather(-1, c_ids.reshape(-1, 1))
         bias = (kept.view_as(ref) - ref)[c_mask.bool()]
         assert (bias >= -1e-6).all() and bias.max() > 1e-2, bias.max()
 

@@ -298,6 +298,16 @@ def test_chat_template_kwargs_reach_the_prompts(tmp_path):
     assert prompts == {"plain": "What is 2 + 1 ? =", "marked": "MARKED What is 2 + 1 ? ="}
 
 
+def test_min_p_reaches_the_rollout(tmp_path, monkeypatch):
+    """--min-p (TRL's) is the rollout's: every generate_groups call of a run samples with it."""
+    import grpo_fast.trainer.step as step_mod
+
+    seen, real = [], step_mod.generate_groups
+    monkeypatch.setattr(step_mod, "generate_groups", lambda *a, **k: seen.append(k["min_p"]) or real(*a, **k))
+    train(_cfg(tmp_path, "--max-steps", "2", "--min-p", "0.3"))
+    assert seen == [0.3, 0.3]
+
+
 def test_output_dir_with_checkpoints_needs_resume_or_overwrite(tmp_path):
     train(_cfg(tmp_path, "--max-steps", "2"))
     with pytest.raises(ValueError, match="already holds checkpoints .*--resume.*--overwrite-output-dir"):
@@ -499,6 +509,11 @@ def test_unknown_flag_values(argv, words, capsys):
         (["--dist-timeout-s", "0"], "dist_timeout_s must be > 0"),
         (["--num-generations", "1"], "num_generations must be >= 2, got 1: .*every advantage is 0"),
         (["--delta", "0"], "delta must be > 0"),
+        (["--min-p", "1.5"], r"min_p must be in \[0, 1\]"),
+        (
+            ["--rollout", "vllm", "--min-p", "0.1", "--temperature", "0.8"],
+            "renormalized over the kept tokens",
+        ),
         (["--sync-ref-model"], "sync_ref_model needs a reference .*beta is 0"),
         (["--sync-ref-model", "--beta", "0.04", "--lora-r", "4"], "sync_ref_model needs .*LoRA"),
         (

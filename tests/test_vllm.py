@@ -18,7 +18,7 @@ from tiny_models import eos_likely_lm, ragged_prompts
 
 from grpo_fast.models.model_parts import lm_head_of
 from grpo_fast.models.shared_prefix import shared_prefix_forward
-from grpo_fast.rollout import generate_groups
+from grpo_fast.rollout import generate_groups, vllm_engine
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 needs_vllm = pytest.mark.skipif(not HAVE_VLLM, reason="vLLM not installed (make setup-vllm)")
@@ -116,13 +116,13 @@ def test_lora_pushes_merged_weights_of_the_adapted_layers_only():
 
 @needs_vllm
 def test_truncated_sampling_logprobs_are_the_full_softmax_at_temperature_one():
-    """top-p / top-k at T = 1: vLLM's raw log-probs are softmax(logits) over the whole vocabulary, the
-    trainer's distribution (ratio 1); at T != 1 only processed (renormalized) ones exist: refused."""
+    """top-p / top-k / min-p at T = 1: vLLM's raw log-probs are softmax(logits) over the whole vocabulary,
+    the trainer's distribution (ratio 1); at T != 1 only processed (renormalized) ones exist: refused."""
     model = _model("qwen2", seed=4)
     ids, mask = _prompts()
     kw = dict(eos_token_id=EOS, engine="vllm", vllm_options=OPTS, return_logprobs=True)
     c_ids, c_mask, logp = generate_groups(
-        model, ids, mask, 4, 20, temperature=1.0, top_p=0.9, top_k=20,
+        model, ids, mask, 4, 20, temperature=1.0, top_p=0.9, top_k=20, min_p=0.05,
         generator=torch.Generator().manual_seed(0), **kw,
     )  # fmt: skip
     with torch.no_grad():
@@ -132,6 +132,8 @@ def test_truncated_sampling_logprobs_are_the_full_softmax_at_temperature_one():
     assert (ratio - 1).abs().max() <= 1e-4, ratio
     with pytest.raises(ValueError, match="raw log-probs"):
         generate_groups(model, ids, mask, 4, 20, temperature=0.8, top_p=0.9, **kw)
+    with pytest.raises(ValueError, match="min_p=0.1"):  # processed log-probs (an engine built for T != 1)
+        vllm_engine.check_logprobs_mode("processed_logprobs", 0.8, 1.0, 0, 0.1)
 
 
 @needs_vllm

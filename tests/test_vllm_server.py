@@ -119,6 +119,7 @@ def test_samples_and_their_logprobs_match_the_trainer(server):
         4,
         12,
         temperature=1.0,
+        min_p=0.05,  # a sampling option the server takes (its log-probs stay the whole softmax at T = 1)
         eos_token_id=eos,
         generator=torch.Generator(),
         return_logprobs=True,

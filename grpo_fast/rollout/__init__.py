@@ -58,6 +58,7 @@ def generate_groups(
     temperature=1.0,
     top_p=1.0,
     top_k=0,
+    min_p=0.0,
     eos_token_id=None,
     share_prefix=True,
     generator=None,
@@ -74,7 +75,9 @@ def generate_groups(
         model: a Hugging Face causal LM (plain or PEFT-wrapped).
         prompt_ids, prompt_mask: (n_prompts, P) left-padded prompts and their attention mask.
         num_generations: G. max_new_tokens: C, the longest completion.
-        temperature, top_p, top_k: sampling (temperature 0 = greedy).
+        temperature, top_p, top_k, min_p: sampling (temperature 0 = greedy; top_k 0 and min_p 0: off), the
+            filters in transformers' order: top-k, top-p, then min-p (tokens below min_p x the likeliest's
+            probability).
         eos_token_id: int or list of ints ending a completion (kept, mask 1).
         share_prefix: prefill each prompt once and keep its KV once (True), or repeat it G times (False).
         generator: torch.Generator for reproducible sampling.
@@ -99,7 +102,7 @@ def generate_groups(
             starts. "auto": bf16 for an fp32 policy where the machine multiplies bf16 natively (CPU flags
             avx512_bf16 / amx_bf16, GPU capability >= 8.0), else the policy's; printed with the reason.
         return_logprobs: also return the (n_prompts * G, C') fp32 log-probs of the sampled tokens under
-            softmax(logits / T) (T = 1 when greedy) over the whole vocabulary, before top-k / top-p: the
+            softmax(logits / T) (T = 1 when greedy) over the whole vocabulary, before the filters: the
             distribution the trainer's loss scores, so an exact engine's ratio to the trainer is 1 whatever
             the truncation; 0 on padding.
 
@@ -109,7 +112,9 @@ def generate_groups(
     """
     check_counts(num_generations, max_new_tokens)
     kind, reason = resolve_engine(model, engine)
-    kw = dict(temperature=temperature, top_p=top_p, top_k=top_k, eos_token_id=eos_token_id)
+    kw = dict(
+        temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p or 0.0, eos_token_id=eos_token_id
+    )
     if kind == "native":
         return native.engine_for(model).generate(
             prompt_ids, prompt_mask, num_generations, max_new_tokens, share_prefix=share_prefix,

@@ -370,7 +370,17 @@ class NativeEngine:
         return None if mod is None else _Kernels(mod, _stack_args(layers, self.final_rms))
 
     def _step(
-        self, b: _Buffers, layers, head, kern, eos, pad: int, temperature: float, top_k: int, top_p: float
+        self,
+        b: _Buffers,
+        layers,
+        head,
+        kern,
+        eos,
+        pad: int,
+        temperature: float,
+        top_k: int,
+        top_p: float,
+        min_p: float,
     ):
         R, cap = b.out.shape[0], b.comp_k[0].shape[2]
         kvh, d = self.n_kv, self.head_dim
@@ -381,7 +391,7 @@ class NativeEngine:
         if kern is not None:
             self._kernel_steps += 1
             logits = head(self._decoder_kernels(x.contiguous(), cos, sin, layers, b, kern))
-            return self._draw_and_book(b, logits, eos, pad, temperature, top_k, top_p, kern)
+            return self._draw_and_book(b, logits, eos, pad, temperature, top_k, top_p, min_p, kern)
         # the completion slots attended: eager on a CPU only those written so far (a host read costs nothing
         # there; SmolLM2's own-KV attention over a 256-slot capacity, fp32: 298 -> 82 us at 64 slots written,
         # 344 -> 240 us at 256); a compiled or GPU step keeps the full capacity, its shapes fixed
@@ -404,15 +414,15 @@ class NativeEngine:
             return _merge_attention(q, pk, pv, ck, cv, prompt_bias, own_bias, self.scaling)
 
         logits = head(self.final_norm(self._decoder(x, cos, sin, layers, attend)))
-        return self._draw_and_book(b, logits, eos, pad, temperature, top_k, top_p)
+        return self._draw_and_book(b, logits, eos, pad, temperature, top_k, top_p, min_p)
 
-    def _draw_and_book(self, b: _Buffers, logits, eos, pad, temperature, top_k, top_p, kern=None):
+    def _draw_and_book(self, b: _Buffers, logits, eos, pad, temperature, top_k, top_p, min_p, kern=None):
         t, C = b.t, b.out.shape[1] - 1
         u = b.noise.gather(0, (t + 1)[None, :]).squeeze(0)
-        if kern is not None and temperature > 0 and not top_k and top_p >= 1:  # cpu_decode's one-pass draw
+        if kern is not None and temperature > 0 and not top_k and top_p >= 1 and not min_p:  # one-pass draw
             nxt, logp = kern.mod.draw(logits.float(), u, float(temperature))
         else:
-            nxt, logp = draw(logits, u, temperature, top_k, top_p)
+            nxt, logp = draw(logits, u, temperature, top_k, top_p, min_p)
         # bookkeeping on the device: rows already done emit padding (into the scratch column past their end),
         # stop counting and stay at their position
         nxt = torch.where(b.done, pad, nxt)
@@ -532,7 +542,7 @@ class NativeEngine:
     def generate(
         self, prompt_ids, prompt_mask, G, max_new_tokens, *, temperature, top_p, top_k, eos_token_id,
         share_prefix, generator, all_done, return_logprobs, compile="auto", rollout_dtype="model",
-        turn_hook=None,
+        turn_hook=None, min_p=0.0,
     ):  # fmt: skip
         """`generate_groups`' contract; `turn_hook` (grpo_fast.rollout.trajectories) makes the rows
         multi-turn: when row s ends a turn at EOS, `turn_hook.start(s, tokens)` (its tokens so far) returns
@@ -576,7 +586,7 @@ class NativeEngine:
         st, bucket = None, (n, G)
         if self.on_buckets(device):
             key = (n, G, cap, C, pk[0].dtype, device, self.rollout_dtype, float(temperature), top_k, top_p,
-                   tuple(eos))  # fmt: skip
+                   float(min_p), tuple(eos))  # fmt: skip
             st = self._static_for(key, fill, cap)
             if st.eos is None:
                 st.eos = eos_t
@@ -586,7 +596,7 @@ class NativeEngine:
             b = _fresh_buffers(fill, cap, self.n_kv, self.head_dim, pk[0].shape[2])
         # 3. the first token, from the prefill's last logits
         first = res.logits[:, -1].repeat_interleave(G, 0)
-        tok, lp = draw(first, b.noise[0], temperature, top_k, top_p)
+        tok, lp = draw(first, b.noise[0], temperature, top_k, top_p, min_p)
         b.out[:, 0], b.logp[:, 0] = tok, lp
         b.done |= is_eos(tok, eos_t) | (b.lengths >= C)
         t_prefill = time.perf_counter()
@@ -595,7 +605,8 @@ class NativeEngine:
         if kern is not None:
             _block_keys(st.full if st is not None else b)
             b = st.view(n, G) if st is not None else b
-        args = (layers, head, kern, eos_t, pad, float(temperature), int(top_k or 0), float(top_p))
+        filters = (float(temperature), int(top_k or 0), float(top_p), float(min_p))
+        args = (layers, head, kern, eos_t, pad, *filters)
         t_pack, steps, capture_s = time.perf_counter(), 0, st.capture_s if st is not None else 0.0
         self._kernel_steps = 0
         # 4. decode in windows: no host sync inside one; between them the turns, "all done?" and compaction

@@ -14,14 +14,14 @@ from .shared_attention import shared_prefix_attention_over
 
 
 def decode(
-    step, logits, max_new_tokens, *, temperature=1.0, top_p=1.0, top_k=0, eos_token_id=None, generator=None,
-    all_done=None, return_logprobs=False,
+    step, logits, max_new_tokens, *, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, eos_token_id=None,
+    generator=None, all_done=None, return_logprobs=False,
 ):  # fmt: skip
     """Sample up to `max_new_tokens` per row from `logits` (rows, V); `step(tokens)` feeds the sampled tokens
     to the model and returns the next logits. Rows stop at EOS (kept, mask 1); later tokens are padding.
     `all_done(local_done) -> bool`, when given, decides when to stop (the ranks of a sharded model step
     together). With return_logprobs also the sampled tokens' log-probs under softmax(logits / T) (T = 1 when
-    greedy), before top-k / top-p, as training computes them; 0 on padding."""
+    greedy), before top-k / top-p / min-p, as training computes them; 0 on padding."""
     device, rows = logits.device, logits.shape[0]
     eos, pad = eos_and_pad(eos_token_id)
     eos = torch.tensor(eos, dtype=torch.long, device=device)
@@ -30,7 +30,7 @@ def decode(
     lengths = torch.zeros(rows, dtype=torch.long, device=device)
     logp = torch.zeros(rows, max_new_tokens, device=device) if return_logprobs else None
     for t in range(max_new_tokens):
-        tok = torch.where(done, pad, sample_next(logits, temperature, top_p, top_k, generator))
+        tok = torch.where(done, pad, sample_next(logits, temperature, top_p, top_k, generator, min_p))
         out[:, t] = tok
         if return_logprobs:
             scaled = logits.float() / temperature if temperature > 0 else logits.float()
@@ -52,7 +52,7 @@ def decode(
 @torch.no_grad()
 def generate_plain(model, prompt_ids, prompt_mask, num_generations, max_new_tokens, **sampling):
     """`generate_groups` (grpo_fast.rollout) with every prompt repeated G times and prefilled per sample;
-    `sampling`: `decode`'s options (temperature, top_p, top_k, eos_token_id, generator, all_done,
+    `sampling`: `decode`'s options (temperature, top_p, top_k, min_p, eos_token_id, generator, all_done,
     return_logprobs)."""
     check_counts(num_generations, max_new_tokens)
     ids = prompt_ids.repeat_interleave(num_generations, 0)

@@ -1,10 +1,12 @@
-"""Choosing the next token: temperature, then top-k, then top-p, then a draw; temperature 0 is greedy.
+"""Choosing the next token: temperature, then top-k, then top-p, then min-p (transformers' order), then a
+draw; temperature 0 is greedy.
 
 `sample_next` draws with `torch.multinomial` (the reference engine); `draw` with the inverse CDF at uniforms
 made up front (the native engine: its step holds no RNG state, so CUDA graphs can replay it). Both filter the
 logits the same way (`filtered`).
 """
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -13,13 +15,14 @@ import torch
 @dataclass(frozen=True)
 class Sampling:
     """How a rollout samples, `generate_groups`' options with their defaults: softmax(logits / temperature)
-    (0: greedy) after top-k (0: off) and top-p, stopping at `eos_token_id` (an id or a list), drawing from
-    `generator`, with the sampled tokens' log-probs when `return_logprobs`. An engine that takes them as
-    `**options` builds one (an unknown option is a TypeError naming it)."""
+    (0: greedy) after top-k (0: off), top-p and min-p (0: off), stopping at `eos_token_id` (an id or a
+    list), drawing from `generator`, with the sampled tokens' log-probs when `return_logprobs`. An engine
+    that takes them as `**options` builds one (an unknown option is a TypeError naming it)."""
 
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     eos_token_id: object = None
     generator: object = None
     return_logprobs: bool = False
@@ -38,9 +41,9 @@ def is_eos(tokens, eos):
     return (tokens[..., None] == eos).any(-1)
 
 
-def filtered(scaled, top_k: int, top_p: float):
-    """(rows, V) temperature-scaled logits with the tokens outside top-k, then outside top-p, at -inf (the
-    same tensor when neither filters)."""
+def filtered(scaled, top_k: int, top_p: float, min_p: float = 0.0):
+    """(rows, V) temperature-scaled logits with the tokens outside top-k, then outside top-p, then below
+    min_p x the likeliest token's probability (min-p), at -inf (the same tensor when none filters)."""
     if top_k and top_k < scaled.shape[-1]:
         kth = torch.topk(scaled, top_k, dim=-1).values[:, -1:]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
@@ -50,23 +53,27 @@ def filtered(scaled, top_k: int, top_p: float):
         # drop a token when the tokens before it already hold top_p of the mass (the first always stays)
         sorted_logits = sorted_logits.masked_fill(probs.cumsum(-1) - probs > top_p, float("-inf"))
         scaled = torch.full_like(scaled, float("-inf")).scatter(-1, order, sorted_logits)
+    if min_p > 0.0:  # p / p_max = exp(z - z_max): a gap in the logits, whatever was filtered before
+        gap = scaled - scaled.amax(-1, keepdim=True)
+        scaled = scaled.masked_fill(gap < math.log(min_p), float("-inf"))
     return scaled
 
 
-def sample_next(logits, temperature, top_p, top_k, generator):
+def sample_next(logits, temperature, top_p, top_k, generator, min_p=0.0):
     """One token per row from (rows, V) logits; temperature 0 is greedy."""
     if temperature == 0:
         return logits.argmax(-1)
-    probs = torch.softmax(filtered(logits.float() / temperature, top_k, top_p), -1)
+    probs = torch.softmax(filtered(logits.float() / temperature, top_k, top_p, min_p), -1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
-def draw(logits, u, temperature: float, top_k: int, top_p: float):
-    """(tokens, log-probs) from (R, V) logits: temperature, top-k, top-p, then the inverse CDF at u (R,); the
-    log-prob is of softmax(logits / T) (T = 1 when greedy), before top-k / top-p, as training computes it."""
+def draw(logits, u, temperature: float, top_k: int, top_p: float, min_p: float = 0.0):
+    """(tokens, log-probs) from (R, V) logits: temperature, top-k, top-p, min-p, then the inverse CDF at u
+    (R,); the log-prob is of softmax(logits / T) (T = 1 when greedy), before the filters, as training computes
+    it."""
     logits = logits.float()
     scaled = logits / temperature if temperature not in (0, 1) else logits
-    kept = filtered(scaled, top_k, top_p) if temperature != 0 else None
+    kept = filtered(scaled, top_k, top_p, min_p) if temperature != 0 else None
     if kept is scaled:  # nothing filtered: one pass over the vocabulary's exponentials serves both
         probs = torch.softmax(scaled, dim=-1)
         tok = inverse_cdf(probs, u)  # never a token of probability 0, so its log is finite

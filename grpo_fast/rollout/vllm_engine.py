@@ -229,8 +229,10 @@ class VLLMEngine:
     @torch.no_grad()
     def generate(
         self, model, prompt_ids, prompt_mask, num_generations, max_new_tokens, *, temperature=1.0, top_p=1.0,
-        top_k=0, eos_token_id=None, generator=None, return_logprobs=False,
+        top_k=0, min_p=0.0, eos_token_id=None, generator=None, return_logprobs=False,
     ):  # fmt: skip
+        """`generate_groups` on this engine. vLLM applies min-p before top-k / top-p (the native and
+        reference engines after, transformers' order): the same where min-p is the only filter."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -243,7 +245,7 @@ class VLLMEngine:
             )
         greedy = temperature == 0
         if return_logprobs and not greedy:
-            check_logprobs_mode(self.options["logprobs_mode"], temperature, top_p, top_k)
+            check_logprobs_mode(self.options["logprobs_mode"], temperature, top_p, top_k, min_p)
         self.push(model)
         eos, pad = eos_and_pad(eos_token_id)
         seed = int(torch.randint(2**31 - 1, (1,), generator=generator)) if generator is not None else None
@@ -253,6 +255,7 @@ class VLLMEngine:
             temperature=0.0 if greedy else float(temperature),
             top_p=1.0 if greedy else float(top_p),
             top_k=0 if greedy else int(top_k or 0),
+            min_p=0.0 if greedy else float(min_p or 0.0),
             max_tokens=C,
             stop_token_ids=list(eos),
             ignore_eos=not eos,  # the model's own EOS ends nothing unless it is asked for
@@ -295,8 +298,8 @@ def logprobs_mode_for(temperature) -> str:
     return "raw_logprobs" if temperature in (0, 1) else "processed_logprobs"
 
 
-def check_logprobs_mode(mode, temperature, top_p, top_k):
-    truncated = top_p < 1.0 or bool(top_k)
+def check_logprobs_mode(mode, temperature, top_p, top_k, min_p=0.0):
+    truncated = top_p < 1.0 or bool(top_k) or bool(min_p)
     if mode == "raw_logprobs" and temperature != 1:
         raise ValueError(
             f"this vllm engine reports raw log-probs (built for temperature 1); temperature={temperature} "
@@ -304,10 +307,10 @@ def check_logprobs_mode(mode, temperature, top_p, top_k):
         )
     if mode == "processed_logprobs" and truncated:
         raise ValueError(
-            f"vLLM reports log-probs renormalized over the top_k={top_k} / top_p={top_p} tokens at "
-            f"temperature={temperature}, not softmax(logits / T) as the trainer scores them (their ratio is "
-            "biased by the kept mass): sample at temperature 1, or without top_k / top_p, or without "
-            "return_logprobs (the rollout-mismatch correction off)"
+            f"vLLM reports log-probs renormalized over the top_k={top_k} / top_p={top_p} / min_p={min_p} "
+            f"tokens at temperature={temperature}, not softmax(logits / T) as the trainer scores them (their "
+            "ratio is biased by the kept mass): sample at temperature 1, or without top_k / top_p / min_p, "
+            "or without return_logprobs (the rollout-mismatch correction off)"
         )
 
 

@@ -128,6 +128,12 @@ class GRPOConfig:
     temperature: float = _f(1.0, "sampling temperature (also divides the logits in the loss)")
     top_p: float = _f(1.0, "nucleus sampling threshold")
     top_k: int = _f(0, "top-k sampling (0 = off)")
+    min_p: float = _f(
+        None,
+        "min-p sampling (TRL's): drop the tokens below min_p x the likeliest token's probability, after "
+        "top-k and top-p (transformers' order; vLLM applies it first); typical 0.01-0.2, default off",
+        type=float,
+    )
     share_prefix: bool = _f(
         True, "prefill and train each prompt once per group (exact; see shared_prefix.py)"
     )
@@ -481,6 +487,10 @@ def validate(cfg: GRPOConfig, require_reward: bool = True) -> GRPOConfig:
         raise ValueError(f"temperature must be > 0 for sampling, got {cfg.temperature}")
     if not 0 < cfg.top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1], got {cfg.top_p}")
+    if cfg.min_p is not None and not 0 <= cfg.min_p <= 1:
+        raise ValueError(
+            f"min_p must be in [0, 1] (a share of the likeliest token's probability), got {cfg.min_p}"
+        )
     if cfg.learning_rate <= 0:
         raise ValueError(f"learning_rate must be > 0, got {cfg.learning_rate}")
     if cfg.reward_weights is not None and len(cfg.reward_weights) != len(cfg.reward or []):
@@ -517,12 +527,13 @@ def validate(cfg: GRPOConfig, require_reward: bool = True) -> GRPOConfig:
         raise ValueError(f"top_entropy_quantile must be in [0, 1], got {cfg.top_entropy_quantile}")
     check_correction(cfg)
     correcting = cfg.vllm_importance_sampling_correction and cfg.rollout == "vllm"
-    if correcting and (cfg.top_p < 1 or cfg.top_k) and cfg.temperature != 1:
+    if correcting and (cfg.top_p < 1 or cfg.top_k or cfg.min_p) and cfg.temperature != 1:
         raise ValueError(
-            f"--rollout vllm with top_p={cfg.top_p} / top_k={cfg.top_k} at temperature {cfg.temperature}: "
+            f"--rollout vllm with top_p={cfg.top_p} / top_k={cfg.top_k} / min_p={cfg.min_p} at temperature "
+            f"{cfg.temperature}: "
             "vLLM reports log-probs renormalized over the kept tokens, not softmax(logits / T) as the "
             "trainer scores them, which biases the rollout-mismatch correction; sample at temperature 1, or "
-            "without top_p / top_k, or pass --no-vllm-importance-sampling-correction"
+            "without top_p / top_k / min_p, or pass --no-vllm-importance-sampling-correction"
         )
     if cfg.max_tool_calling_iterations is not None and cfg.max_tool_calling_iterations < 0:
         raise ValueError(

@@ -171,7 +171,7 @@ def sampling_options(run, generator=None) -> dict:
     """How rollouts sample, as `generate_groups` / `generate_trajectories` take it."""
     cfg = run.cfg
     return dict(
-        temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+        temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, min_p=cfg.min_p or 0.0,
         eos_token_id=run.tokenizer.eos_token_id, share_prefix=cfg.share_prefix,
         generator=run.generator if generator is None else generator,
     )  # fmt: skip
