@@ -228,4 +228,5 @@ def test_kernels_release_the_gil():
         thread.join()
     finally:
         sys.setswitchinterval(interval)
+    assert returned.is_set(), "the kernel call raised: nothing was measured"
     assert during, "the main thread ran only after the kernel call had returned: the kernel held the GIL"
