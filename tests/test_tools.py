@@ -602,18 +602,19 @@ def test_tiny_model_greedy_trajectories_equal_the_plain_loop(tiny_tool_model, en
     assert_like_plain_loop(model, tok, tr, questions, [tools_task.calculator], 40, 2)
 
 
-def test_chat_template_kwargs_reach_every_rendering_of_a_trajectory():
+def test_chat_template_kwargs_reach_every_rendering_of_a_trajectory(tiny_tool_model, monkeypatch):
     """chat_template_kwargs (TRL's; e.g. Qwen3's enable_thinking): the prompt and each tool turn rendered
-    with them. A template that writes a marker where `mark` is set: the prompt carries it, and the tool's turn
-    (rendered with and without the tool message, compared) stays a continuation of the conversation."""
+    with them. A template that writes a marker where `mark` is set: after the generation prompt, so the
+    prompt ends with it and so does a tool's turn (rendered with and without the tool message, compared);
+    and a trajectory whose model calls its tool hands the kwargs to every tool turn it renders."""
     from transformers import AutoModelForCausalLM
 
-    from grpo_fast.tasks import tools_task
+    from grpo_fast.tasks import default_task, tools_task
     from grpo_fast.trainer.modeling import load_tokenizer
 
     tok = load_tokenizer(str(tools_task.ASSET_DIR))
     model = AutoModelForCausalLM.from_pretrained(tools_task.ASSET_DIR, dtype=torch.float32).eval()
-    template = "{% if mark %}MARKED {% endif %}" + T.CHATML_TOOLS_TEMPLATE
+    template = T.CHATML_TOOLS_TEMPLATE + "{% if mark and add_generation_prompt %}MARKED{% endif %}"
     prompt = [[{"role": "user", "content": "What is 6 times 7?"}]]
     texts = {}
     for kw in (None, {"mark": True}):
@@ -622,7 +623,19 @@ def test_chat_template_kwargs_reach_every_rendering_of_a_trajectory():
             temperature=0.0, engine="reference",
         )  # fmt: skip
         texts[bool(kw)] = tr.texts[0]
-    assert texts[True] == "MARKED " + texts[False] and not texts[False].startswith("MARKED")
+    assert texts[True] == texts[False] + "MARKED"
     tool = [{"role": "tool", "name": "multiply", "content": "42"}]
-    with_kw = T.tool_turn_ids(tok, template, tool, [tok.eos_token_id], {"mark": True})
-    assert with_kw == T.tool_turn_ids(tok, template, tool, [tok.eos_token_id])  # the marker is in both halves
+    plain = T.tool_turn_ids(tok, template, tool, [tok.eos_token_id])
+    marked = T.tool_turn_ids(tok, template, tool, [tok.eos_token_id], {"mark": True})
+    assert len(marked) > len(plain) and marked[: len(plain)] == plain  # the marker's tokens after the turn
+    # the tool turns of a real trajectory: the kwargs reach each (a kwarg its template ignores, so the tiny
+    # model calls its calculator as trained)
+    seen, real = [], T.tool_turn_ids
+    monkeypatch.setattr(T, "tool_turn_ids", lambda *a: seen.append(a[4]) or real(*a))
+    tool_model, tool_tok = tiny_tool_model
+    question = default_task.prompt_text(default_task.split_problems()["eval"][0], 0)
+    tr = generate_trajectories(
+        tool_model, tool_tok, [question], 1, 40, tools=[tools_task.calculator], temperature=0.0,
+        chat_template_kwargs={"unused": True}, max_tool_calling_iterations=1,
+    )  # fmt: skip
+    assert tr.tool_calls[0] == 1 and seen == [{"unused": True}]

@@ -249,7 +249,8 @@ def test_log_completions_writes_and_prints_what_was_scored(tmp_path, capsys):
         assert all(isinstance(x["completion"], str) and x["prompt"] for x in rows)
     printed = capsys.readouterr().out
     assert printed.count("[completion]") == 6 and printed.count("--- step 2") == 3
-    train(_cfg(tmp_path, "--max-steps", "3", "--resume", *log))  # from checkpoint-2: step 3 again
+    shutil.rmtree(tmp_path / "run" / "checkpoint-3")  # as if killed before its save: step 3 is redone
+    train(_cfg(tmp_path, "--max-steps", "3", "--resume", *log))  # from checkpoint-2
     again = [json.loads(x) for x in (tmp_path / "run" / "completions.jsonl").read_text().splitlines()]
     assert [x["step"] for x in again] == [2] * 8 + [3] * 8 and again[:8] == samples[:8]
 

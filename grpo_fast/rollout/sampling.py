@@ -6,7 +6,6 @@ made up front (the native engine: its step holds no RNG state, so CUDA graphs ca
 logits the same way (`filtered`).
 """
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -53,9 +52,10 @@ def filtered(scaled, top_k: int, top_p: float, min_p: float = 0.0):
         # drop a token when the tokens before it already hold top_p of the mass (the first always stays)
         sorted_logits = sorted_logits.masked_fill(probs.cumsum(-1) - probs > top_p, float("-inf"))
         scaled = torch.full_like(scaled, float("-inf")).scatter(-1, order, sorted_logits)
-    if min_p > 0.0:  # p / p_max = exp(z - z_max): a gap in the logits, whatever was filtered before
-        gap = scaled - scaled.amax(-1, keepdim=True)
-        scaled = scaled.masked_fill(gap < math.log(min_p), float("-inf"))
+    if min_p > 0.0:  # p / p_max = exp(z - z_max), whatever was filtered before (tensor ops only: min_p may
+        # be a symbolic float in a compiled step)
+        ratio = torch.exp(scaled - scaled.amax(-1, keepdim=True))
+        scaled = scaled.masked_fill(ratio < min_p, float("-inf"))
     return scaled
 
 

@@ -19,7 +19,9 @@ import numpy as np
 import torch
 
 _NAME = re.compile(r"^checkpoint-(\d+)$")
-REFERENCE = "reference.safetensors"  # sync_ref_model: the moving reference's weights
+# sync_ref_model: the moving reference's weights, in a folder of its own (loaders such as vLLM's read every
+# *.safetensors beside the model's: one there would be served as the policy's)
+REFERENCE = Path("reference") / "model.safetensors"
 
 
 def _fsync_dir(path: Path) -> None:
@@ -49,7 +51,7 @@ def save_checkpoint(
     gathered full state), the optimizer's full name-keyed state (`distributed.full_optimizer_state`, loadable
     with any world size: 16-bit weights' fp32 masters or compensations are in it), scheduler, fp16's loss
     scaler, RNG states, sampler position, a moving reference's full state when given (sync_ref_model:
-    reference.safetensors); trainer_state.json last."""
+    reference/model.safetensors); trainer_state.json last."""
     out_dir.mkdir(parents=True, exist_ok=True)
     final = out_dir / f"checkpoint-{step}"
     tmp = Path(tempfile.mkdtemp(prefix=f".checkpoint-{step}-", dir=out_dir))
@@ -63,6 +65,7 @@ def save_checkpoint(
         if reference_state is not None:
             from safetensors.torch import save_file
 
+            (tmp / REFERENCE).parent.mkdir()
             save_file({k: v.detach().contiguous() for k, v in reference_state.items()}, tmp / REFERENCE)
         torch.save(
             {
@@ -86,7 +89,10 @@ def save_checkpoint(
         (tmp / "trainer_state.json").write_text(
             json.dumps(state, indent=2)
         )  # last: marks the checkpoint whole
-        for f in tmp.iterdir():
+        for f in sorted(tmp.rglob("*"), reverse=True):  # files, then the folders that hold them
+            if f.is_dir():
+                _fsync_dir(f)
+                continue
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
         _fsync_dir(tmp)

@@ -205,7 +205,7 @@ class GRPOConfig:
         False,
         "TR-DPO's moving reference (TRL's name): every ref_model_sync_steps optimizer steps the reference "
         "becomes ref_model_mixup_alpha x policy + (1 - alpha) x reference; needs beta != 0, no LoRA. "
-        "Checkpoints keep the reference (reference.safetensors), so --resume continues with it",
+        "Checkpoints keep the reference (reference/model.safetensors), so --resume continues with it",
     )
     ref_model_mixup_alpha: float = _f(0.6, "sync_ref_model: the policy's share of the new reference (TRL's)")
     ref_model_sync_steps: int = _f(512, "sync_ref_model: optimizer steps between syncs (TRL's)")
@@ -517,6 +517,11 @@ def validate(cfg: GRPOConfig, require_reward: bool = True) -> GRPOConfig:
             + ("beta is 0 (no KL term, no reference)" if cfg.beta == 0 else "with LoRA (lora_r > 0) the "
                "reference is the base with adapters off, which is not synced")
         )  # fmt: skip
+    if isinstance(cfg.chat_template_kwargs, str):  # a JSON string (a --config file), as TRL takes it
+        try:
+            cfg.chat_template_kwargs = chat_template_kwargs(cfg.chat_template_kwargs)
+        except ValueError as exc:
+            raise ValueError(f"chat_template_kwargs: {exc}") from exc
     if cfg.chat_template_kwargs is not None and not isinstance(cfg.chat_template_kwargs, dict):
         raise ValueError(f"chat_template_kwargs must be a mapping, got {cfg.chat_template_kwargs!r}")
     if not 0 <= cfg.ref_model_mixup_alpha <= 1:

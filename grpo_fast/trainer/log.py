@@ -16,6 +16,8 @@ class MetricsLog:
         self.fh = _open_log(self.path, resume_step)
         self.completions_path = out_dir / "completions.jsonl"  # --log-completions: opened at its first write
         self.resume_step, self.completions = resume_step, None
+        if resume_step is None:  # a fresh run: no older run's samples beside its metrics
+            self.completions_path.unlink(missing_ok=True)
         self.tb = self.wb = None
         if report_to == "tensorboard":
             from torch.utils.tensorboard import SummaryWriter

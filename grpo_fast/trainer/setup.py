@@ -123,6 +123,8 @@ def setup(cfg: GRPOConfig) -> Run:
     ref_model = None
     if cfg.beta != 0.0 and not info["lora"]:
         ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+    if cfg.sync_ref_model and ref_model is None:  # a config built in Python skips validate()
+        raise ValueError("sync_ref_model needs a reference model of its own to move: beta != 0, no LoRA")
     # the global batch, on every rank
     sampler = PromptSampler(train_rows, cfg.prompts_per_step, cfg.seed, cfg.shuffle_dataset)
     generator = torch.Generator(device=device).manual_seed(cfg.seed + dist.rank)

@@ -358,10 +358,10 @@ def completion_samples(run, ro: Rollout, sc: Scored) -> list[dict]:
     advantage."""
     G, dist = run.cfg.num_generations, run.dist
     first = dist.rank * len(sc.completions)
+    advantages, scores = sc.advantages.tolist(), sc.all_scores[first : first + len(sc.completions)].tolist()
     mine = [
-        {"step": run.step, "prompt": ro.texts[i // G], "completion": c, "advantage": float(sc.advantages[i]),
-         "rewards": {n: None if math.isnan(v) else v
-                     for n, v in zip(run.reward_names, sc.all_scores[first + i].tolist())}}
+        {"step": run.step, "prompt": ro.texts[i // G], "completion": c, "advantage": advantages[i],
+         "rewards": {n: None if math.isnan(v) else v for n, v in zip(run.reward_names, scores[i])}}
         for i, c in enumerate(sc.completions)
     ]  # fmt: skip
     if not dist.on:
@@ -725,7 +725,8 @@ def evaluate(
                 tools=tools, environment_factory=env, rows=chunk, temperature=0.0,
                 max_tool_calling_iterations=cfg.max_tool_calling_iterations,
                 tool_timeout_s=cfg.tool_timeout_s, max_prompt_length=cfg.max_prompt_length,
-                eos_token_id=tokenizer.eos_token_id, **eval_engine_options(cfg),
+                chat_template_kwargs=cfg.chat_template_kwargs, eos_token_id=tokenizer.eos_token_id,
+                **eval_engine_options(cfg),
             )  # fmt: skip
             cols = reward_columns(chunk, 1, tr.completion_ids, tr.completion_mask * tr.tool_mask)
             if tr.environments is not None:
