@@ -119,7 +119,6 @@ def test_samples_and_their_logprobs_match_the_trainer(server):
         4,
         12,
         temperature=1.0,
-        min_p=0.05,  # a sampling option the server takes (its log-probs stay the whole softmax at T = 1)
         eos_token_id=eos,
         generator=torch.Generator(),
         return_logprobs=True,
@@ -133,6 +132,10 @@ def test_samples_and_their_logprobs_match_the_trainer(server):
         prompt = ids[r // 4][mask[r // 4].bool()].tolist()
         mine = trainer_logprobs(model, prompt + row)[len(prompt) - 1 :]
         assert (c_logp[r, :k].double() - mine).abs().max() < 1e-3
+    # servers report processed log-probs (any temperature): after min-p they are renormalized, so a request
+    # that wants them is refused before it is sent, as with top-p / top-k
+    with pytest.raises(ValueError, match="min_p=0.05"):
+        engine.generate(model, ids, mask, 4, 12, temperature=1.0, min_p=0.05, return_logprobs=True)
 
 
 def test_wrong_model_refused(server):
