@@ -354,13 +354,14 @@ def test_an_interrupted_inline_rollout_keeps_the_sampler_before_its_prompts():
     import signal
     import types
 
+    from grpo_fast.trainer.config import GRPOConfig
     from grpo_fast.trainer.data import PromptSampler
     from grpo_fast.trainer.rollouts import Inline
     from grpo_fast.trainer.stopping import Signals, Stopping
 
     sampler = PromptSampler([{"prompt": f"p{i}"} for i in range(8)], batch=2, seed=0)
     run = types.SimpleNamespace(
-        sampler=sampler, signals=Signals(), cfg=types.SimpleNamespace(prompts_per_step=2),
+        sampler=sampler, signals=Signals(), cfg=GRPOConfig(prompts_per_step=2),
         dist=types.SimpleNamespace(world=1, rank=0),
     )  # fmt: skip
 

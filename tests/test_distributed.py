@@ -151,13 +151,13 @@ METRIC_BOUND = {1: 1e-5, 2: 1e-4}
 MOMENT_BOUND = {1: 1e-4, 2: 1e-2}
 
 
-def _assert_same_run(a: Path, b: Path, step: int, steps_to_compare):
+def _assert_same_run(a: Path, b: Path, step: int, steps_to_compare, saved=None):
     ma, mb = {r["step"]: r for r in _metrics(a)}, {r["step"]: r for r in _metrics(b)}
     for s in steps_to_compare:
         for key in ("loss", "grad_norm", "reward_mean", "reward_std", "kl", "clip_ratio"):
             bound = METRIC_BOUND[s] * max(1.0, abs(ma[s][key]))
             assert abs(ma[s][key] - mb[s][key]) <= bound, (s, key, ma[s], mb[s])
-    for s in range(1, step + 1):  # the gradients, through the moments of every step's checkpoint
+    for s in saved or range(1, step + 1):  # the gradients, through the moments of every step's checkpoint
         sa, sb = _optimizer_state(a / f"checkpoint-{s}"), _optimizer_state(b / f"checkpoint-{s}")
         assert sa.keys() == sb.keys()
         for k in sa:
@@ -201,6 +201,19 @@ def test_packed_micro_batches_across_ranks_equal_one_process(runs, kind):
     two = _run(tmp, f"packed_{kind}", 2, kind, pack=8)
     _assert_same_run(one, two, 2, (1, 2))
     assert all(r["micro_batches"] > 2 for r in _metrics(two))
+
+
+def test_steps_per_generation_across_ranks_equal_one_process(runs):
+    """steps_per_generation 2: one rollout of 8 prompts feeds two optimizer steps of 4. Each rank holds, of
+    each step's prompts, its share (not the first or last half of the rollout), so the steps train the
+    single process's prompts; packed micro-batches agree on a count per step. One record and one checkpoint
+    per rollout (save_steps 1 is passed once, at step 2)."""
+    tmp, _ = runs
+    spg = dict(steps_per_generation=2, gradient_accumulation_steps=1)
+    one, two = _run(tmp, "one-spg", 1, **spg), _run(tmp, "two-spg-ddp", 2, "ddp", pack=8, **spg)
+    _assert_same_run(one, two, 2, steps_to_compare=(2,), saved=(2,))
+    assert [r["step"] for r in _metrics(one)] == [2] and not (one / "checkpoint-1").exists()
+    assert _metrics(one)[0]["grad_norm"] > 0
 
 
 def test_synced_reference_sharded_equals_one_process(runs):

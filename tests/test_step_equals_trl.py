@@ -175,12 +175,13 @@ def _reward_spec(model_dir, name):
     return f"{path}:{name}"
 
 
-def _train_trl(model_dir, rows, completions, loss_type="dapo", clip=1.0, kl=None, rewards=None):
+def _train_trl(model_dir, rows, completions, loss_type="dapo", clip=1.0, kl=None, rewards=None, spg=1):
     rewards, kl = rewards or REWARDS["accuracy"], kl or KL["none"]
     tok = load_tokenizer(str(model_dir))
     args = trl.GRPOConfig(
-        output_dir=str(model_dir / "trl"), per_device_train_batch_size=N_PROMPTS * G,
-        gradient_accumulation_steps=1, num_generations=G, max_completion_length=C, learning_rate=LR,
+        output_dir=str(model_dir / "trl"), per_device_train_batch_size=N_PROMPTS * G // spg,
+        gradient_accumulation_steps=1, steps_per_generation=spg, shuffle_dataset=False, num_generations=G,
+        max_completion_length=C, learning_rate=LR,
         lr_scheduler_type="linear", max_grad_norm=clip, loss_type=loss_type, max_steps=STEPS, **kl,
         logging_steps=1, save_strategy="no", report_to="none", bf16=False, use_cpu=True, seed=0,
         disable_tqdm=True, reward_weights=rewards["weights"],
@@ -201,14 +202,16 @@ def _train_trl(model_dir, rows, completions, loss_type="dapo", clip=1.0, kl=None
 
 
 def _train_ours(
-    model_dir, rows, completions, tmp_path, monkeypatch, loss_type="dapo", clip=1.0, kl=None, rewards=None
-):
+    model_dir, rows, completions, tmp_path, monkeypatch, loss_type="dapo", clip=1.0, kl=None, rewards=None,
+    spg=1,
+):  # fmt: skip
     rewards, kl = rewards or REWARDS["accuracy"], kl or KL["none"]
     data = tmp_path / "rows.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     cfg = parse_config([
         "--model", str(model_dir), "--dataset", str(data), "--output-dir",
-        str(tmp_path / "ours"), "--num-generations", str(G), "--prompts-per-step", str(N_PROMPTS),
+        str(tmp_path / "ours"), "--num-generations", str(G), "--prompts-per-step", str(N_PROMPTS // spg),
+        "--steps-per-generation", str(spg), "--no-shuffle-dataset",
         "--max-completion-length", str(C), "--learning-rate", str(LR), "--lr-scheduler-type", "linear",
         "--max-grad-norm", str(clip), "--loss-type", loss_type, "--max-steps",
         str(STEPS), "--no-bf16", "--rollout", "native", "--eval-max-samples", "0", "--save-steps", "0",
@@ -269,37 +272,49 @@ STILL = {
 }
 
 
+# steps_per_generation 2: one rollout of the four prompts feeds both optimizer steps, two prompts each (TRL:
+# per_device_train_batch_size of two groups). The second step is off-policy: its ratio is to the log-probs
+# taken before the first (TRL takes them at generation), and dapo divides each step by half the generation's
+# tokens (TRL's num_items_in_batch x gradient_accumulation_steps / steps_per_generation). TRL shuffles the
+# generation's rows before cutting it into steps, ours cuts it by whole groups in the sampler's order: the
+# test holds TRL's shuffle to the identity, and both samplers to the file's order (shuffle_dataset off).
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "loss_type, still, kl, rewards",
-    [("dapo", "mixed", "none", "accuracy"), ("dapo", "one still group", "none", "accuracy"),
-     ("grpo", "one still group", "none", "accuracy"), ("bnpo", "one still group", "none", "accuracy"),
-     ("dapo", "all still at step 1", "none", "accuracy"), ("dapo", "mixed", "k3", "accuracy"),
-     ("dapo", "mixed", "k3, reference synced", "accuracy"),
-     ("dapo", "mixed", "none", "accuracy + shape, normalize_then_sum"),
-     ("dapo", "mixed", "none", "shape alone, rows unscored")],
+    "loss_type, still, kl, rewards, spg",
+    [("dapo", "mixed", "none", "accuracy", 1), ("dapo", "one still group", "none", "accuracy", 1),
+     ("grpo", "one still group", "none", "accuracy", 1), ("bnpo", "one still group", "none", "accuracy", 1),
+     ("dapo", "all still at step 1", "none", "accuracy", 1), ("dapo", "mixed", "k3", "accuracy", 1),
+     ("dapo", "mixed", "k3, reference synced", "accuracy", 1),
+     ("dapo", "mixed", "none", "accuracy + shape, normalize_then_sum", 1),
+     ("dapo", "mixed", "none", "shape alone, rows unscored", 1),
+     ("dapo", "mixed", "none", "accuracy", 2), ("bnpo", "one still group", "none", "accuracy", 2),
+     ("dapo", "mixed", "k3, reference synced", "accuracy", 2)],
 )  # fmt: skip
 def test_two_steps_move_the_weights_as_trl(
-    two_layer_dir, tmp_path, monkeypatch, loss_type, still, kl, rewards
+    two_layer_dir, tmp_path, monkeypatch, loss_type, still, kl, rewards, spg
 ):
     rows = [{k: r[k] for k in ("prompt", "answer")} for r in arithmetic.dataset_rows("train")[:N_PROMPTS]]
     completions = Completions(two_layer_dir, rows, STILL[still])
     base = {n: p.detach().clone() for n, p in completions.model.named_parameters()}
     clip = 1.0 if still == "mixed" else 1e9
+    monkeypatch.setattr("trl.trainer.grpo_trainer.shuffle_sequence_dict", lambda batch: batch)
     t_spy, t_names, t_after, t_logs = _train_trl(
-        two_layer_dir, rows, completions, loss_type, clip, KL[kl], REWARDS[rewards]
+        two_layer_dir, rows, completions, loss_type, clip, KL[kl], REWARDS[rewards], spg
     )
     o_spy, o_names, o_after, records = _train_ours(
-        two_layer_dir, rows, completions, tmp_path, monkeypatch, loss_type, clip, KL[kl], REWARDS[rewards]
-    )
+        two_layer_dir, rows, completions, tmp_path, monkeypatch, loss_type, clip, KL[kl], REWARDS[rewards],
+        spg,
+    )  # fmt: skip
     o_rewards, t_rewards = [r["reward_mean"] for r in records], [r["reward"] for r in t_logs]
 
-    assert completions.calls == {"trl": STEPS, "ours": STEPS}
-    # each step: the whole 4-row dataset, so both batches hold the same prompts and completions
+    generations = STEPS // spg
+    assert completions.calls == {"trl": generations, "ours": generations}
+    # each generation: the whole 4-row dataset, so both batches hold the same prompts and completions
+    assert len(o_rewards) == generations
     assert o_rewards == pytest.approx(t_rewards, abs=1e-6), (o_rewards, t_rewards)
     zero_std = [r["frac_reward_zero_std"] for r in records]
     assert zero_std == pytest.approx([r["frac_reward_zero_std"] for r in t_logs], abs=1e-6)
-    skipped = [sum(1 for k, c in STILL[still] if c == step) for step in range(1, STEPS + 1)]
+    skipped = [sum(1 for k, c in STILL[still] if c == call) for call in range(1, generations + 1)]
     if rewards == "accuracy":  # right or wrong: a still group is one whose rewards are all equal
         assert 0 < t_rewards[-1] < 1
         assert [r["zero_advantage_groups_skipped"] for r in records] == skipped
@@ -312,7 +327,7 @@ def test_two_steps_move_the_weights_as_trl(
         assert set(o) == set(t)
         diff = sum(float((o[n] - t[n]).double().square().sum()) for n in t) ** 0.5
         norm = sum(float(t[n].double().square().sum()) for n in t) ** 0.5
-        if skipped[k] == N_PROMPTS:  # every advantage 0: zero gradients in both
+        if spg == 1 and skipped[k] == N_PROMPTS:  # every advantage 0: zero gradients in both
             assert norm == 0 and diff == 0, (k, diff)
             continue
         assert norm > 0 and diff <= 1e-4 * norm, (k, diff, norm)

@@ -15,7 +15,7 @@ import grpo_fast.trainer.setup as setup_mod
 from grpo_fast.rewards import RewardError
 from grpo_fast.tasks import default_task
 from grpo_fast.trainer.batching import Packer
-from grpo_fast.trainer.config import parse_config
+from grpo_fast.trainer.config import generation_steps, parse_config, prompts_per_rollout
 from grpo_fast.trainer.data import PromptSampler
 from grpo_fast.trainer.step import sampling_correction
 from grpo_fast.trainer.train import train
@@ -164,7 +164,11 @@ def test_engine_logprobs_reach_the_loss_with_every_option(tmp_path):
 SYNCED = ["--beta", "0.04", "--sync-ref-model", "--ref-model-sync-steps", "1"]
 
 
-@pytest.mark.parametrize("extra", [[], SYNCED], ids=["fixed reference", "synced reference"])
+@pytest.mark.parametrize(
+    "extra",
+    [[], SYNCED, ["--steps-per-generation", "2"]],
+    ids=["fixed reference", "synced reference", "a rollout for two steps"],
+)
 def test_resume_reproduces_uninterrupted_run(tmp_path, extra):
     full_dir, part_dir = tmp_path / "full", tmp_path / "part"
     full_dir.mkdir()
@@ -180,7 +184,7 @@ def test_resume_reproduces_uninterrupted_run(tmp_path, extra):
     keys = ("reward_mean", "loss", "completion_len_mean", "grad_norm", "clip_ratio", "kl")
     a = [r for r in _records(full_dir) if "loss" in r]
     b = [r for r in _records(part_dir) if "loss" in r]
-    assert [r["step"] for r in b] == [1, 2, 3, 4]
+    assert [r["step"] for r in b] == ([2, 4] if "--steps-per-generation" in extra else [1, 2, 3, 4])
     for ra, rb in zip(a, b):
         for k in keys:
             assert ra[k] == pytest.approx(rb[k], rel=1e-5, abs=1e-7), (ra["step"], k)
@@ -523,6 +527,15 @@ def test_unknown_flag_values(argv, words, capsys):
         ),
         (["--beta", "0.04", "--ref-model-mixup-alpha", "1.5"], r"ref_model_mixup_alpha must be in \[0, 1\]"),
         (["--top-entropy-quantile", "1.5"], r"top_entropy_quantile must be in \[0, 1\]"),
+        (
+            ["--prompts-per-step", "2", "--gradient-accumulation-steps", "2", "--steps-per-generation", "3"],
+            r"steps_per_generation \(3\) must be a positive multiple of gradient_accumulation_steps \(2\)",
+        ),
+        (["--steps-per-generation", "2", "--generation-batch-size", "128"], "can not both be set"),
+        (
+            ["--prompts-per-step", "2", "--num-generations", "4", "--generation-batch-size", "12"],
+            r"generation_batch_size \(12\) must be a positive multiple of .* = 8",
+        ),
         (["--rollout", "vllm", "--loss-type", "vespo"], "vespo needs vllm_importance_sampling_mode token_"),
         (["--bf16", "--loss-type", "vespo"], "vespo needs .*16-bit training"),
         (["--dtype", "bf16", "--loss-type", "vespo"], "vespo needs vllm_importance_sampling_mode token_"),
@@ -536,6 +549,17 @@ def test_unknown_flag_values(argv, words, capsys):
 def test_bad_config_values(tmp_path, argv, words):
     with pytest.raises(ValueError, match=words):
         train(parse_config(["--output-dir", str(tmp_path), *argv]))
+
+
+def test_generation_batch_size_and_steps_per_generation_name_the_same_rollout():
+    """TRL's two names for one setting: 2 optimizer steps of 2 prompts x 4 completions per rollout (with 2
+    micro-batches a step: steps_per_generation 4), and the rollout's prompts."""
+    base = ["--prompts-per-step", "2", "--num-generations", "4", "--gradient-accumulation-steps", "2"]
+    by_rows = parse_config([*base, "--generation-batch-size", "16"])
+    by_steps = parse_config([*base, "--steps-per-generation", "4"])
+    assert generation_steps(by_rows) == generation_steps(by_steps) == 2
+    assert prompts_per_rollout(by_rows) == prompts_per_rollout(by_steps) == 4
+    assert generation_steps(parse_config(base)) == 1  # TRL's default: gradient_accumulation_steps
 
 
 BAD_REWARDS = {

@@ -288,6 +288,21 @@ class GRPOConfig:
     gradient_accumulation_steps: int = _f(
         1, "micro-batches per optimizer step (prompts_per_step splits evenly)"
     )
+    steps_per_generation: int = _f(
+        None,
+        "micro-batches each generation feeds (TRL's name and default: gradient_accumulation_steps, one "
+        "optimizer step per rollout); a multiple k of gradient_accumulation_steps makes each rollout "
+        "prompts_per_step x k prompts, trained as k optimizer steps of prompts_per_step prompts each (whole "
+        "groups, in the sampler's order; the log-probs of the steps after the first taken before it, as "
+        "num_iterations does); exclusive with generation_batch_size",
+        type=int,
+    )
+    generation_batch_size: int = _f(
+        None,
+        "completions per generation, all ranks together (TRL's name): prompts_per_step x num_generations x "
+        "k for k optimizer steps per rollout (see steps_per_generation, exclusive with it)",
+        type=int,
+    )
     group_split: int = _f(
         0,
         "completions per training sub-batch (0 = whole groups): a group's completions in sub-batches that "
@@ -531,6 +546,7 @@ def validate(cfg: GRPOConfig, require_reward: bool = True) -> GRPOConfig:
     if not 0 <= cfg.top_entropy_quantile <= 1:
         raise ValueError(f"top_entropy_quantile must be in [0, 1], got {cfg.top_entropy_quantile}")
     check_correction(cfg)
+    generation_steps(cfg)
     correcting = cfg.vllm_importance_sampling_correction and cfg.rollout == "vllm"
     if correcting and (cfg.top_p < 1 or cfg.top_k or cfg.min_p) and cfg.temperature != 1:
         raise ValueError(
@@ -549,6 +565,40 @@ def validate(cfg: GRPOConfig, require_reward: bool = True) -> GRPOConfig:
     if require_reward and not cfg.reward and not cfg.environment:
         raise ValueError("no reward function: pass --reward NAME or --reward path/file.py:func")
     return cfg
+
+
+def generation_steps(cfg: GRPOConfig) -> int:
+    """Optimizer steps each rollout feeds (TRL's steps_per_generation / gradient_accumulation_steps, or its
+    generation_batch_size over a step's completions); before num_iterations' repeats."""
+    ga, per_step = cfg.gradient_accumulation_steps, cfg.prompts_per_step * cfg.num_generations
+    if cfg.steps_per_generation is not None and cfg.generation_batch_size is not None:
+        raise ValueError("steps_per_generation and generation_batch_size can not both be set (as in TRL)")
+    if cfg.generation_batch_size is not None:
+        if cfg.generation_batch_size < 1 or cfg.generation_batch_size % per_step:
+            raise ValueError(
+                f"generation_batch_size ({cfg.generation_batch_size}) must be a positive multiple of a "
+                f"step's completions, prompts_per_step x num_generations = {per_step}"
+            )
+        return cfg.generation_batch_size // per_step
+    if cfg.steps_per_generation is None:
+        return 1
+    if cfg.steps_per_generation < 1 or cfg.steps_per_generation % ga:
+        raise ValueError(
+            f"steps_per_generation ({cfg.steps_per_generation}) must be a positive multiple of "
+            f"gradient_accumulation_steps ({ga}): each optimizer step trains whole micro-batches of one "
+            "rollout"
+        )
+    return cfg.steps_per_generation // ga
+
+
+def prompts_per_rollout(cfg: GRPOConfig) -> int:
+    """Prompts each rollout generates for (all ranks): prompts_per_step x generation_steps."""
+    return cfg.prompts_per_step * generation_steps(cfg)
+
+
+def steps_per_rollout(cfg: GRPOConfig) -> int:
+    """Optimizer steps each rollout trains: generation_steps x num_iterations."""
+    return generation_steps(cfg) * cfg.num_iterations
 
 
 def server_urls(cfg: GRPOConfig) -> list[str]:

@@ -42,7 +42,7 @@ from torch.utils._pytree import tree_flatten
 
 from ..models.model_parts import lm_head_of
 from .batching import Packer, partition, tokens_run
-from .config import GRPOConfig
+from .config import GRPOConfig, generation_steps
 from .modeling import DTYPES
 from .optimizers import OPTIMIZERS
 from .precision import Precision, resolve, rollout_dtype_of
@@ -314,7 +314,8 @@ class Estimator:
         plan = plan or Plan(cfg.gradient_checkpointing)
         C = C or cfg.max_completion_length
         G = G or cfg.num_generations
-        P, n = cfg.max_prompt_length, cfg.prompts_per_step
+        # a rollout generates for `steps` optimizer steps' prompts; each step trains n of them
+        P, n, steps = cfg.max_prompt_length, cfg.prompts_per_step, generation_steps(cfg)
         b = DTYPES[cfg.dtype].itemsize
         L, H, V = c.num_hidden_layers, c.hidden_size, c.vocab_size
         kvh = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
@@ -330,19 +331,20 @@ class Estimator:
         }
         # rollout: the native engine's KV, its prefill, and (CPU, eager) its copy of the linear weights
         kv_tok = L * 2 * kvh * hd * b
-        prompt_rows = n if cfg.share_prefix else n * G
+        prompt_rows = n * steps if cfg.share_prefix else n * steps * G
         cap = max(1, -(-(C - 1) // 64) * 64)
         # on a CPU the decode kernels (grpo_fast.rollout.cpu_decode) keep the keys a second time, transposed,
         # the prompt's padded to 64 slots
         kt_tok = L * kvh * hd * b if self.device == "cpu" else 0
         prompt_kv = kv_tok * P + kt_tok * -(-P // 64) * 64  # a prompt row's
-        completion_kv = (kv_tok + kt_tok) * n * G * cap
+        completion_kv = (kv_tok + kt_tok) * n * steps * G * cap
         kv = prompt_kv * prompt_rows + completion_kv
-        kv_unshared = prompt_kv * n * G + completion_kv
+        kv_unshared = prompt_kv * n * steps * G + completion_kv
         packed = engine_copy_bytes(p, cfg, self.device)
         prefill = self.probe(plan.gradient_checkpointing, cfg.share_prefix).forward_nograd(P, prompt_rows)
         prefill += kv_tok * prompt_rows * P
-        decode = n * G * (V * 4 * 3 + C * 12)  # logits, probabilities, the draw's buffers; tokens, log-probs
+        # logits, probabilities, the draw's buffers; tokens, log-probs
+        decode = n * steps * G * (V * 4 * 3 + C * 12)
         rollout = {
             "rollout KV cache": kv,
             "rollout working set": max(prefill, packed + decode),
@@ -385,8 +387,8 @@ class Estimator:
             loss_fixed = min(tokens, TritonRows.chunk_rows(V)) * V * (6 if sixteen else 4) + head_grad
         # in mixed precision the 16-bit copy of the (fp32) head weight
         loss_fixed += V * H * 2 if self.precision.autocast else 0.0
-        logps = (2 if cfg.beta != 0 else 0) * n * G * C * 4
-        old_ref = nograd if (cfg.beta != 0 or cfg.num_iterations > 1) else 0.0
+        logps = (2 if cfg.beta != 0 else 0) * n * steps * G * C * 4
+        old_ref = nograd if (cfg.beta != 0 or steps * cfg.num_iterations > 1) else 0.0
         train = {
             "gradients": p["trainable"],
             "activations": act,

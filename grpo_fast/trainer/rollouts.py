@@ -3,9 +3,10 @@ synchronous), or by a thread of its own (`Ahead`: asynchronous GRPO, `max_stalen
 made on vLLM servers (--vllm-mode server; S = 0 too) or by a colocated engine over the thread's own copy of
 the weights (`WeightCopy`), at most S optimizer steps ahead of the policy that trains them.
 
-Versions: the policy's version is the number of batches it trained (optimizer steps / num_iterations). Batch j
-(the rows of step j) is generated only once the version is >= j - S, under the lock the weight push takes, so
-the version it was sampled under is exact and its staleness at training, version - its version, is at most S;
+Versions: the policy's version is the number of batches it trained (optimizer steps / steps_per_rollout).
+Batch j (the rows of step j) is generated only once the version is >= j - S, under the lock the weight push
+takes, so the version it was sampled under is exact and its staleness at training, version - its version, is
+at most S;
 a batch staler than S (possible only when the versions move without it, e.g. a caller that pushes twice) is
 dropped and counted. The push happens on the trainer's thread after each step (`after_update`): pause -> load
 -> verify on the servers, or a copy of the changed parameters into the thread's copy, waiting for the
@@ -32,6 +33,7 @@ import torch.distributed as dist
 from ..rollout import server
 from ..rollout.server import ServerError
 from ..rollout.vllm_engine import version_of
+from .config import generation_steps, prompts_per_rollout, steps_per_rollout
 from .distributed import DistInfo, Policy, device_of, full_tensor
 from .stopping import NEVER, Stopping
 
@@ -58,9 +60,8 @@ class Inline:
 
     def next(self) -> tuple[list, object, dict]:
         run = self.run
-        local = run.cfg.prompts_per_step // run.dist.world
         with self.abortable():
-            rows = run.sampler.next()[run.dist.rank * local : (run.dist.rank + 1) * local]
+            rows = rank_rows(run.sampler.next(), run.cfg, run.dist)
             rollout = self.make(run, rows)
         self.trained_state = run.sampler.state_dict()
         return rows, rollout, {}
@@ -354,6 +355,16 @@ class WeightCopy:
         return {"sync/seconds": time.monotonic() - t0, "sync/bytes": moved}
 
 
+def rank_rows(rows: list, cfg, dist) -> list:
+    """This rank's prompts of a rollout's global batch: of each optimizer step's prompts_per_step (a rollout
+    feeds generation_steps of them, in order), its contiguous share, so that every step trains the prompts
+    a single process would."""
+    steps, world = generation_steps(cfg), dist.world
+    per_step = len(rows) // steps
+    share = per_step // world
+    return [r for j in range(steps) for r in rows[j * per_step + dist.rank * share :][:share]]
+
+
 def for_run(run, make):
     """The run's rollout source (make(run, rows, generator) -> Rollout): `Inline` for a synchronous colocated
     run; else `Ahead`, on vLLM servers (under torchrun, `Agreed`) or on a `WeightCopy` of the policy."""
@@ -372,17 +383,16 @@ def for_run(run, make):
         mine = dataclasses.replace(mine, model=weights.model, policy=Policy(weights.model), dist=DistInfo())
         push, close = weights.push, None
     base_state = run.sampler.state_dict()
-    local = cfg.prompts_per_step // info.world
     device = "cpu" if on_servers else run.device  # a server's rollout draws request seeds on the CPU
 
     def produce(j):
-        rows = run.sampler.next()[info.rank * local : (info.rank + 1) * local]
+        rows = rank_rows(run.sampler.next(), cfg, info)
         generator = torch.Generator(device).manual_seed((cfg.seed * 1_000_003 + j) * 1009 + info.rank)
         return rows, make(mine, rows, generator), run.sampler.state_dict()
 
-    k = cfg.num_iterations  # optimizer steps per batch
+    k = steps_per_rollout(cfg)  # optimizer steps per batch
     last = -(-cfg.max_steps // k)
-    source = Ahead(produce, push, run.step // k, cfg.max_staleness, cfg.prompts_per_step, last, close,
+    source = Ahead(produce, push, run.step // k, cfg.max_staleness, prompts_per_rollout(cfg), last, close,
                    abortable=run.signals.abortable, push_abortable=not info.on)  # fmt: skip
     source.trained_state = base_state
     return Agreed(source, info) if info.on else source

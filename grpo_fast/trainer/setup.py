@@ -18,7 +18,14 @@ from ..rewards import load_from_file, load_reward, reward_name
 from ..rollout.tools import Toolbox
 from . import checkpoint as ckpt_mod
 from .batching import Packer
-from .config import GRPOConfig, check_correction, collective_timeout_s, to_dict
+from .config import (
+    GRPOConfig,
+    check_correction,
+    collective_timeout_s,
+    generation_steps,
+    prompts_per_rollout,
+    to_dict,
+)
 from .data import PromptSampler, check_rows, train_and_eval_rows
 from .distributed import (
     DistInfo,
@@ -126,7 +133,7 @@ def setup(cfg: GRPOConfig) -> Run:
     if cfg.sync_ref_model and ref_model is None:  # a config built in Python skips validate()
         raise ValueError("sync_ref_model needs a reference model of its own to move: beta != 0, no LoRA")
     # the global batch, on every rank
-    sampler = PromptSampler(train_rows, cfg.prompts_per_step, cfg.seed, cfg.shuffle_dataset)
+    sampler = PromptSampler(train_rows, prompts_per_rollout(cfg), cfg.seed, cfg.shuffle_dataset)
     generator = torch.Generator(device=device).manual_seed(cfg.seed + dist.rank)
     resume_from = prepare_output_dir(cfg, out, dist, device)
     if resume_from is not None:  # weights before wrapping: any world size wrote them whole
@@ -178,11 +185,13 @@ def load_data_and_rewards(cfg: GRPOConfig) -> tuple[list, list, list, list]:
     check_rows(train_rows, f"--dataset {cfg.dataset or '(embedded)'}", reward_funcs, names)
     if eval_rows:
         check_rows(eval_rows, f"--eval-dataset {cfg.eval_dataset or '(embedded)'}", reward_funcs[:1], names)
-    if cfg.prompts_per_step > len(train_rows):
+    if prompts_per_rollout(cfg) > len(train_rows):
+        steps = generation_steps(cfg)
+        per = f" x {steps} steps per generation" if steps > 1 else ""
         raise ValueError(
-            f"prompts_per_step ({cfg.prompts_per_step}) is larger than the dataset ({len(train_rows)} "
-            f"prompts): every step would train on some prompts twice; pass --prompts-per-step "
-            f"{len(train_rows)} or fewer"
+            f"prompts_per_step ({cfg.prompts_per_step}){per} is larger than the dataset ({len(train_rows)} "
+            f"prompts): every rollout would hold some prompts twice; pass --prompts-per-step "
+            f"{len(train_rows) // steps} or fewer"
         )
     return train_rows, eval_rows, reward_funcs, names
 

@@ -20,7 +20,7 @@ from ..rewards import score
 from ..rollout import generate_groups, is_exact, native, resolve_engine, server, vllm_engine
 from ..rollout.trajectories import generate_trajectories
 from .batching import partition, split_to
-from .config import GRPOConfig, server_urls
+from .config import GRPOConfig, generation_steps, server_urls
 from .data import render_prompt
 from .distributed import DistInfo, all_done, all_gather_rows, all_sum, full_tensor, gradient_sync
 from .modeling import completion_hidden_states
@@ -448,39 +448,45 @@ def policy_loss(
 
 
 def micro_batches(ro: Rollout, loss_mask, cfg: GRPOConfig, packer=None, dist: DistInfo | None = None):
-    """(prompt indices, completion rows, completions per prompt, loss weight) of each
-    micro-batch (grpo_fast.trainer.batching: the configured layout, or packed to `packer`'s budget from the
-    real lengths; distributed ranks agree on the count). The weights make the summed gradients those of the
-    whole chunks: dapo is normalized over the step already (1); grpo and dr_grpo average a chunk's rows, bnpo
-    divides by its active tokens, so a micro-batch counts as its share of its chunk's rows (tokens), and each
-    chunk as 1 / chunks."""
+    """Each optimizer step's micro-batches: a list, a step each (`generation_steps`: the rollout's prompts cut
+    in order), of (prompt indices, completion rows, completions per prompt, loss weight) lists
+    (grpo_fast.trainer.batching: the configured layout, or packed to `packer`'s budget from the real lengths;
+    distributed ranks agree on each step's count). The weights make a step's summed gradients those of its
+    whole chunks: dapo is normalized over the step already (1); grpo and dr_grpo average a chunk's rows,
+    bnpo divides by its active tokens, so a micro-batch counts as its share of its chunk's rows (tokens), and
+    each chunk as 1 / gradient_accumulation_steps."""
     n, P = ro.prompt_ids.shape
     G, C = cfg.num_generations, ro.completion_ids.shape[1]
     prompt_lens = ro.prompt_mask.sum(1).tolist()
     completion_lens = ro.completion_mask.sum(1).tolist()
-    chunks = cfg.gradient_accumulation_steps
-    parts = partition(prompt_lens, completion_lens, G, chunks, P, C, cfg.group_split, packer)
+    chunks, steps = cfg.gradient_accumulation_steps, generation_steps(cfg)
+    parts = partition(prompt_lens, completion_lens, G, chunks * steps, P, C, cfg.group_split, packer)
+    by_step = [parts[j * chunks : (j + 1) * chunks] for j in range(steps)]
     if packer is not None and dist is not None and dist.on:
-        count = torch.tensor([sum(len(p) for p in parts)], device=ro.prompt_ids.device)
-        parts = split_to(parts, int(all_gather_rows(count, dist).max()))
+        count = torch.tensor([[sum(len(p) for p in step)] for step in by_step], device=ro.prompt_ids.device)
+        most = all_gather_rows(count, dist).view(-1, steps).max(0).values.tolist()
+        by_step = [split_to(step, int(c)) for step, c in zip(by_step, most)]
     device = loss_mask.device
     tokens = loss_mask.sum(1).float().tolist()
-    prompts, rows, counts, weights = [], [], [], []
-    for chunk in parts:
-        chunk_rows = [r for part in chunk for _, rs in part for r in rs]
-        for part in chunk:
-            r = [x for _, rs in part for x in rs]
-            if cfg.loss_type == "dapo":
-                w = 1.0
-            elif cfg.loss_type == "bnpo":
-                w = sum(tokens[x] for x in r) / max(1.0, sum(tokens[x] for x in chunk_rows)) / chunks
-            else:
-                w = len(r) / len(chunk_rows) / chunks
-            prompts.append(torch.tensor([i for i, _ in part], device=device))
-            rows.append(torch.tensor(r, device=device))
-            counts.append([len(rs) for _, rs in part])
-            weights.append(w)
-    return prompts, rows, counts, weights
+    out = []
+    for step in by_step:
+        prompts, rows, counts, weights = [], [], [], []
+        for chunk in step:
+            chunk_rows = [r for part in chunk for _, rs in part for r in rs]
+            for part in chunk:
+                r = [x for _, rs in part for x in rs]
+                if cfg.loss_type == "dapo":
+                    w = 1.0
+                elif cfg.loss_type == "bnpo":
+                    w = sum(tokens[x] for x in r) / max(1.0, sum(tokens[x] for x in chunk_rows)) / chunks
+                else:
+                    w = len(r) / len(chunk_rows) / chunks
+                prompts.append(torch.tensor([i for i, _ in part], device=device))
+                rows.append(torch.tensor(r, device=device))
+                counts.append([len(rs) for _, rs in part])
+                weights.append(w)
+        out.append((prompts, rows, counts, weights))
+    return out
 
 
 # how each loss type normalizes a micro-batch (kernels.loss_variants.NORMALIZERS): by its rows, by its active
@@ -545,83 +551,122 @@ def accumulate(key, total, value, share):
 
 
 def optimize(run, ro: Rollout, sc: Scored) -> tuple[dict, float, int]:
-    """`num_iterations` optimizer steps on the clipped loss; old / reference log-probs only when needed.
-    Returns the step's metrics (summed over micro-batches), the last gradient norm and the micro-batches."""
+    """The rollout's optimizer steps on the clipped loss: `generation_steps` of them (each on its share of the
+    prompts), `num_iterations` times over; old / reference log-probs only when needed (taken before the
+    first step, as TRL takes them at generation). Stops at max_steps. Returns the metrics (the last pass's,
+    summed over its micro-batches; loss: the mean of its steps), the last gradient norm and the micro-
+    batches of a pass."""
     cfg, dist = run.cfg, run.dist
-    # dapo divides by the active tokens of all ranks; DDP / FSDP average the ranks' gradients: / world
+    # dapo divides by the active tokens of all ranks: TRL's num_items_in_batch spans the generation, which
+    # each of its steps divides by its share of it (/ generation_steps); DDP / FSDP average the ranks'
+    # gradients: / world
     active = sc.loss_mask.sum().float()
-    n_items = all_sum(active, dist).clamp(min=1) / dist.world
-    micro_prompts, micro, counts, weights = micro_batches(ro, sc.loss_mask, cfg, run.packer, dist)
+    n_items = all_sum(active, dist).clamp(min=1) / dist.world / generation_steps(cfg)
+    steps = micro_batches(ro, sc.loss_mask, cfg, run.packer, dist)
+    tokens = lambda rows: sum((sc.loss_mask[i].sum() for i in rows), active.new_zeros(())).float()  # noqa
+    active_of = [tokens(rows) for _, rows, _, _ in steps]  # before zero-advantage groups leave
     skipped = 0
     if skips_zero_advantage(cfg, dist):
-        *parts, skipped = drop_zero_advantage_groups(
-            micro_prompts, micro, counts, weights, sc.advantages, sc.loss_mask, cfg.loss_type
-        )
-        micro_prompts, micro, counts, weights = parts
-    # the token metrics are means over the tokens trained; clip ratios are TRL's share of all active tokens
-    # (a zero-advantage token is never clipped)
-    trained = sum((sc.loss_mask[i].sum() for i in micro), active.new_zeros(())).float()
+        kept = []
+        for step in steps:
+            *parts, dropped = drop_zero_advantage_groups(*step, sc.advantages, sc.loss_mask, cfg.loss_type)
+            kept.append(parts)
+            skipped += dropped
+        steps = kept
+    trained_of = [tokens(rows) for _, rows, _, _ in steps]
     batches = [
-        (ro.prompt_ids[pi], ro.prompt_mask[pi], ro.completion_ids[i], ro.completion_mask[i], k)
-        for pi, i, k in zip(micro_prompts, micro, counts)
-    ]
+        [(ro.prompt_ids[pi], ro.prompt_mask[pi], ro.completion_ids[i], ro.completion_mask[i], k)
+         for pi, i, k in zip(prompts, rows, counts)]
+        for prompts, rows, counts, _ in steps
+    ]  # fmt: skip
     with torch.no_grad():
-        old = [run.policy(sequence_logps, b, cfg) for b in batches] if cfg.num_iterations > 1 else None
+        # old log-probs for the steps that train off-policy: the first step of a single pass is on-policy
+        # (its ratio 1 exactly, old = the loss's own log-probs detached), no forward for it
+        old = None
+        if len(steps) > 1 or cfg.num_iterations > 1:
+            on_policy = 1 if cfg.num_iterations == 1 else 0  # steps that need none
+            old = [None] * on_policy + [
+                [run.policy(sequence_logps, b, cfg) for b in step] for step in batches[on_policy:]
+            ]
         ref = None
         if cfg.beta != 0.0:
-            ctx = run.model.disable_adapter() if run.info["lora"] else nullcontext()
-            with ctx:
-                ref = [(run.ref_policy or run.policy)(sequence_logps, b, cfg) for b in batches]
+            policy = run.ref_policy or run.policy
+            with run.model.disable_adapter() if run.info["lora"] else nullcontext():
+                ref = [[policy(sequence_logps, b, cfg) for b in step] for step in batches]
     options = loss_options(cfg, ro.engine, ro.rollout_dtype)
-    autocast = run.precision.autocast_context(run.device)  # the forward only; backward runs as recorded
-    scale = run.scaler.scale if run.scaler is not None else (lambda x: x)  # fp16: the loss scaled
     run.policy.train()
     for _ in range(cfg.num_iterations):
-        metrics = {}
-        for k, (i, b) in enumerate(zip(micro, batches)):
-            share = sc.loss_mask[i].sum() / trained.clamp(min=1)  # token metrics: their mean
-            # the entropy bonus is a mean over the step's tokens: this micro-batch's share of it
-            coef = cfg.entropy_coef * float(share) / weights[k] if cfg.entropy_coef else 0.0
-            with gradient_sync(run.policy, k == len(micro) - 1):
-                with autocast:
-                    loss, m = run.policy(
-                        policy_loss,
-                        b,
-                        sc.loss_mask[i],
-                        sc.advantages[i],
-                        old[k] if old else None,
-                        ref[k] if ref else None,
-                        ro.sampling_logps[i],
-                        n_items,
-                        cfg,
-                        {**options, "entropy_coef": coef},
-                    )
-                scale(loss * weights[k]).backward()
-            metrics["loss"] = metrics.get("loss", 0.0) + loss.detach() * weights[k]
-            for key, v in m.items():
-                metrics[key] = accumulate(key, metrics.get(key), v.detach(), share)
-        if not micro:  # every group had advantage 0: the optimizer still steps, on zero gradients (as TRL's)
-            for p in run.params:
-                p.grad = torch.zeros_like(p)
-        if run.scaler is not None:
-            run.scaler.unscale_(run.optimizer)
-        grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(run.params, cfg.max_grad_norm)).item()
-        if run.scaler is not None:  # a step with inf / NaN gradients is skipped and the scale lowered
-            run.scaler.step(run.optimizer)
-            run.scaler.update()
-        else:
-            run.optimizer.step()
-        run.scheduler.step()
-        run.optimizer.zero_grad(set_to_none=True)
-        run.step += 1
-        if cfg.sync_ref_model and run.step % cfg.ref_model_sync_steps == 0:
-            sync_reference(run.ref_policy, run.policy, cfg.ref_model_mixup_alpha)
+        todo = min(len(steps), cfg.max_steps - run.step)  # the last rollout may end inside a pass
+        if todo < 1:
+            break
+        # the token metrics are means over the pass's trained tokens; clip ratios are TRL's share of all its
+        # active tokens (a zero-advantage token is never clipped)
+        trained, metrics, losses = sum(trained_of[:todo]), {}, []
+        pass_active = sum(active_of[:todo])
+        for j in range(todo):
+            _, rows, _, weights = steps[j]
+            loss, grad_norm = optimizer_step(
+                run, ro, sc, batches[j], rows, weights, old and old[j], ref and ref[j], n_items, options,
+                trained, metrics,
+            )  # fmt: skip
+            losses.append(loss)
     for key in CLIP_KEYS:
         if key in metrics:
-            metrics[key] = metrics[key] * trained / active.clamp(min=1)
-    metrics.setdefault("loss", torch.zeros(()))
+            metrics[key] = metrics[key] * trained / pass_active.clamp(min=1)
+    metrics["loss"] = sum(losses) / len(losses)
     metrics["zero_advantage_groups_skipped"] = float(skipped)
-    return metrics, grad_norm, len(micro)
+    return metrics, grad_norm, sum(len(rows) for _, rows, _, _ in steps)
+
+
+def optimizer_step(run, ro, sc, batches, micro, weights, old, ref, n_items, options, trained, metrics):
+    """One optimizer step over its micro-batches (their gradients summed, clipped, stepped), the step's token
+    metrics accumulated into `metrics` (their share of `trained`, the pass's tokens). Returns the step's
+    loss and gradient norm."""
+    cfg = run.cfg
+    autocast = run.precision.autocast_context(run.device)  # the forward only; backward runs as recorded
+    scale = run.scaler.scale if run.scaler is not None else (lambda x: x)  # fp16: the loss scaled
+    step_tokens = sum((sc.loss_mask[i].sum() for i in micro), trained.new_zeros(())).float()
+    total = torch.zeros((), device=trained.device)
+    for k, (i, b) in enumerate(zip(micro, batches)):
+        share = sc.loss_mask[i].sum() / trained.clamp(min=1)  # token metrics: their mean
+        # the entropy bonus is a mean over the step's tokens: this micro-batch's share of it
+        in_step = float(sc.loss_mask[i].sum() / step_tokens.clamp(min=1))
+        coef = cfg.entropy_coef * in_step / weights[k] if cfg.entropy_coef else 0.0
+        with gradient_sync(run.policy, k == len(micro) - 1):
+            with autocast:
+                loss, m = run.policy(
+                    policy_loss,
+                    b,
+                    sc.loss_mask[i],
+                    sc.advantages[i],
+                    old[k] if old else None,
+                    ref[k] if ref else None,
+                    ro.sampling_logps[i],
+                    n_items,
+                    cfg,
+                    {**options, "entropy_coef": coef},
+                )
+            scale(loss * weights[k]).backward()
+        total = total + loss.detach() * weights[k]
+        for key, v in m.items():
+            metrics[key] = accumulate(key, metrics.get(key), v.detach(), share)
+    if not micro:  # every group had advantage 0: the optimizer still steps, on zero gradients (as TRL's)
+        for p in run.params:
+            p.grad = torch.zeros_like(p)
+    if run.scaler is not None:
+        run.scaler.unscale_(run.optimizer)
+    grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(run.params, cfg.max_grad_norm)).item()
+    if run.scaler is not None:  # a step with inf / NaN gradients is skipped and the scale lowered
+        run.scaler.step(run.optimizer)
+        run.scaler.update()
+    else:
+        run.optimizer.step()
+    run.scheduler.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    run.step += 1
+    if cfg.sync_ref_model and run.step % cfg.ref_model_sync_steps == 0:
+        sync_reference(run.ref_policy, run.policy, cfg.ref_model_mixup_alpha)
+    return total, grad_norm
 
 
 @torch.no_grad()

@@ -85,7 +85,7 @@ def train(cfg: GRPOConfig) -> dict:
             t1 = clock(run.device)
             reset_peak(run.device)
             sc = score_rollout(run, rows, ro)  # 2. rewards, group advantages over the global batch
-            t2 = clock(run.device)
+            t2, start = clock(run.device), run.step
             metrics, grad_norm, micro = optimize(run, ro, sc)  # 3. the clipped loss through the fused kernels
             peaks = (rollout_peak, peak_mib(run.device))
             release_free_memory(run.device, under_pressure_only=not cfg.max_memory_gb)  # the same
@@ -100,8 +100,10 @@ def train(cfg: GRPOConfig) -> dict:
                 record = step_record(run, ro, sc, metrics, grad_norm, (t0, t1, t2, t3), peaks, micro)
                 record.update(extra, time_sync_s=t4 - t3)  # 4. log
                 record["tokens_per_s"] *= (t3 - t0) / (t4 - t0)  # over the whole step, the push included
-                samples = completion_samples(run, ro, sc) if cfg.log_completions and logged(run) else None
-                after_step(run, record, bar, samples)
+                done = run.step - start
+                log_them = cfg.log_completions and logged(run, done)
+                samples = completion_samples(run, ro, sc) if log_them else None
+                after_step(run, record, bar, done, samples)
             if stopped:
                 break
         if not stopped:  # a signal during the last step
@@ -154,23 +156,28 @@ def should_stop(run: Run, signals) -> bool | None:
     return False
 
 
-def logged(run: Run) -> bool:
-    """Whether this step is logged (every logging_steps, and the last)."""
-    return run.step % run.cfg.logging_steps == 0 or run.step >= run.cfg.max_steps
+def due(run: Run, done: int, every: int) -> bool:
+    """Whether the `done` optimizer steps a rollout just trained passed a multiple of `every` (0: never)."""
+    return bool(every) and run.step // every > (run.step - done) // every
 
 
-def after_step(run: Run, record: dict, bar, samples: list | None = None) -> None:
-    """Log the step (and its completions, `samples`, with --log-completions), evaluate and checkpoint when
-    due, show progress."""
+def logged(run: Run, done: int) -> bool:
+    """Whether this rollout's step is logged (every logging_steps, and the last)."""
+    return due(run, done, run.cfg.logging_steps) or run.step >= run.cfg.max_steps
+
+
+def after_step(run: Run, record: dict, bar, done: int, samples: list | None = None) -> None:
+    """Log the rollout's steps (`done` optimizer steps; and its completions, `samples`, with
+    --log-completions), evaluate and checkpoint when due, show progress."""
     cfg = run.cfg
-    bar.update(cfg.num_iterations)
-    if logged(run):
+    bar.update(done)
+    if logged(run, done):
         log_record(run, record)
     if samples and run.log is not None:
         run.log.write_completions(samples)
         bar.clear()
         print_completions(samples, cfg.num_completions_to_print)
-    if run.eval_rows and cfg.eval_steps and run.step % cfg.eval_steps == 0:
+    if run.eval_rows and due(run, done, cfg.eval_steps):
         evaluate_and_log(run)
     bar.set_postfix(
         reward=f"{record['reward_mean']:.3f}",
@@ -179,7 +186,7 @@ def after_step(run: Run, record: dict, bar, samples: list | None = None) -> None
         len=f"{record['completion_len_mean']:.1f}",
         tok_s=f"{record['tokens_per_s']:.0f}",
     )
-    if cfg.save_steps and run.step % cfg.save_steps == 0:
+    if due(run, done, cfg.save_steps):
         save(run, run.step)
 
 
