@@ -377,7 +377,11 @@ def score(funcs, weights, prompts, completions, columns, on_error: str = "raise"
                         failed[i] = True
             else:
                 failed[:] = True
-    w = torch.tensor(weights, dtype=torch.float32)
-    rewards = (per_func * w).nansum(dim=1)
-    rewards[per_func.isnan().all(dim=1)] = float("nan")
-    return Scores(rewards=rewards, per_func=per_func, failed=failed)
+    return Scores(rewards=weighted_sum(per_func, weights), per_func=per_func, failed=failed)
+
+
+def weighted_sum(per_func: torch.Tensor, weights) -> torch.Tensor:
+    """TRL's combination of the functions' scores (rows, functions; NaN: no opinion): the weighted nansum per
+    row, NaN where no function scored the row."""
+    w = torch.as_tensor(weights, dtype=per_func.dtype, device=per_func.device)
+    return (per_func * w).nansum(1).masked_fill(per_func.isnan().all(1), float("nan"))

@@ -16,7 +16,7 @@ import torch
 
 from ..kernels import fused_linear_grpo_loss, fused_linear_logprobs, group_advantages
 from ..models.model_parts import lm_head_of
-from ..rewards import score
+from ..rewards import score, weighted_sum
 from ..rollout import generate_groups, is_exact, native, resolve_engine, server, vllm_engine
 from ..rollout.trajectories import generate_trajectories
 from .batching import partition, split_to
@@ -306,12 +306,11 @@ def advantages_of(per_func: torch.Tensor, weights, G: int, scale: str, aggregati
     the batch (`scale` unused). A row no function scored, or whose advantage is otherwise NaN, gets 0: it
     does not move the policy. Returns the weighted sums (the logged rewards: NaN where no function scored),
     the advantages and TRL's is_std_zero per row."""
-    w = torch.as_tensor(weights, dtype=per_func.dtype, device=per_func.device)
-    unscorable = per_func.isnan().all(1)
-    rewards = (per_func * w).nansum(1).masked_fill(unscorable, float("nan"))
+    rewards = weighted_sum(per_func, weights)
     if aggregation == "normalize_then_sum":
         each = torch.stack([normalized(f, G, "group")[0] for f in per_func.unbind(1)], 1)
-        summed = (each * w).nansum(1).masked_fill(unscorable, float("nan"))
+        w = torch.as_tensor(weights, dtype=each.dtype, device=each.device)
+        summed = (each * w).nansum(1).masked_fill(rewards.isnan(), float("nan"))  # NaN: no function scored
         adv, zero = normalized(summed, len(summed), "group")
     else:
         adv, zero = normalized(rewards, G, scale)
