@@ -95,7 +95,8 @@ def main(argv=None) -> None:
             reward=[f"{Path(__file__).resolve().parents[1] / 'models' / 'e2e.py'}:real_reward"],
             num_generations=shape["G"], prompts_per_step=shape["prompts_per_step"],
             max_prompt_length=shape["P"], max_completion_length=shape["C"], learning_rate=1e-6,
-            bf16=args.bf16, optim=args.optim, output_dir=str(Path(tmp) / "run"), max_steps=10,
+            bf16=args.bf16, optim=args.optim, output_dir=str(Path(tmp) / "run"),
+            max_steps=10**6,  # optimize stops at max_steps: room for every phase this runs
             rollout_dtype="fp32",  # the same rollout (seed, fp32 sampling) whatever the training precision
             skip_zero_advantage_groups=False,  # the whole phase, every group trained
         )  # fmt: skip
