@@ -405,6 +405,28 @@ def test_native_rollout_opt_in_generates_what_trl_generates(tmp_path):
         integ.GRPOTrainer(model=model, reward_funcs=_reward, rollout="vllm")
 
 
+def test_native_rollout_with_generation_kwargs_is_trls_generation(tmp_path, monkeypatch):
+    """TRL's generation_kwargs (here no_repeat_ngram_size, which the native engine does not implement) are
+    not ignored: TRL's own generation runs, with a warning naming them, and samples what TRL samples."""
+    model = AutoModelForCausalLM.from_pretrained(default_task.ASSET_DIR)
+    kw = dict(temperature=1e-4, generation_kwargs={"no_repeat_ngram_size": 2})
+    trl_gen = _trainer(integ.GRPOTrainer, model, tmp_path, **kw)
+    native = _trainer(integ.GRPOTrainer, model, tmp_path / "n", {"rollout": "native"}, **kw)
+    tok = native._tokenizer
+    prompts = [
+        tok(r["prompt"], add_special_tokens=False).input_ids for r in default_task.dataset_rows("train")[:2]
+    ]
+    prompts = [p for p in prompts for _ in range(2)]
+    monkeypatch.setattr(integ, "generate_groups", lambda *a, **k: pytest.fail("the native engine ran"))
+    with pytest.warns(UserWarning, match="TRL's generation runs because of generation_kwargs"):
+        got, _ = native._generate_single_turn(prompts, None, {}, 2)
+    ref, _ = trl_gen._generate_single_turn(prompts, None, {}, 2)
+    assert got == ref
+    for c in got:  # the option took effect: no bigram twice
+        bigrams = list(zip(c, c[1:]))
+        assert len(bigrams) == len(set(bigrams)), c
+
+
 def test_native_rollout_takes_min_p(tmp_path, monkeypatch):
     """TRL's min_p reaches the native engine (transformers' order: after top-k and top-p), no fallback."""
     import warnings

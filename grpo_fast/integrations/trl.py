@@ -153,6 +153,7 @@ class GRPOTrainer(trl.GRPOTrainer):
             (self.use_transformers_continuous_batching, "continuous batching"),
             (bool(images) or bool(multimodal_fields) or has_tool_images, "multimodal prompts"),
             (self.repetition_penalty not in (None, 1.0), "a repetition penalty"),
+            (bool(self.args.generation_kwargs), "generation_kwargs (transformers' options the engine lacks)"),
             (model is not self.model or self._sharded_reason(model) is not None, "a distributed wrapper"),
         ]
         why = next((why for bad, why in checks if bad), None)
