@@ -42,7 +42,7 @@ from torch.utils._pytree import tree_flatten
 
 from ..models.model_parts import lm_head_of
 from .batching import Packer, partition, tokens_run
-from .config import GRPOConfig, generation_steps
+from .config import GRPOConfig, generation_steps, prompts_per_rollout
 from .modeling import DTYPES
 from .optimizers import OPTIMIZERS
 from .precision import Precision, resolve, rollout_dtype_of
@@ -550,7 +550,9 @@ def main(argv=None) -> None:
         f"C<={cfg.max_completion_length}, {'LoRA r=' + str(cfg.lora_r) if cfg.lora_r else 'full fine-tuning'}"
         f", beta {cfg.beta}, gradient checkpointing {'on' if cfg.gradient_checkpointing else 'off'}, prefix "
         f"sharing {'on' if cfg.share_prefix else 'off'}, {cfg.gradient_accumulation_steps} micro-batch(es)"
-    )
+        + (f"; a rollout of {prompts_per_rollout(cfg)} prompts for {generation_steps(cfg)} steps"
+           if generation_steps(cfg) > 1 else "")
+    )  # fmt: skip
     print(table(e))
     print(f"(rollout KV cache without prefix sharing: {e['kv_cache_unshared'] / MIB:.0f} MiB)")
     gc = not cfg.gradient_checkpointing
