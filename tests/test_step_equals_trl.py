@@ -175,12 +175,12 @@ def _reward_spec(model_dir, name):
     return f"{path}:{name}"
 
 
-def _train_trl(model_dir, rows, completions, loss_type="dapo", clip=1.0, kl=None, rewards=None, spg=1):
+def _train_trl(model_dir, rows, completions, loss_type="dapo", clip=1.0, kl=None, rewards=None, spg=1, ga=1):
     rewards, kl = rewards or REWARDS["accuracy"], kl or KL["none"]
     tok = load_tokenizer(str(model_dir))
     args = trl.GRPOConfig(
         output_dir=str(model_dir / "trl"), per_device_train_batch_size=N_PROMPTS * G // spg,
-        gradient_accumulation_steps=1, steps_per_generation=spg, shuffle_dataset=False, num_generations=G,
+        gradient_accumulation_steps=ga, steps_per_generation=spg, shuffle_dataset=False, num_generations=G,
         max_completion_length=C, learning_rate=LR,
         lr_scheduler_type="linear", max_grad_norm=clip, loss_type=loss_type, max_steps=STEPS, **kl,
         logging_steps=1, save_strategy="no", report_to="none", bf16=False, use_cpu=True, seed=0,
@@ -203,15 +203,15 @@ def _train_trl(model_dir, rows, completions, loss_type="dapo", clip=1.0, kl=None
 
 def _train_ours(
     model_dir, rows, completions, tmp_path, monkeypatch, loss_type="dapo", clip=1.0, kl=None, rewards=None,
-    spg=1,
+    spg=1, ga=1,
 ):  # fmt: skip
     rewards, kl = rewards or REWARDS["accuracy"], kl or KL["none"]
     data = tmp_path / "rows.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     cfg = parse_config([
         "--model", str(model_dir), "--dataset", str(data), "--output-dir",
-        str(tmp_path / "ours"), "--num-generations", str(G), "--prompts-per-step", str(N_PROMPTS // spg),
-        "--steps-per-generation", str(spg), "--no-shuffle-dataset",
+        str(tmp_path / "ours"), "--num-generations", str(G), "--prompts-per-step", str(N_PROMPTS * ga // spg),
+        "--steps-per-generation", str(spg), "--gradient-accumulation-steps", str(ga), "--no-shuffle-dataset",
         "--max-completion-length", str(C), "--learning-rate", str(LR), "--lr-scheduler-type", "linear",
         "--max-grad-norm", str(clip), "--loss-type", loss_type, "--max-steps",
         str(STEPS), "--no-bf16", "--rollout", "native", "--eval-max-samples", "0", "--save-steps", "0",
@@ -272,26 +272,37 @@ STILL = {
 }
 
 
-# steps_per_generation 2: one rollout of the four prompts feeds both optimizer steps, two prompts each (TRL:
-# per_device_train_batch_size of two groups). The second step is off-policy: its ratio is to the log-probs
-# taken before the first (TRL takes them at generation), and dapo divides each step by half the generation's
-# tokens (TRL's num_items_in_batch x gradient_accumulation_steps / steps_per_generation). TRL shuffles the
-# generation's rows before cutting it into steps, ours cuts it by whole groups in the sampler's order: the
-# test holds TRL's shuffle to the identity, and both samplers to the file's order (shuffle_dataset off).
+# steps_per_generation 2 (spg, micro-batches per generation; ga: per optimizer step): with ga 1, one rollout
+# of the four prompts feeds both optimizer steps, two prompts each (TRL: per_device_train_batch_size of two
+# groups). The second step is off-policy: its ratio is to the log-probs taken before the first (TRL takes
+# them at generation), and dapo divides each step by half the generation's tokens (TRL's num_items_in_batch
+# x gradient_accumulation_steps / steps_per_generation). TRL shuffles the generation's rows before cutting it
+# into steps, ours cuts it by whole groups in the sampler's order: the test holds TRL's shuffle to the
+# identity, and both samplers to the file's order (shuffle_dataset off). With ga 2 each step is two micro-
+# batches of two groups: cispo, normalized like dapo over the step's tokens, took each micro-batch at half
+# its weight before (the gradient half of TRL's). Cases whose normalizer is in question run unclipped (a
+# still group), where a factor on the gradient shows.
+CASES = [
+    ("dapo", "mixed", "none", "accuracy", 1, 1),
+    ("dapo", "one still group", "none", "accuracy", 1, 1),
+    ("grpo", "one still group", "none", "accuracy", 1, 1),
+    ("bnpo", "one still group", "none", "accuracy", 1, 1),
+    ("dapo", "all still at step 1", "none", "accuracy", 1, 1),
+    ("dapo", "mixed", "k3", "accuracy", 1, 1),
+    ("dapo", "mixed", "k3, reference synced", "accuracy", 1, 1),
+    ("dapo", "mixed", "none", "accuracy + shape, normalize_then_sum", 1, 1),
+    ("dapo", "mixed", "none", "shape alone, rows unscored", 1, 1),
+    ("dapo", "one still group", "none", "accuracy", 2, 1),
+    ("bnpo", "one still group", "none", "accuracy", 2, 1),
+    ("dapo", "mixed", "k3, reference synced", "accuracy", 2, 1),
+    ("cispo", "one still group", "none", "accuracy", 2, 2),
+]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "loss_type, still, kl, rewards, spg",
-    [("dapo", "mixed", "none", "accuracy", 1), ("dapo", "one still group", "none", "accuracy", 1),
-     ("grpo", "one still group", "none", "accuracy", 1), ("bnpo", "one still group", "none", "accuracy", 1),
-     ("dapo", "all still at step 1", "none", "accuracy", 1), ("dapo", "mixed", "k3", "accuracy", 1),
-     ("dapo", "mixed", "k3, reference synced", "accuracy", 1),
-     ("dapo", "mixed", "none", "accuracy + shape, normalize_then_sum", 1),
-     ("dapo", "mixed", "none", "shape alone, rows unscored", 1),
-     ("dapo", "mixed", "none", "accuracy", 2), ("bnpo", "one still group", "none", "accuracy", 2),
-     ("dapo", "mixed", "k3, reference synced", "accuracy", 2)],
-)  # fmt: skip
+@pytest.mark.parametrize("loss_type, still, kl, rewards, spg, ga", CASES)
 def test_two_steps_move_the_weights_as_trl(
-    two_layer_dir, tmp_path, monkeypatch, loss_type, still, kl, rewards, spg
+    two_layer_dir, tmp_path, monkeypatch, loss_type, still, kl, rewards, spg, ga
 ):
     rows = [{k: r[k] for k in ("prompt", "answer")} for r in arithmetic.dataset_rows("train")[:N_PROMPTS]]
     completions = Completions(two_layer_dir, rows, STILL[still])
@@ -299,15 +310,15 @@ def test_two_steps_move_the_weights_as_trl(
     clip = 1.0 if still == "mixed" else 1e9
     monkeypatch.setattr("trl.trainer.grpo_trainer.shuffle_sequence_dict", lambda batch: batch)
     t_spy, t_names, t_after, t_logs = _train_trl(
-        two_layer_dir, rows, completions, loss_type, clip, KL[kl], REWARDS[rewards], spg
+        two_layer_dir, rows, completions, loss_type, clip, KL[kl], REWARDS[rewards], spg, ga
     )
     o_spy, o_names, o_after, records = _train_ours(
         two_layer_dir, rows, completions, tmp_path, monkeypatch, loss_type, clip, KL[kl], REWARDS[rewards],
-        spg,
+        spg, ga,
     )  # fmt: skip
     o_rewards, t_rewards = [r["reward_mean"] for r in records], [r["reward"] for r in t_logs]
 
-    generations = STEPS // spg
+    generations = STEPS * ga // spg
     assert completions.calls == {"trl": generations, "ours": generations}
     # each generation: the whole 4-row dataset, so both batches hold the same prompts and completions
     assert len(o_rewards) == generations
@@ -327,7 +338,7 @@ def test_two_steps_move_the_weights_as_trl(
         assert set(o) == set(t)
         diff = sum(float((o[n] - t[n]).double().square().sum()) for n in t) ** 0.5
         norm = sum(float(t[n].double().square().sum()) for n in t) ** 0.5
-        if spg == 1 and skipped[k] == N_PROMPTS:  # every advantage 0: zero gradients in both
+        if spg == ga and skipped[k] == N_PROMPTS:  # every advantage 0: zero gradients in both
             assert norm == 0 and diff == 0, (k, diff)
             continue
         assert norm > 0 and diff <= 1e-4 * norm, (k, diff, norm)

@@ -451,9 +451,9 @@ def micro_batches(ro: Rollout, loss_mask, cfg: GRPOConfig, packer=None, dist: Di
     in order), of (prompt indices, completion rows, completions per prompt, loss weight) lists
     (grpo_fast.trainer.batching: the configured layout, or packed to `packer`'s budget from the real lengths;
     distributed ranks agree on each step's count). The weights make a step's summed gradients those of its
-    whole chunks: dapo is normalized over the step already (1); grpo and dr_grpo average a chunk's rows,
-    bnpo divides by its active tokens, so a micro-batch counts as its share of its chunk's rows (tokens), and
-    each chunk as 1 / gradient_accumulation_steps."""
+    whole chunks: dapo, cispo and vespo are normalized over the step already (1); grpo and dr_grpo average a
+    chunk's rows, bnpo divides by its active tokens, so a micro-batch counts as its share of its chunk's rows
+    (tokens), and each chunk as 1 / gradient_accumulation_steps."""
     n, P = ro.prompt_ids.shape
     G, C = cfg.num_generations, ro.completion_ids.shape[1]
     prompt_lens = ro.prompt_mask.sum(1).tolist()
@@ -474,7 +474,7 @@ def micro_batches(ro: Rollout, loss_mask, cfg: GRPOConfig, packer=None, dist: Di
             chunk_rows = [r for part in chunk for _, rs in part for r in rs]
             for part in chunk:
                 r = [x for _, rs in part for x in rs]
-                if cfg.loss_type == "dapo":
+                if cfg.loss_type in ITEM_NORMALIZED:  # normalized over the whole step already
                     w = 1.0
                 elif cfg.loss_type == "bnpo":
                     w = sum(tokens[x] for x in r) / max(1.0, sum(tokens[x] for x in chunk_rows)) / chunks
@@ -492,6 +492,7 @@ def micro_batches(ro: Rollout, loss_mask, cfg: GRPOConfig, packer=None, dist: Di
 # tokens, or by a count fixed for the whole step (num_items_in_batch)
 ROW_NORMALIZED = ("grpo", "sapo", "dr_grpo", "luspo")
 TOKEN_NORMALIZED = ("bnpo",)
+ITEM_NORMALIZED = ("dapo", "cispo", "vespo")
 CLIP_KEYS = ("clip_ratio", "clip_ratio_low", "clip_ratio_high", "cispo_clip_ratio")
 
 
