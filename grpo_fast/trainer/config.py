@@ -189,8 +189,9 @@ class GRPOConfig:
     max_staleness: int = _f(
         0, "asynchronous GRPO: the next steps' rollouts are generated (on vLLM servers, or colocated on a "
         "thread of its own over a copy of the weights) while this one trains, from weights at most this many "
-        "policy versions older than the policy they train (a version per batch trained: with num_iterations "
-        "k, k optimizer steps); staler ones are dropped, counted and replaced (TRL's AsyncGRPO name); "
+        "policy versions older than the policy they train (a version per rollout trained: its "
+        "steps_per_generation / gradient_accumulation_steps x num_iterations optimizer steps); staler ones "
+        "are dropped, counted and replaced (TRL's AsyncGRPO name); "
         "0 = synchronous",
     )  # fmt: skip
     # --- GRPO ---

@@ -4,9 +4,9 @@ made on vLLM servers (--vllm-mode server; S = 0 too) or by a colocated engine ov
 the weights (`WeightCopy`), at most S optimizer steps ahead of the policy that trains them.
 
 Versions: the policy's version is the number of batches it trained (optimizer steps / steps_per_rollout).
-Batch j (the rows of step j) is generated only once the version is >= j - S, under the lock the weight push
-takes, so the version it was sampled under is exact and its staleness at training, version - its version, is
-at most S;
+Batch j (the rows of rollout j, one or more optimizer steps) is generated only once the version is >= j - S,
+under the lock the weight push takes, so the version it was sampled under is exact and its staleness at
+training, version - its version, is at most S;
 a batch staler than S (possible only when the versions move without it, e.g. a caller that pushes twice) is
 dropped and counted. The push happens on the trainer's thread after each step (`after_update`): pause -> load
 -> verify on the servers, or a copy of the changed parameters into the thread's copy, waiting for the

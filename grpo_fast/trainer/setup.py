@@ -231,7 +231,11 @@ def plan_memory(cfg: GRPOConfig, dist: DistInfo, device):
 
     map_large_allocations(device)  # CPU: the heap keeps no freed tensors; the peak is the tensors' (memory)
 
-    local = dataclasses.replace(cfg, prompts_per_step=cfg.prompts_per_step // dist.world)
+    gbs = cfg.generation_batch_size
+    local = dataclasses.replace(
+        cfg, prompts_per_step=cfg.prompts_per_step // dist.world,
+        generation_batch_size=gbs // dist.world if gbs is not None else None,
+    )  # fmt: skip
     est = Estimator(local, device.type)
     p, e = plan(local, cfg.max_memory_gb, device.type, est)
     cfg = dataclasses.replace(cfg, gradient_checkpointing=p.gradient_checkpointing)
