@@ -208,6 +208,7 @@ def fused_linear_grpo_loss(
     num_items_in_batch=None,
     top_entropy_quantile=1.0,
     entropy_coef=0.0,
+    compute_entropy=False,
     impl="auto",
     **options,
 ):
@@ -243,6 +244,8 @@ def fused_linear_grpo_loss(
         top_entropy_quantile: train only on the active tokens whose entropy is in this top fraction of the
             batch's (TRL; 1.0 = all tokens).
         entropy_coef: entropy bonus: the loss minus entropy_coef x the mean entropy of those tokens (TRL).
+        compute_entropy: compute every active token's entropy even where no option needs it, for its
+            metrics (a controller of entropy_coef measuring the entropy at a coefficient of 0).
         **options: every other keyword of `grpo_loss` (beta, epsilon_low, epsilon_high, loss_type,
             importance_sampling_level, max_completion_length, use_bias_correction_kl, delta,
             sampling_correction, sampling_clip_max, sampling_clip_min, off_policy_mask_threshold, sapo_*,
@@ -250,7 +253,9 @@ def fused_linear_grpo_loss(
         impl: "auto" (Triton for CUDA tensors, else the twin), "triton" or "torch".
 
     Returns:
-        (loss, metrics) as `grpo_loss` (plus `entropy`, the masked mean, when it is computed); the loss is
+        (loss, metrics) as `grpo_loss`, plus, when the entropy is computed, `entropy` (the masked mean) and
+        `bonus_entropy` / `bonus_tokens` (the mean entropy and the count of the tokens the bonus acts on:
+        the active ones, under top_entropy_quantile those it keeps); the loss is
         differentiable w.r.t. hidden, weight and bias. A weight that does not require grad (a frozen head, as
         under LoRA) gets no gradient computed at all: no fp32 weight-sized buffer, a third fewer matmuls in
         the backward.
@@ -271,6 +276,7 @@ def fused_linear_grpo_loss(
         sampling_logps,
         top_entropy_quantile=top_entropy_quantile,
         entropy_coef=entropy_coef,
+        compute_entropy=compute_entropy,
         **options,
     )
     impl = resolve_impl(

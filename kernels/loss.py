@@ -377,6 +377,11 @@ def loss_and_grads(
     if entropies is not None:
         m = mask.float()
         metrics["entropy"] = (entropies * m).sum().detach() / m.sum().clamp(min=1.0)
+        # the tokens the entropy bonus acts on (under top_entropy_quantile, those the mask keeps): their count
+        # and mean entropy, for a controller of the coefficient (TRL's use_adaptive_entropy)
+        bonus = m if gates.entropy_mask is None else m * gates.entropy_mask
+        metrics["bonus_tokens"] = bonus.sum().detach()
+        metrics["bonus_entropy"] = (entropies * bonus).sum().detach() / metrics["bonus_tokens"].clamp(min=1.0)
     if params.entropy_coef != 0.0:
         bonus, g_ent = entropy_bonus(entropies, mask, gates.entropy_mask, params.entropy_coef)
         value = value + bonus.detach()

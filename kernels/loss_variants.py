@@ -45,6 +45,7 @@ class LossParams:
     vespo: tuple  # k_pos, lambda_pos, k_neg, lambda_neg
     top_entropy_quantile: float
     entropy_coef: float
+    compute_entropy: bool = False  # every token's entropy though no option needs it (its metrics only)
 
     @property
     def kind(self) -> int:
@@ -52,7 +53,7 @@ class LossParams:
 
     @property
     def needs_entropy(self) -> bool:
-        return self.top_entropy_quantile < 1.0 or self.entropy_coef != 0.0
+        return self.top_entropy_quantile < 1.0 or self.entropy_coef != 0.0 or self.compute_entropy
 
     @property
     def token_local(self) -> bool:
@@ -98,6 +99,7 @@ def make_loss_params(
     vespo_lambda_neg,
     top_entropy_quantile=1.0,  # the fused path's only; grpo_loss's defaults are in its signature
     entropy_coef=0.0,
+    compute_entropy=False,
 ) -> LossParams:
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
@@ -152,6 +154,7 @@ def make_loss_params(
         ),
         top_entropy_quantile=q,
         entropy_coef=_number("entropy_coef", entropy_coef),
+        compute_entropy=bool(compute_entropy),
     )
 
 
@@ -362,6 +365,16 @@ def mismatch_metrics(trainer_logps, sampling_logps, m):
         "sampling_logp_diff_mean": d.abs().mean(),
         "sampling_logp_diff_max": d.abs().max(),
     }
+
+
+def adaptive_entropy_coef(coef, entropy, *, target, delta, coef_min, coef_max) -> float:
+    """Skywork-OR1's adaptive entropy control, one optimizer step of it (TRL's use_adaptive_entropy): the
+    coefficient for the next step, raised by `delta` (to at most `coef_max`) where the step's mean entropy,
+    over the tokens the bonus acts on, is at or below `target`, else lowered by it (to at least `coef_min`).
+    The next step applies it only where this step's entropy is at or below the target."""
+    if entropy <= target:
+        return min(coef + delta, coef_max)
+    return max(coef - delta, coef_min)
 
 
 def entropy_bonus(entropies, mask, gate_mask, coef):

@@ -216,6 +216,27 @@ def test_steps_per_generation_across_ranks_equal_one_process(runs):
     assert _metrics(one)[0]["grad_norm"] > 0
 
 
+def test_adaptive_entropy_across_ranks(runs):
+    """use_adaptive_entropy on two packed DDP ranks: each optimizer step's entropy is summed with its token
+    count over the ranks (a collective every rank reaches, whatever its micro-batch count), so the two ranks
+    move the coefficient as one process does: up by the delta while the entropy is under the target, with
+    the bonus from the second step on."""
+    tmp, _ = runs
+    adaptive = dict(
+        use_adaptive_entropy=True, entropy_coef=0.01, entropy_coef_delta=0.02, entropy_target=100.0
+    )
+    one, two = (
+        _run(tmp, "one-adaptive", 1, **adaptive),
+        _run(tmp, "two-adaptive", 2, "ddp", pack=8, **adaptive),
+    )
+    for run in (one, two):
+        assert [r["entropy_coef"] for r in _metrics(run)] == pytest.approx([0.03, 0.05])
+        assert all(r["loss/entropy"] > 0 for r in _metrics(run))
+    # the bonus is each rank's mean over its tokens, averaged over the ranks by DDP (TRL's too): near the
+    # one process's mean over all tokens, not equal to it, so only the first step (no bonus) compares exactly
+    _assert_same_run(one, two, 2, steps_to_compare=(1,), saved=(1,))
+
+
 def test_synced_reference_sharded_equals_one_process(runs):
     """sync_ref_model under FSDP2: each rank mixes its shard of the reference with its shard of the policy,
     and the checkpoint gathers the reference whole: the run and its saved reference are the one process's."""

@@ -3,7 +3,7 @@ import itertools
 import pytest
 import torch
 from grpo_fast.kernels import fused_linear_grpo_loss
-from oracle import assert_within, naive_grpo_loss, naive_logprobs
+from oracle import assert_within, naive_entropy, naive_grpo_loss, naive_logprobs
 
 LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo"]
 
@@ -128,6 +128,34 @@ def test_no_grad_forward_matches():
         hidden.requires_grad_(), weight, targets, mask, adv, old_logps=old, impl="torch"
     )
     assert abs(a.item() - b.item()) < 1e-6
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("quantile", [1.0, 0.5])
+def test_entropy_metrics_for_an_adaptive_coefficient(impl, quantile):
+    """compute_entropy: the entropies without a bonus (an adaptive coefficient measured at 0): the loss and
+    gradients are those without it; `entropy` is the mean over the active tokens, `bonus_entropy` and
+    `bonus_tokens` the mean and count over the tokens the bonus would act on (under top_entropy_quantile the
+    top-entropy ones), against fp64 entropies and a quantile taken here."""
+    hidden, weight, _, targets, mask, adv, old, _ = _problem()
+    kw = dict(old_logps=old, temperature=0.7, impl=impl, top_entropy_quantile=quantile)
+    fn = lambda h, w, b: fused_linear_grpo_loss(h, w, targets, mask, adv, **kw)  # noqa: E731
+    plain = _grads(fn, (hidden, weight, None))
+    kw["compute_entropy"] = True
+    measured = _grads(fn, (hidden, weight, None))
+    ent = naive_entropy(hidden, weight, temperature=0.7)
+    active = mask.bool()
+    kept = active & (ent >= torch.quantile(ent[active], 1.0 - quantile)) if quantile < 1 else active
+    metrics = measured[1]
+    assert abs(metrics["entropy"].item() - ent[active].mean().item()) < 1e-5
+    assert metrics["bonus_tokens"].item() == kept.sum().item()
+    assert kept.sum() < active.sum() if quantile < 1 else kept.equal(active)
+    assert abs(metrics["bonus_entropy"].item() - ent[kept].mean().item()) < 1e-5
+    assert (measured[0] - plain[0]).abs().item() < 1e-6
+    for a, b in zip(measured[2][:2], plain[2][:2]):
+        assert (a - b).abs().max().item() < 1e-6
+    if quantile == 1.0:  # nothing asked for the entropies: none computed
+        assert "entropy" not in plain[1] and "bonus_entropy" not in plain[1]
 
 
 # ---- against Liger-Kernel's LigerFusedLinearGRPOLoss, an independent implementation ----

@@ -344,10 +344,13 @@ def test_reference_logps_and_entropy_equal_trl(base_model, tmp_path):
 
 
 def test_unsupported_options_fall_back_to_trl_with_a_warning(base_model, tmp_path):
-    kw = dict(use_adaptive_entropy=True, entropy_coef=0.01)
-    theirs = _trainer(trl.GRPOTrainer, copy.deepcopy(base_model), tmp_path, **kw)
-    with pytest.warns(UserWarning, match="adaptive entropy controller"):
-        ours = _trainer(integ.GRPOTrainer, copy.deepcopy(base_model), tmp_path, **kw)
+    # a model whose config scales its logits (Cohere's logit_scale; this Llama's forward ignores it): the
+    # fused path, which reads the LM head's weight directly, would not scale them, so TRL's own loss runs
+    scaled = copy.deepcopy(base_model)
+    scaled.config.logit_scale = 0.5
+    theirs = _trainer(trl.GRPOTrainer, copy.deepcopy(scaled), tmp_path)
+    with pytest.warns(UserWarning, match=r"scales or soft-caps its logits \(logit_scale\)"):
+        ours = _trainer(integ.GRPOTrainer, copy.deepcopy(scaled), tmp_path)
     batch = _batch(base_model, 0.0)
     ref_loss, _ = _loss_and_grads(theirs, batch)
     loss, _ = _loss_and_grads(ours, batch)

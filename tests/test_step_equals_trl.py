@@ -264,6 +264,13 @@ KL = {
     "k3, reference synced": dict(
         beta=BETA, sync_ref_model=True, ref_model_sync_steps=1, ref_model_mixup_alpha=0.6
     ),
+    # Skywork-OR1's adaptive entropy control (TRL's use_adaptive_entropy), beside the KL options: no bonus at
+    # the first step (no entropy measured before it; a bonus of 0.02 there puts the gradient off TRL's), the
+    # step's entropy (a few nats) under the target raises the coefficient to 0.02 + 0.05 for the second;
+    # the bonus trains the still groups too (none is skipped)
+    "adaptive entropy": dict(
+        beta=0.0, use_adaptive_entropy=True, entropy_coef=0.02, entropy_coef_delta=0.05, entropy_target=100.0
+    ),
 }
 STILL = {
     "mixed": (),
@@ -296,6 +303,8 @@ CASES = [
     ("bnpo", "one still group", "none", "accuracy", 2, 1),
     ("dapo", "mixed", "k3, reference synced", "accuracy", 2, 1),
     ("cispo", "one still group", "none", "accuracy", 2, 2),
+    ("dapo", "one still group", "adaptive entropy", "accuracy", 1, 1),
+    ("grpo", "one still group", "adaptive entropy", "accuracy", 2, 1),
 ]
 
 
@@ -325,11 +334,17 @@ def test_two_steps_move_the_weights_as_trl(
     assert o_rewards == pytest.approx(t_rewards, abs=1e-6), (o_rewards, t_rewards)
     zero_std = [r["frac_reward_zero_std"] for r in records]
     assert zero_std == pytest.approx([r["frac_reward_zero_std"] for r in t_logs], abs=1e-6)
-    skipped = [sum(1 for k, c in STILL[still] if c == call) for call in range(1, generations + 1)]
+    stills = [sum(1 for k, c in STILL[still] if c == call) for call in range(1, generations + 1)]
+    bonus = "use_adaptive_entropy" in KL[kl]
     if rewards == "accuracy":  # right or wrong: a still group is one whose rewards are all equal
         assert 0 < t_rewards[-1] < 1
+        skipped = [0 if bonus else n for n in stills]
         assert [r["zero_advantage_groups_skipped"] for r in records] == skipped
-        assert zero_std == [s / N_PROMPTS for s in skipped]
+        assert zero_std == [s / N_PROMPTS for s in stills]
+    if bonus:  # the coefficient after the rollout's steps; TRL logs it after each optimizer step
+        assert records[-1]["entropy_coef"] == pytest.approx(0.02 + 0.05 * STEPS)
+        if spg == 1:
+            assert [r["entropy_coef"] for r in records] == pytest.approx([r["entropy_coef"] for r in t_logs])
     assert len(o_spy.steps) == len(t_spy.steps) == STEPS
     for k, ((t_groups, t_grads), (o_groups, o_grads)) in enumerate(zip(t_spy.steps, o_spy.steps)):
         for key in ("lr", "betas", "eps", "weight_decay"):  # the schedule's lr at this step, AdamW's settings
@@ -338,7 +353,7 @@ def test_two_steps_move_the_weights_as_trl(
         assert set(o) == set(t)
         diff = sum(float((o[n] - t[n]).double().square().sum()) for n in t) ** 0.5
         norm = sum(float(t[n].double().square().sum()) for n in t) ** 0.5
-        if spg == ga and skipped[k] == N_PROMPTS:  # every advantage 0: zero gradients in both
+        if spg == ga and stills[k] == N_PROMPTS and not bonus:  # every advantage 0: zero gradients in both
             assert norm == 0 and diff == 0, (k, diff)
             continue
         assert norm > 0 and diff <= 1e-4 * norm, (k, diff, norm)

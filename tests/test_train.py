@@ -162,12 +162,15 @@ def test_engine_logprobs_reach_the_loss_with_every_option(tmp_path):
 
 # sync_ref_model: the reference moves every step, so a resumed run must restore it (not rebuild the base)
 SYNCED = ["--beta", "0.04", "--sync-ref-model", "--ref-model-sync-steps", "1"]
+# adaptive entropy control: the coefficient and the last step's entropy, which gates the next step's bonus
+ADAPTIVE = ["--use-adaptive-entropy", "--entropy-coef", "0.01", "--entropy-coef-delta", "0.05",
+            "--entropy-target", "100"]  # fmt: skip
 
 
 @pytest.mark.parametrize(
     "extra",
-    [[], SYNCED, ["--steps-per-generation", "2"]],
-    ids=["fixed reference", "synced reference", "a rollout for two steps"],
+    [[], SYNCED, ["--steps-per-generation", "2"], ADAPTIVE],
+    ids=["fixed reference", "synced reference", "a rollout for two steps", "adaptive entropy"],
 )
 def test_resume_reproduces_uninterrupted_run(tmp_path, extra):
     full_dir, part_dir = tmp_path / "full", tmp_path / "part"
@@ -182,6 +185,11 @@ def test_resume_reproduces_uninterrupted_run(tmp_path, extra):
     train(_cfg(part_dir, "--max-steps", "4", "--learning-rate", "1e-4", "--resume", *extra))
     assert not (part_dir / "run" / ".checkpoint-3-torn").exists()
     keys = ("reward_mean", "loss", "completion_len_mean", "grad_norm", "clip_ratio", "kl")
+    if extra == ADAPTIVE:  # the bonus from the second step on, its coefficient rising by the delta
+        keys += ("entropy_coef",)
+        assert [r["entropy_coef"] for r in _records(full_dir) if "loss" in r] == pytest.approx(
+            [0.06, 0.11, 0.16, 0.21]
+        )
     a = [r for r in _records(full_dir) if "loss" in r]
     b = [r for r in _records(part_dir) if "loss" in r]
     assert [r["step"] for r in b] == ([2, 4] if "--steps-per-generation" in extra else [1, 2, 3, 4])
@@ -527,6 +535,11 @@ def test_unknown_flag_values(argv, words, capsys):
         ),
         (["--beta", "0.04", "--ref-model-mixup-alpha", "1.5"], r"ref_model_mixup_alpha must be in \[0, 1\]"),
         (["--top-entropy-quantile", "1.5"], r"top_entropy_quantile must be in \[0, 1\]"),
+        (
+            ["--use-adaptive-entropy", "--entropy-coef-min", "0.5", "--entropy-coef-max", "0.1"],
+            r"entropy_coef_min \(0.5\) must be <= entropy_coef_max \(0.1\)",
+        ),
+        (["--use-adaptive-entropy", "--entropy-coef-delta", "-0.1"], "entropy_coef_delta must be >= 0"),
         (
             ["--prompts-per-step", "2", "--gradient-accumulation-steps", "2", "--steps-per-generation", "3"],
             r"steps_per_generation \(3\) must be a positive multiple of gradient_accumulation_steps \(2\)",

@@ -76,7 +76,8 @@ class FixedRollout:
 def fused_gaps(opts: dict) -> dict:
     """TRL's metrics that the fused path does not log, and why (docs/trl.md's table)."""
     gaps = {}
-    if opts.get("entropy_coef", 0.0) == 0.0 and opts.get("top_entropy_quantile", 1.0) == 1.0:
+    computed = opts.get("entropy_coef", 0.0) != 0.0 or opts.get("use_adaptive_entropy", False)
+    if not computed and opts.get("top_entropy_quantile", 1.0) == 1.0:
         gaps["entropy"] = "per-token entropies are computed only when an option needs them"
     if opts["loss_type"] in CLIP_FAMILY:
         why = "per-sequence clip fractions: the fused kernel returns batch sums only"
@@ -158,6 +159,7 @@ def base_model():
     return AutoModelForCausalLM.from_pretrained(default_task.ASSET_DIR, dtype=torch.float32)
 
 
+ADAPTIVE = dict(use_adaptive_entropy=True, entropy_coef=0.05, entropy_coef_delta=0.1)
 CASES = {  # name: (GRPOConfig options, sampler: None, "logprobs" or "vllm", held-out evaluation)
     # the entropy bonus: policy_loss and entropy_coef (issue 48), with KL, iterations, the entropy mask
     "grpo-bonus-beta-eval": (dict(loss_type="grpo", entropy_coef=0.05, beta=0.04), None, True),
@@ -167,6 +169,17 @@ CASES = {  # name: (GRPOConfig options, sampler: None, "logprobs" or "vllm", hel
         None,
         False,
     ),
+    # the adaptive entropy control (Skywork-OR1): no bonus at the first step, the coefficient rising by 0.1 at
+    # each step to 0.35 (a target of 100 nats: the entropy is below it), with held-out evaluation (its loss
+    # applies the bonus, its entropy is measured and does not move the coefficient) and with the entropy mask
+    # (measured and applied on the kept tokens); falling by 0.1 to 0 at TRL's default target of 0.2 nats
+    "grpo-adaptive_bonus-eval": (dict(loss_type="grpo", entropy_target=100.0, **ADAPTIVE), None, True),
+    "dapo-adaptive_bonus-entropy_mask": (
+        dict(loss_type="dapo", entropy_target=100.0, top_entropy_quantile=0.2, **ADAPTIVE),
+        None,
+        False,
+    ),
+    "bnpo-adaptive_falling": (dict(loss_type="bnpo", **{**ADAPTIVE, "entropy_coef": 0.15}), None, False),
     # every other loss type, the IS correction's modes and the other options, without the bonus
     "bnpo-entropy_mask-beta-iterations": (
         dict(loss_type="bnpo", top_entropy_quantile=0.2, beta=0.04, num_iterations=2),
@@ -217,6 +230,10 @@ def test_log_history_equals_trl(base_model, tmp_path, case):
     if opts.get("entropy_coef"):  # each case exercises what it is named after
         assert {"policy_loss", "entropy_coef", "eval_policy_loss" if evaluate else "policy_loss"} <= logged
         assert "eval_entropy_coef" not in logged  # TRL: at optimizer steps only
+    if opts.get("use_adaptive_entropy"):
+        coef = [r["entropy_coef"] for r in theirs if "entropy_coef" in r]
+        rising = opts.get("entropy_target", 0.2) > 1
+        assert coef == pytest.approx([0.15, 0.25, 0.35] if rising else [0.05, 0.0, 0.0])
     if sampler == "vllm":
         assert "sampling/importance_sampling_ratio/mean" in logged
     if opts.get("num_iterations", 1) > 1 and opts["loss_type"] in CLIP_FAMILY + ("cispo",):

@@ -20,10 +20,11 @@ support, a distributed wrapper) keeps TRL's generation, with a warning saying wh
 Every loss option of TRL 1.16 goes to the kernel with TRL's meaning: every loss_type (grpo, bnpo, dr_grpo,
 dapo, cispo, sapo, luspo, vespo), delta, the vLLM importance-sampling correction (the kernel recomputes TRL's
 ratio from old_per_token_logps and sampling_per_token_logps), off_policy_mask_threshold, top_entropy_quantile
-and a static entropy_coef (entropies come from the same sweep over the vocabulary).
+and entropy_coef, static or adaptive (use_adaptive_entropy: TRL's controller state, measured on the entropies
+the kernel computes in the same sweep over the vocabulary).
 
 What does not change: generation (by default), rewards, advantages, logging, checkpoints, accelerate. Anything
-this path does not cover (the adaptive entropy controller, MoE aux losses, multimodal inputs, logit scaling or
+this path does not cover (MoE aux losses, multimodal inputs, logit scaling or
 soft-capping, a model wrapped or sharded for distributed training: DDP, FSDP, ZeRO-3) runs TRL's own code,
 with a one-line warning saying why. Metrics (docs/trl.md's table): TRL's names, scaling and timing for kl,
 clip_ratio/{low,high,region}_mean, cispo_clip_ratio, vespo/phi_seq_mean and, with the entropy bonus,
@@ -38,7 +39,7 @@ import torch
 import trl
 
 from ..kernels import fused_linear_grpo_loss, fused_linear_logprobs
-from ..kernels.loss_variants import top_entropy_mask
+from ..kernels.loss_variants import adaptive_entropy_coef
 from ..models.model_parts import decoder_of, lm_head_of
 from ..models.shared_prefix import shared_prefix_forward
 from ..rollout import dtypes, generate_groups, is_exact, native
@@ -110,7 +111,6 @@ class GRPOTrainer(trl.GRPOTrainer):
                 self.loss_type not in FUSED_LOSS_TYPES,
                 f"loss_type={self.loss_type!r} is not one of {FUSED_LOSS_TYPES}",
             ),
-            (getattr(self, "use_adaptive_entropy", False), "the adaptive entropy controller"),
             (self.aux_loss_enabled, "a MoE router aux loss"),
             (bool(scaled), f"the model scales or soft-caps its logits ({', '.join(scaled)})"),
             (not isinstance(lm_head_of(self.model), torch.nn.Linear), "the LM head is not a plain nn.Linear"),
@@ -236,8 +236,15 @@ class GRPOTrainer(trl.GRPOTrainer):
         compute_aux_loss=False,
         **multimodal,
     ):
-        """Reference / old log-probs (and entropies when asked) through `fused_linear_logprobs`."""
-        if compute_aux_loss or self._sharded_reason(model) or any(v is not None for v in multimodal.values()):
+        """Reference / old log-probs (and entropies when asked) through `fused_linear_logprobs`; TRL's own
+        wherever its loss runs too (`fused_fallback_reason`: a model that scales or soft-caps its logits is
+        scored as TRL's fused head scores it, from the config)."""
+        if (
+            getattr(self, "fused_fallback_reason", None)
+            or compute_aux_loss
+            or self._sharded_reason(model)
+            or any(v is not None for v in multimodal.values())
+        ):
             return super()._get_per_token_logps_and_entropies(
                 model,
                 input_ids,
@@ -310,10 +317,14 @@ class GRPOTrainer(trl.GRPOTrainer):
             and (mixed or not is_exact("native", native.engine_for(model).rollout_dtype))
         )
         correcting = inexact and self.vllm_importance_sampling_correction
+        args = self.args
+        # TRL's gating: the adaptive coefficient acts only once the last optimizer step measured an entropy at
+        # or below the target
         entropy_coef = self.entropy_coef if self._entropy_bonus_enabled else 0.0
+        if self.use_adaptive_entropy and not self._last_world_entropy <= args.entropy_target:
+            entropy_coef = 0.0
         if self.loss_type in ITEM_NORMALIZED:  # TRL's bonus is / accumulation whatever the loss type
             entropy_coef = entropy_coef / accumulation
-        args = self.args
         with self._head_precision():
             loss, metrics = fused_linear_grpo_loss(
                 hidden,
@@ -347,10 +358,10 @@ class GRPOTrainer(trl.GRPOTrainer):
                 vespo_lambda_neg=args.vespo_lambda_neg,
                 top_entropy_quantile=self.top_entropy_quantile,
                 entropy_coef=entropy_coef,
+                compute_entropy=self.use_adaptive_entropy,  # measured at a coefficient of 0 too
             )
-        if self._entropy_bonus_enabled:  # the kernel's loss is TRL's policy_loss - coef x H
-            entropy = self._bonus_entropy(metrics, (hidden, weight, bias), completion_ids, mask)
-            self._log_entropy_bonus(mode, loss.detach() + entropy_coef * entropy)
+        if self._entropy_bonus_enabled:
+            self._entropy_bonus_step(mode, loss.detach(), entropy_coef, metrics)
         if self.loss_type not in ITEM_NORMALIZED:  # TRL scales these for accumulation; num_items does it
             loss = loss / accumulation
 
@@ -379,23 +390,29 @@ class GRPOTrainer(trl.GRPOTrainer):
                 self._metrics[mode][theirs].append(reduce_mean(metrics[ours]))
         return loss
 
-    def _bonus_entropy(self, metrics, head, completion_ids, mask):
-        """H, the mean entropy of the tokens the entropy bonus acts on: every active token's (the logged
-        `entropy`), or under top_entropy_quantile those the top-entropy mask keeps, rescored here (one forward
-        of the LM head, no gradient; the kernel does not return per-token entropies)."""
-        if self.top_entropy_quantile >= 1.0:
-            return metrics["entropy"]
-        hidden, weight, bias = head
-        with torch.no_grad(), self._head_precision():
-            _, entropies = fused_linear_logprobs(
-                hidden, weight, completion_ids, bias=bias, temperature=self.temperature, return_entropy=True
-            )
-        kept = mask.float() * top_entropy_mask(entropies, mask, self.top_entropy_quantile)
-        return (entropies * kept).sum() / kept.sum().clamp(min=1.0)
-
-    def _log_entropy_bonus(self, mode, policy_loss):
-        """TRL's names and timing: `policy_loss` (the loss before the bonus, and before the accumulation
-        scaling of the loss types that take it after) each micro-batch, `entropy_coef` each optimizer step."""
+    def _entropy_bonus_step(self, mode, loss, entropy_coef, metrics):
+        """TRL's entropy-bonus bookkeeping, names and timing. `policy_loss` each micro-batch: the loss before
+        the bonus (the kernel's loss is policy_loss - coef x H, H the mean entropy of the tokens the bonus
+        acts on: the kernel's `bonus_entropy`), before the accumulation scaling of the loss types that take
+        it after. Under use_adaptive_entropy (training only), the window's token-weighted entropy over all
+        ranks moves the coefficient at the optimizer step, in TRL's own state (saved and restored by its
+        checkpoints). `entropy_coef` each optimizer step, after that update."""
+        entropy, tokens = metrics.pop("bonus_entropy"), metrics.pop("bonus_tokens")
+        policy_loss = loss + entropy_coef * entropy
         self._metrics[mode]["policy_loss"].append(self.accelerator.gather(policy_loss).nanmean().item())
-        if mode == "train" and self.accelerator.sync_gradients:
+        if mode != "train":
+            return
+        if self.use_adaptive_entropy:
+            stats = torch.stack([entropy * tokens, tokens]).detach()
+            window = self._entropy_window_stats
+            self._entropy_window_stats = stats if window is None else window + stats
+            if self.accelerator.sync_gradients:
+                total, count = self.accelerator.reduce(self._entropy_window_stats, reduction="sum").tolist()
+                world_entropy, a = total / max(count, 1.0), self.args
+                self.entropy_coef = adaptive_entropy_coef(
+                    self.entropy_coef, world_entropy, target=a.entropy_target, delta=a.entropy_coef_delta,
+                    coef_min=a.entropy_coef_min, coef_max=a.entropy_coef_max,
+                )  # fmt: skip
+                self._last_world_entropy, self._entropy_window_stats = world_entropy, None
+        if self.accelerator.sync_gradients:
             self._metrics[mode]["entropy_coef"].append(self.entropy_coef)

@@ -249,11 +249,31 @@ class GRPOConfig:
     top_entropy_quantile: float = _f(
         1.0, "train only on each micro-batch's highest-entropy tokens, this fraction of them (1 = all)"
     )
-    entropy_coef: float = _f(0.0, "entropy bonus: the loss minus this x the mean entropy of trained tokens")
+    entropy_coef: float = _f(
+        0.0,
+        "entropy bonus: the loss minus this x the mean entropy of trained tokens (the initial coefficient "
+        "under --use-adaptive-entropy)",
+    )
+    use_adaptive_entropy: bool = _f(
+        False,
+        "Skywork-OR1's adaptive entropy control (TRL's): after each optimizer step the coefficient rises by "
+        "entropy_coef_delta when the step's mean entropy (its trained tokens, all ranks) is at or below "
+        "entropy_target, else falls by it, within [entropy_coef_min, entropy_coef_max]; a step applies it "
+        "only when the step before measured at or below the target (not the first step)",
+    )
+    entropy_coef_min: float = _f(0.0, "lower bound of the adaptive entropy coefficient")
+    entropy_coef_max: float = _f(1.0, "upper bound of the adaptive entropy coefficient")
+    entropy_coef_delta: float = _f(0.005, "the adaptive entropy coefficient's change per optimizer step")
+    entropy_target: float = _f(
+        0.2,
+        "the mean per-token entropy (nats) the adaptive control holds: the bonus acts at or below it "
+        "(TRL's default 0.2 acts on near collapse only; set it near the entropy seen early in training)",
+    )
     skip_zero_advantage_groups: bool = _f(
         True,
         "leave out of the optimization the groups whose every sample has advantage 0 (equal rewards): "
-        "their gradient is exactly 0 when beta = 0, entropy_coef = 0 and top_entropy_quantile = 1 "
+        "their gradient is exactly 0 when beta = 0, entropy_coef = 0 (no adaptive entropy) and "
+        "top_entropy_quantile = 1 "
         "(otherwise, and under torchrun, they train); the normalizers still count their tokens and rows. "
         "The step's per-token diagnostics (entropy, rollout mismatch) then cover the trained groups; clip "
         "ratios keep TRL's meaning",
@@ -546,6 +566,14 @@ def validate(cfg: GRPOConfig, require_reward: bool = True) -> GRPOConfig:
         raise ValueError(f"ref_model_sync_steps must be >= 1, got {cfg.ref_model_sync_steps}")
     if not 0 <= cfg.top_entropy_quantile <= 1:
         raise ValueError(f"top_entropy_quantile must be in [0, 1], got {cfg.top_entropy_quantile}")
+    if cfg.use_adaptive_entropy:
+        if not cfg.entropy_coef_min <= cfg.entropy_coef_max:
+            raise ValueError(
+                f"entropy_coef_min ({cfg.entropy_coef_min}) must be <= entropy_coef_max "
+                f"({cfg.entropy_coef_max})"
+            )
+        if not cfg.entropy_coef_delta >= 0:
+            raise ValueError(f"entropy_coef_delta must be >= 0, got {cfg.entropy_coef_delta}")
     check_correction(cfg)
     generation_steps(cfg)
     correcting = cfg.vllm_importance_sampling_correction and cfg.rollout == "vllm"

@@ -43,7 +43,7 @@ from .modeling import fp32_source, load_model_and_tokenizer, load_weights_from_c
 from .optimizers import AdamW16, build_optimizer
 from .precision import Precision, kept_on_resume
 from .precision import resolve_agreed as resolve_precision
-from .step import server_mode
+from .step import EntropyControl, server_mode
 from .stopping import Signals
 
 
@@ -84,6 +84,7 @@ class Run:
     rollouts: object = None  # where each step's rollout comes from (grpo_fast.trainer.rollouts)
     rollout_copy: torch.nn.Module | None = None  # colocated async: the generation thread's weights
     signals: Signals = field(default_factory=Signals)  # SIGTERM / Ctrl-C (grpo_fast.trainer.stopping)
+    entropy: EntropyControl | None = None  # the entropy bonus's coefficient (adaptive: its controller)
 
     @property
     def multi_turn(self) -> bool:
@@ -167,6 +168,7 @@ def setup(cfg: GRPOConfig) -> Run:
         eval_rows=eval_rows[: cfg.eval_max_samples], resume_from=resume_from, packer=packer,
         tools=tools, environment_factory=env_factory, rollout_copy=rollout_copy,
         identity=from_rank0(lambda: ckpt_mod.run_id(out, cfg.resume), dist),
+        entropy=EntropyControl(cfg.entropy_coef),
     )  # fmt: skip
     if resume_from is not None:
         resume(run)
@@ -318,6 +320,8 @@ def resume(run: Run) -> None:
     )
     run.sampler.load_state_dict(state["sampler"])
     run.step, run.elapsed_train = state["step"], state.get("elapsed_train_s", 0.0)
+    if cfg.use_adaptive_entropy and "entropy_control" in state:  # the coefficient where the run left it
+        run.entropy.load_state_dict(state["entropy_control"])
     run.saved[run.step] = run.resume_from
     if dist.world > 1:  # per-rank sampling streams, reproducible from (seed, rank, step)
         run.generator.manual_seed(cfg.seed + dist.rank + 7919 * run.step)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels import fused_linear_grpo_loss, fused_linear_logprobs, group_advantages
+from ..kernels.loss_variants import adaptive_entropy_coef
 from ..models.model_parts import lm_head_of
 from ..rewards import score, weighted_sum
 from ..rollout import generate_groups, is_exact, native, resolve_engine, server, vllm_engine
@@ -502,7 +503,7 @@ def skips_zero_advantage(cfg: GRPOConfig, dist: DistInfo) -> bool:
     micro-batch it is in (top_entropy_quantile); not under torchrun, whose ranks must run as many micro-
     batches each."""
     return (
-        cfg.skip_zero_advantage_groups and cfg.beta == 0.0 and cfg.entropy_coef == 0.0
+        cfg.skip_zero_advantage_groups and cfg.beta == 0.0 and not entropy_bonus(cfg)
         and cfg.top_entropy_quantile >= 1.0 and not dist.on
     )  # fmt: skip
 
@@ -618,6 +619,41 @@ def optimize(run, ro: Rollout, sc: Scored) -> tuple[dict, float, int]:
     return metrics, grad_norm, sum(len(rows) for _, rows, _, _ in steps)
 
 
+def entropy_bonus(cfg: GRPOConfig) -> bool:
+    """Whether the loss holds an entropy bonus: a coefficient, or the adaptive control of one (TRL's
+    _entropy_bonus_enabled: on for the run, whatever the coefficient has become)."""
+    return cfg.entropy_coef != 0.0 or cfg.use_adaptive_entropy
+
+
+@dataclass
+class EntropyControl:
+    """The entropy bonus's coefficient, and under use_adaptive_entropy Skywork-OR1's control of it, as TRL
+    1.16 runs it: a step applies the coefficient only where the step before measured a mean entropy at or
+    below entropy_target (none measured before the first step: no bonus there); after each step the step's
+    mean entropy, over the tokens the bonus acts on, all ranks, moves it (`adaptive_entropy_coef`)."""
+
+    coef: float
+    last_entropy: float = math.inf
+
+    def applied(self, cfg: GRPOConfig) -> float:
+        if cfg.use_adaptive_entropy and not self.last_entropy <= cfg.entropy_target:
+            return 0.0
+        return self.coef
+
+    def update(self, cfg: GRPOConfig, entropy: float) -> None:
+        self.coef = adaptive_entropy_coef(
+            self.coef, entropy, target=cfg.entropy_target, delta=cfg.entropy_coef_delta,
+            coef_min=cfg.entropy_coef_min, coef_max=cfg.entropy_coef_max,
+        )  # fmt: skip
+        self.last_entropy = entropy
+
+    def state_dict(self) -> dict:
+        return {"entropy_coef": self.coef, "last_entropy": self.last_entropy}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.coef, self.last_entropy = float(state["entropy_coef"]), float(state["last_entropy"])
+
+
 def optimizer_step(run, ro, sc, batches, micro, weights, old, ref, n_items, options, trained, metrics):
     """One optimizer step over its micro-batches (their gradients summed, clipped, stepped), the step's token
     metrics accumulated into `metrics` (their share of `trained`, the pass's tokens). Returns the step's
@@ -627,11 +663,13 @@ def optimizer_step(run, ro, sc, batches, micro, weights, old, ref, n_items, opti
     scale = run.scaler.scale if run.scaler is not None else (lambda x: x)  # fp16: the loss scaled
     step_tokens = sum((sc.loss_mask[i].sum() for i in micro), trained.new_zeros(())).float()
     total = torch.zeros((), device=trained.device)
+    adaptive, applied = cfg.use_adaptive_entropy, run.entropy.applied(cfg)
+    measured = torch.zeros(2, device=trained.device)  # the bonus's tokens: entropy sum, count
     for k, (i, b) in enumerate(zip(micro, batches)):
         share = sc.loss_mask[i].sum() / trained.clamp(min=1)  # token metrics: their mean
         # the entropy bonus is a mean over the step's tokens: this micro-batch's share of it
         in_step = float(sc.loss_mask[i].sum() / step_tokens.clamp(min=1))
-        coef = cfg.entropy_coef * in_step / weights[k] if cfg.entropy_coef else 0.0
+        coef = applied * in_step / weights[k] if applied else 0.0
         with gradient_sync(run.policy, k == len(micro) - 1):
             with autocast:
                 loss, m = run.policy(
@@ -644,10 +682,13 @@ def optimizer_step(run, ro, sc, batches, micro, weights, old, ref, n_items, opti
                     ro.sampling_logps[i],
                     n_items,
                     cfg,
-                    {**options, "entropy_coef": coef},
+                    {**options, "entropy_coef": coef, "compute_entropy": adaptive},
                 )
             scale(loss * weights[k]).backward()
         total = total + loss.detach() * weights[k]
+        tokens, entropy = m.pop("bonus_tokens", None), m.pop("bonus_entropy", None)
+        if adaptive:
+            measured += torch.stack([entropy * tokens, tokens]).to(measured)
         for key, v in m.items():
             metrics[key] = accumulate(key, metrics.get(key), v.detach(), share)
     if not micro:  # every group had advantage 0: the optimizer still steps, on zero gradients (as TRL's)
@@ -664,6 +705,9 @@ def optimizer_step(run, ro, sc, batches, micro, weights, old, ref, n_items, opti
     run.scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)
     run.step += 1
+    if adaptive:  # the step's token-weighted mean over all ranks sets the next step's coefficient
+        entropy_sum, count = all_sum(measured, run.dist).tolist()
+        run.entropy.update(cfg, entropy_sum / max(count, 1.0))
     if cfg.sync_ref_model and run.step % cfg.ref_model_sync_steps == 0:
         sync_reference(run.ref_policy, run.policy, cfg.ref_model_mixup_alpha)
     return total, grad_norm
@@ -726,6 +770,7 @@ def step_record(run, ro: Rollout, sc: Scored, metrics: dict, grad_norm: float, t
         "clip_ratio": metrics.pop("clip_ratio", 0.0),
         "loss": metrics.pop("loss"),
         **{f"loss/{k}": v for k, v in metrics.items()},  # the loss type's clip ratios, the mismatch, masks
+        **({"entropy_coef": run.entropy.coef} if entropy_bonus(run.cfg) else {}),  # after the last step
         "grad_norm": grad_norm,
         "completion_len_mean": n_completion_tokens / len(rewards),
         "completion_len_max": int(all_gather_rows(ro.model_mask.sum(1), dist).max()),

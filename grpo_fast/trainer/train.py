@@ -255,6 +255,8 @@ def save(run: Run, at_step: int) -> Path:
         return run.saved[at_step]
     cfg, dist = run.cfg, run.dist
     extra = {"elapsed_train_s": run.elapsed_train, "config": to_dict(cfg), "world_size": dist.world}
+    if cfg.use_adaptive_entropy:
+        extra["entropy_control"] = run.entropy.state_dict()
     model_state = full_model_state(run.policy, dist) if dist.kind == "fsdp" and dist.on else None
     optimizer_state = full_optimizer_state(run.policy, run.optimizer, dist)  # a collective: every rank
     # a moving reference (sync_ref_model) is no longer the base a resumed run would rebuild: saved with it
