@@ -708,3 +708,22 @@ def test_gradient_checkpointing_bf16_and_no_shared_prefix(tmp_path):
     assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in steps)
     cfg = json.loads((tmp_path / "run" / "config.json").read_text())
     assert cfg["resolved"]["dtype"] == "bf16" and cfg["gradient_checkpointing"] is True
+
+
+@pytest.mark.parametrize("disable", [False, True])
+def test_disable_dropout_zeroes_the_dropouts_trl_does(disable):
+    """--disable-dropout (TRL's name, default off): the model as training gets it has every nn.Dropout at
+    p = 0, LoRA's included; the modules zeroed are those TRL's own disable_dropout_in_model zeroes."""
+    from trl.trainer.utils import disable_dropout_in_model
+
+    from grpo_fast.trainer.modeling import load_model_and_tokenizer
+
+    argv = ["--lora-r", "4", "--lora-dropout", "0.3", *(["--disable-dropout"] if disable else [])]
+    model, _, _ = load_model_and_tokenizer(parse_config(argv), torch.device("cpu"))
+    dropouts = {n: m.p for n, m in model.named_modules() if isinstance(m, torch.nn.Dropout)}
+    assert dropouts and any("lora_dropout" in n for n in dropouts)
+    plain, _, _ = load_model_and_tokenizer(parse_config(argv[:4]), torch.device("cpu"))
+    if disable:
+        disable_dropout_in_model(plain)
+    assert dropouts == {n: m.p for n, m in plain.named_modules() if isinstance(m, torch.nn.Dropout)}
+    assert set(dropouts.values()) == ({0.0} if disable else {0.3})

@@ -64,6 +64,11 @@ class GRPOConfig:
     lora_r: int = _f(0, "LoRA rank (0 = train all weights); the reference model is the base, adapters off")
     lora_alpha: int = _f(16, "LoRA alpha")
     lora_dropout: float = _f(0.0, "LoRA dropout")
+    disable_dropout: bool = _f(
+        False,
+        "every nn.Dropout module of the policy and reference at p = 0, LoRA's included (TRL's name and "
+        "default): the training forward then scores as the no-grad forwards (old and reference log-probs) do",
+    )
     lora_target_modules: str = _f("all-linear", "LoRA target modules (comma-separated names or all-linear)")
     dataset: str = _f("", "local JSONL/JSON/CSV/Parquet file or Hub dataset name; empty = the embedded task")
     dataset_split: str = _f("train", "split of a Hub dataset")

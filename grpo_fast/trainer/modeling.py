@@ -81,7 +81,8 @@ def load_model_and_tokenizer(cfg, device):
 
 
 def prepare_for_training(model, cfg):
-    """Gradient checkpointing and LoRA adapters as `cfg` asks (the memory estimator's probe does the same)."""
+    """Gradient checkpointing, LoRA adapters and disable_dropout as `cfg` asks (the memory estimator's probe
+    does the same)."""
     if cfg.gradient_checkpointing:
         # the recomputation runs the forward's attention (shared_prefix_forward's segment attention)
         enable_checkpointing(model, checkpointing_kwargs(model))
@@ -101,6 +102,10 @@ def prepare_for_training(model, cfg):
                 task_type="CAUSAL_LM",
             ),
         )
+    if cfg.disable_dropout:  # TRL's: every nn.Dropout module (LoRA's too) at p = 0; the reference is a copy
+        for module in model.modules():
+            if isinstance(module, torch.nn.Dropout):
+                module.p = 0.0
     return model
 
 
