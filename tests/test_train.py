@@ -727,3 +727,40 @@ def test_disable_dropout_zeroes_the_dropouts_trl_does(disable):
         disable_dropout_in_model(plain)
     assert dropouts == {n: m.p for n, m in plain.named_modules() if isinstance(m, torch.nn.Dropout)}
     assert set(dropouts.values()) == ({0.0} if disable else {0.3})
+
+
+@pytest.mark.parametrize("cast", [False, True])
+def test_cast_lm_head_to_fp32_scores_from_fp32_logits(cast):
+    """--cast-lm-head-to-fp32 (TRL's, the ScaleRL recipe) under --bf16: the body runs in bf16 autocast, the
+    LM head's GEMM in fp32. The old / reference log-probs and the loss then equal fp64 arithmetic on the
+    body's hidden states to fp32 rounding; without it the bf16 GEMM is ~1e-2 off (which shows the test
+    can tell them apart). --dtype bf16 is refused (the head would be fp32 among bf16 weights)."""
+    from grpo_fast.trainer.modeling import completion_hidden_states
+    from grpo_fast.trainer.step import loss_options, policy_loss, sequence_logps
+
+    cfg = parse_config(["--bf16", "--temperature", "0.8", *(["--cast-lm-head-to-fp32"] if cast else [])])
+    model = AutoModelForCausalLM.from_pretrained(default_task.ASSET_DIR, dtype=torch.float32)
+    g = torch.Generator().manual_seed(0)
+    n, G, P, C, V = 2, 3, 6, 8, model.config.vocab_size
+    batch = (
+        torch.randint(3, V, (n, P), generator=g), torch.ones(n, P, dtype=torch.long),
+        torch.randint(3, V, (n * G, C), generator=g), torch.ones(n * G, C, dtype=torch.long), None,
+    )  # fmt: skip
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        hidden = completion_hidden_states(model, *batch[:4], share_prefix=cfg.share_prefix)
+    logits = hidden.double() @ model.lm_head.weight.double().T / 0.8
+    want = torch.log_softmax(logits, -1).gather(-1, batch[2][..., None]).squeeze(-1)
+    with torch.no_grad():
+        got = sequence_logps(model, batch, cfg)
+    err = (got.double() - want).abs().max().item()
+    assert err < 1e-4 if cast else err > 1e-3, err
+    adv, mask = torch.randn(n * G, generator=g), batch[3]
+    old = want.float() + 0.1 * torch.randn(n * G, C, generator=g)
+    options = {**loss_options(cfg, "native"), "sampling_correction": None}  # no engine's log-probs here
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        loss, _ = policy_loss(model, batch, mask, adv, old, None, None, mask.sum(), cfg, options)
+    ref, _ = naive_grpo_loss(want, adv, mask, old_logps=old, num_items_in_batch=mask.sum())
+    assert abs(loss.item() - ref.item()) < (1e-5 if cast else 1.0)
+    if cast:
+        with pytest.raises(ValueError, match="cast_lm_head_to_fp32 needs --dtype fp32"):
+            train(parse_config(["--cast-lm-head-to-fp32", "--dtype", "bf16"]))

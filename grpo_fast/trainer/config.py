@@ -45,6 +45,12 @@ class GRPOConfig:
         "rollouts and held-out evaluation then sample in bf16",
     )
     fp16: bool = _f(False, "fp16 mixed precision: autocast to fp16, the loss scaled (TRL's name)")
+    cast_lm_head_to_fp32: bool = _f(
+        False,
+        "the LM head's GEMM in fp32 under --bf16 / --fp16, outside the autocast region (TRL's name, the "
+        "ScaleRL recipe: the log-probs of the loss and of the old and reference policies from fp32 logits); "
+        "needs fp32 weights (--dtype fp32)",
+    )
     optim: str = _f(
         "adamw_torch_fused",
         "optimizer, HF's names: adamw_torch_fused (default) / adamw_torch; on bf16 weights both keep fp32 "
@@ -571,6 +577,12 @@ def validate(cfg: GRPOConfig, require_reward: bool = True) -> GRPOConfig:
         raise ValueError(f"ref_model_sync_steps must be >= 1, got {cfg.ref_model_sync_steps}")
     if not 0 <= cfg.top_entropy_quantile <= 1:
         raise ValueError(f"top_entropy_quantile must be in [0, 1], got {cfg.top_entropy_quantile}")
+    if cfg.cast_lm_head_to_fp32 and cfg.dtype != "fp32":
+        raise ValueError(
+            f"cast_lm_head_to_fp32 needs --dtype fp32, got --dtype {cfg.dtype}: the LM head would be the one "
+            "fp32 module among 16-bit weights (and its tied embeddings with it), which the rollout engines "
+            "do not run; with fp32 weights the head's GEMM runs in fp32 under --bf16"
+        )
     if cfg.use_adaptive_entropy:
         if not cfg.entropy_coef_min <= cfg.entropy_coef_max:
             raise ValueError(

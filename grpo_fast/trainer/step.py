@@ -382,9 +382,20 @@ def sequence_logps(model, batch, cfg: GRPOConfig):
     with precision_of(cfg).autocast_context(device):
         hidden = completion_hidden_states(model, *batch[:4], share_prefix=cfg.share_prefix, counts=batch[4])
         head = lm_head_of(model)
-        return fused_linear_logprobs(
-            hidden, head.weight, batch[2], bias=head.bias, temperature=cfg.temperature
-        )
+        hidden, precision = head_input(hidden, cfg)
+        with precision:
+            return fused_linear_logprobs(
+                hidden, head.weight, batch[2], bias=head.bias, temperature=cfg.temperature
+            )
+
+
+def head_input(hidden, cfg: GRPOConfig):
+    """The LM head's input and the precision its GEMM runs in: the training forward's (under --bf16 / --fp16
+    a 16-bit GEMM, fp32 accumulation in the kernels), or under cast_lm_head_to_fp32 (TRL's, the ScaleRL
+    recipe) fp32, outside the autocast region, on the fp32 weights."""
+    if not cfg.cast_lm_head_to_fp32:
+        return hidden, nullcontext()
+    return hidden.float(), torch.autocast(hidden.device.type, enabled=False)
 
 
 def sampling_correction(cfg: GRPOConfig, engine: str, rollout_dtype: str = "model"):
@@ -431,20 +442,22 @@ def policy_loss(
     caller runs it inside the training precision's autocast region)."""
     hidden = completion_hidden_states(model, *batch[:4], share_prefix=cfg.share_prefix, counts=batch[4])
     head = lm_head_of(model)
-    return fused_linear_grpo_loss(
-        hidden,
-        head.weight,
-        batch[2],
-        loss_mask,
-        advantages,
-        bias=head.bias,
-        temperature=cfg.temperature,
-        old_logps=old_logps,
-        ref_logps=ref_logps,
-        sampling_logps=sampling_logps,
-        num_items_in_batch=n_items,
-        **options,
-    )
+    hidden, precision = head_input(hidden, cfg)
+    with precision:
+        return fused_linear_grpo_loss(
+            hidden,
+            head.weight,
+            batch[2],
+            loss_mask,
+            advantages,
+            bias=head.bias,
+            temperature=cfg.temperature,
+            old_logps=old_logps,
+            ref_logps=ref_logps,
+            sampling_logps=sampling_logps,
+            num_items_in_batch=n_items,
+            **options,
+        )
 
 
 def micro_batches(ro: Rollout, loss_mask, cfg: GRPOConfig, packer=None, dist: DistInfo | None = None):
