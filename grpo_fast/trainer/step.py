@@ -621,7 +621,7 @@ def optimize(run, ro: Rollout, sc: Scored) -> tuple[dict, float, int]:
             _, rows, _, weights = steps[j]
             loss, grad_norm = optimizer_step(
                 run, ro, sc, batches[j], rows, weights, old and old[j], ref and ref[j], n_items, options,
-                trained, metrics,
+                (trained_of[j], trained), metrics,
             )  # fmt: skip
             losses.append(loss)
     for key in CLIP_KEYS:
@@ -667,14 +667,14 @@ class EntropyControl:
         self.coef, self.last_entropy = float(state["entropy_coef"]), float(state["last_entropy"])
 
 
-def optimizer_step(run, ro, sc, batches, micro, weights, old, ref, n_items, options, trained, metrics):
+def optimizer_step(run, ro, sc, batches, micro, weights, old, ref, n_items, options, tokens, metrics):
     """One optimizer step over its micro-batches (their gradients summed, clipped, stepped), the step's token
-    metrics accumulated into `metrics` (their share of `trained`, the pass's tokens). Returns the step's
-    loss and gradient norm."""
+    metrics accumulated into `metrics` (their share of the pass's tokens). `tokens`: the trained tokens of
+    the step and of the pass. Returns the step's loss and gradient norm."""
     cfg = run.cfg
     autocast = run.precision.autocast_context(run.device)  # the forward only; backward runs as recorded
     scale = run.scaler.scale if run.scaler is not None else (lambda x: x)  # fp16: the loss scaled
-    step_tokens = sum((sc.loss_mask[i].sum() for i in micro), trained.new_zeros(())).float()
+    step_tokens, trained = tokens
     total = torch.zeros((), device=trained.device)
     adaptive, applied = cfg.use_adaptive_entropy, run.entropy.applied(cfg)
     measured = torch.zeros(2, device=trained.device)  # the bonus's tokens: entropy sum, count
