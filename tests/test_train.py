@@ -680,8 +680,15 @@ def test_config_file_with_flags_winning(tmp_path):
     cfg = parse_config(["--config", str(cfg_file), "--num-generations", "4"])
     assert (cfg.learning_rate, cfg.num_generations, cfg.beta) == (0.003, 4, 0.1)
     bad = _write(tmp_path, "bad.json", '{"learning_rat": 1}')
-    with pytest.raises(ValueError, match=r"unknown fields \['learning_rat'\]"):
+    with pytest.raises(ValueError, match=r"unknown fields \['learning_rat'\]$"):
         parse_config(["--config", str(bad)])
+    # a TRL user's fields that are named otherwise here: the error says what to write instead
+    trl_file = _write(tmp_path, "trl.yaml", "use_vllm: true\nper_device_train_batch_size: 8\nbeta: 0.1\n")
+    with pytest.raises(ValueError) as err:
+        parse_config(["--config", str(trl_file)])
+    said = str(err.value)
+    assert "unknown fields ['per_device_train_batch_size', 'use_vllm']" in said
+    assert "use_vllm: --rollout vllm" in said and "per_device_train_batch_size: --prompts-per-step" in said
     shutil.rmtree(tmp_path / "run", ignore_errors=True)
 
 

@@ -469,6 +469,26 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# TRL / transformers config fields a TRL user's file may hold that are not fields here: what says the same
+TRL_EQUIVALENTS = {
+    "per_device_train_batch_size": "--prompts-per-step, prompts per optimizer step over all ranks (TRL's "
+    "per_device_train_batch_size x processes x gradient_accumulation_steps / num_generations)",
+    "num_train_epochs": "--max-steps (optimizer steps)",
+    "use_vllm": "--rollout vllm (--vllm-mode colocate or server)",
+    "model_init_kwargs": "--dtype (fp32 or bf16)",
+    "resume_from_checkpoint": "--resume (the latest checkpoint in --output-dir)",
+    "save_strategy": "--save-steps N (0: at the end only)",
+    "eval_strategy": "--eval-steps N (0: before and after training)",
+    "generation_kwargs": "--temperature, --top-p, --top-k, --min-p",
+    "repetition_penalty": "none: the native engine samples without one",
+    "num_generations_eval": "none: held-out accuracy is greedy, one completion a prompt (--eval-max-samples)",
+    "per_device_eval_batch_size": "none: held-out evaluation runs in chunks of 64 prompts",
+    "use_liger_kernel": "--liger-kernels",
+    "gradient_checkpointing_kwargs": "--gradient-checkpointing",
+    "use_cpu": "none: the device is CUDA where there is one, else the CPU",
+}
+
+
 def load_config_file(path: str) -> dict:
     text = Path(path).read_text()
     if path.endswith((".yaml", ".yml")):
@@ -484,7 +504,9 @@ def load_config_file(path: str) -> dict:
     if "warmup_ratio" in unknown:  # transformers 5 folded it into warmup_steps, as we do
         raise ValueError(f"--config {path}: warmup_ratio is warmup_steps now (a value < 1 is a fraction)")
     if unknown:
-        raise ValueError(f"--config {path}: unknown fields {unknown}")
+        hints = [f"{k}: {TRL_EQUIVALENTS[k]}" for k in unknown if k in TRL_EQUIVALENTS]
+        said = f"; TRL's fields here: {'; '.join(hints)}" if hints else ""
+        raise ValueError(f"--config {path}: unknown fields {unknown}{said}")
     return {k.replace("-", "_"): v for k, v in data.items()}
 
 
