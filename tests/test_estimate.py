@@ -54,6 +54,16 @@ def test_estimate_parts_follow_the_flags():
     split = est.estimate(plan=Plan(False, 0.0), C=256)  # packed to nothing: one completion per micro-batch
     assert split["micro_batches"] == 8 and split["parts"]["activations"] < longer["parts"]["activations"] / 4
     assert e["kv_cache_unshared"] > p["rollout KV cache"]  # prefix sharing keeps one prompt KV per group
+    # fp32 log-probs held through a rollout's steps: 2 prompts x 4 completions x 64 tokens x 4 bytes a step's
+    # worth, for the reference (beta) and for each step that trains off-policy (not the first of one pass)
+    step_logps = 2 * 4 * 64 * 4
+    for flags, held in [
+        ([], 0), (["--beta", "0.04"], 1), (["--num-iterations", "2"], 1),
+        (["--steps-per-generation", "2"], 1), (["--steps-per-generation", "3", "--beta", "0.04"], 2 + 3),
+        (["--steps-per-generation", "2", "--num-iterations", "2"], 2),
+    ]:  # fmt: skip
+        cfg = parse_config(TINY + ["--max-completion-length", "64", *flags])
+        assert Estimator(cfg).estimate()["parts"]["old / reference log-probs"] == held * step_logps, flags
 
 
 def test_cuda_graphs_keep_the_rollout_buffers_through_training():

@@ -387,7 +387,10 @@ class Estimator:
             loss_fixed = min(tokens, TritonRows.chunk_rows(V)) * V * (6 if sixteen else 4) + head_grad
         # in mixed precision the 16-bit copy of the (fp32) head weight
         loss_fixed += V * H * 2 if self.precision.autocast else 0.0
-        logps = (2 if cfg.beta != 0 else 0) * n * steps * G * C * 4
+        # held through the rollout's steps: old log-probs for each step that trains off-policy (all of them
+        # under num_iterations > 1, else steps 2..k: the first is on-policy), reference ones for each (beta)
+        held = (steps if cfg.num_iterations > 1 else steps - 1) + (steps if cfg.beta != 0 else 0)
+        logps = held * n * G * C * 4
         old_ref = nograd if (cfg.beta != 0 or steps * cfg.num_iterations > 1) else 0.0
         train = {
             "gradients": p["trainable"],
