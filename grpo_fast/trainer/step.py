@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels import fused_linear_grpo_loss, fused_linear_logprobs, group_advantages
+from ..kernels._common import autocast_off
 from ..kernels.loss_variants import adaptive_entropy_coef
 from ..models.model_parts import lm_head_of
 from ..rewards import score, weighted_sum
@@ -395,7 +396,7 @@ def head_input(hidden, cfg: GRPOConfig):
     recipe) fp32, outside the autocast region, on the fp32 weights."""
     if not cfg.cast_lm_head_to_fp32:
         return hidden, nullcontext()
-    return hidden.float(), torch.autocast(hidden.device.type, enabled=False)
+    return hidden.float(), autocast_off(hidden.device)
 
 
 def sampling_correction(cfg: GRPOConfig, engine: str, rollout_dtype: str = "model"):
