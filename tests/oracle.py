@@ -123,12 +123,13 @@ def assert_within(name, out, ref, lowp, dtype):
 NEAR_TIE = 1e-4  # of the top logit's size: ~100x fp32 rounding through a model's layers
 
 
-def assert_greedy_row_equal(model, prompt, got, want, tie=NEAR_TIE):
+def assert_greedy_row_equal(model, prompt, got, want, tie=NEAR_TIE, repetition_penalty=1.0):
     """Greedy continuations `got` and `want` (1-D ids after the unpadded 1-D `prompt`) are equal, or first
-    differ where the model's two best next tokens (on the common prefix, one plain forward) are exactly the
-    two chosen and a near-tie: their logits within `tie` of the top logit's size. Another summation order
-    (AVX2 / AVX-512 / AMX kernels, another batch shape) may pick either there, and what follows differs
-    legitimately. Any other difference fails."""
+    differ where the model's two best next tokens (on the common prefix, one plain forward; under a
+    repetition penalty its logits penalized here, token by token) are exactly the two chosen and a near-tie:
+    their logits within `tie` of the top logit's size. Another summation order (AVX2 / AVX-512 / AMX kernels,
+    another batch shape) may pick either there, and what follows differs legitimately. Any other difference
+    fails."""
     n = min(len(got), len(want))
     differ = (got[:n] != want[:n]).nonzero()
     if len(differ) == 0:
@@ -136,7 +137,10 @@ def assert_greedy_row_equal(model, prompt, got, want, tie=NEAR_TIE):
         return
     j = int(differ[0])
     with torch.no_grad():
-        z = model(torch.cat([prompt, want[:j]])[None].to(prompt.device)).logits[0, -1].double()
+        context = torch.cat([prompt, want[:j]])
+        z = model(context[None].to(prompt.device)).logits[0, -1].double()
+    for tok in set(context.tolist()) if repetition_penalty != 1.0 else ():
+        z[tok] = z[tok] / repetition_penalty if z[tok] > 0 else z[tok] * repetition_penalty
     top = z.topk(2)
     gap, size = (top.values[0] - top.values[1]).item(), max(1.0, abs(top.values[0].item()))
     chosen = {int(got[j]), int(want[j])}
@@ -146,14 +150,14 @@ def assert_greedy_row_equal(model, prompt, got, want, tie=NEAR_TIE):
     )
 
 
-def assert_greedy_equal(model, prompt_ids, prompt_mask, G, got, want, tie=NEAR_TIE):
+def assert_greedy_equal(model, prompt_ids, prompt_mask, G, got, want, tie=NEAR_TIE, repetition_penalty=1.0):
     """`assert_greedy_row_equal` for every row of two batched rollouts: `got` and `want` are (ids, mask) of
     shape (n * G, C), row s continuing prompt s // G of the left-padded (prompt_ids, prompt_mask)."""
     assert got[0].shape[0] == want[0].shape[0] == prompt_ids.shape[0] * G
     for s in range(got[0].shape[0]):
         prompt = prompt_ids[s // G][prompt_mask[s // G].bool()]
         row = [ids[s][mask[s].bool()] for ids, mask in (got, want)]
-        assert_greedy_row_equal(model, prompt, *row, tie=tie)
+        assert_greedy_row_equal(model, prompt, *row, tie=tie, repetition_penalty=repetition_penalty)
 
 
 def assert_draws_follow(tok, probs):

@@ -200,6 +200,35 @@ def test_draw_reports_the_log_softmax_over_a_real_vocabulary():
         kern.draw(logits, u, 0.0)
 
 
+def test_draw_under_a_repetition_penalty_samples_the_penalized_softmax_and_reports_the_model_log_prob():
+    """With `seen` and a penalty, the one-pass draw samples softmax(penalized logits / T) (the penalty
+    written out here in fp64: a seen token's positive logit divided, its negative one multiplied) and reports
+    the unpenalized log_softmax(logits / T); seen tokens among the likeliest and the unlikeliest, a penalty
+    above 1 and one below."""
+    torch.manual_seed(0)
+    V, N, T = 2 * 256 + 88, 100_000, 0.8
+    logits = torch.randn(V, dtype=torch.float64) * 1.5
+    seen = torch.zeros(V, dtype=torch.bool)
+    seen[logits.argsort(descending=True)[:5]] = True
+    seen[logits.argsort()[:5]] = True
+    seen[::37] = True
+    for penalty in (1.8, 0.7):
+        z = torch.where(seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
+        rows = logits.float().expand(N, -1).contiguous()
+        tok, logp = kern.draw(rows, torch.rand(N), T, seen.expand(N, -1).contiguous(), penalty)
+        assert_draws_follow(tok, torch.softmax(z / T, 0))
+        want = torch.log_softmax(logits / T, 0)[tok]
+        torch.testing.assert_close(logp.double(), want, atol=2e-5, rtol=0)
+    # a real vocabulary, rows of different scales and a strong penalty: finite, the model's log-probs
+    logits = torch.randn(16, 49152) * torch.linspace(0.5, 8, 16)[:, None]
+    seen = torch.rand(16, 49152) < 0.01
+    tok, logp = kern.draw(logits, torch.rand(16), 1.0, seen, 20.0)
+    want = torch.log_softmax(logits.double(), -1).gather(-1, tok[:, None]).squeeze(-1)
+    torch.testing.assert_close(logp.double(), want, atol=2e-5, rtol=0)
+    with pytest.raises(RuntimeError, match="seen"):
+        kern.draw(logits, torch.rand(16), 1.0, seen[:, :10], 2.0)
+
+
 def test_kernels_release_the_gil():
     """A kernel call lets other Python threads run (colocated asynchronous GRPO trains on one while another
     decodes): with the interpreter's switch interval made huge, a thread that held the GIL through its call

@@ -430,6 +430,34 @@ def test_native_rollout_with_generation_kwargs_is_trls_generation(tmp_path, monk
         assert len(bigrams) == len(set(bigrams)), c
 
 
+def test_native_rollout_takes_the_repetition_penalty_and_generates_what_trl_generates(tmp_path, monkeypatch):
+    """TRL's repetition_penalty reaches the native engine (no fallback): near-greedy (temperature 1e-4, a
+    one-hot softmax) its completions equal TRL's own `model.generate` ones under the same penalty, and the
+    penalty is real: without it they differ."""
+    import warnings
+
+    model = AutoModelForCausalLM.from_pretrained(default_task.ASSET_DIR)
+    kw = dict(temperature=1e-4, repetition_penalty=3.0)  # strong enough to act within C = 7 tokens
+    trl_gen = _trainer(integ.GRPOTrainer, model, tmp_path, **kw)
+    native = _trainer(integ.GRPOTrainer, model, tmp_path / "n", {"rollout": "native"}, **kw)
+    plain = _trainer(integ.GRPOTrainer, model, tmp_path / "p", {"rollout": "native"}, temperature=1e-4)
+    tok = native._tokenizer
+    prompts = [
+        tok(r["prompt"], add_special_tokens=False).input_ids for r in default_task.dataset_rows("train")[:3]
+    ]
+    prompts = [p for p in prompts for _ in range(2)]
+    calls, orig = [], integ.generate_groups
+    monkeypatch.setattr(integ, "generate_groups", lambda *a, **k: calls.append(k) or orig(*a, **k))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a fallback to TRL's generation warns
+        got, _ = native._generate_single_turn(prompts, None, {}, 2)
+    assert len(calls) == 1 and calls[0]["repetition_penalty"] == 3.0
+    ref, _ = trl_gen._generate_single_turn(prompts, None, {}, 2)
+    assert got == ref
+    unpenalized, _ = plain._generate_single_turn(prompts, None, {}, 2)
+    assert unpenalized != got
+
+
 def test_native_rollout_takes_min_p(tmp_path, monkeypatch):
     """TRL's min_p reaches the native engine (transformers' order: after top-k and top-p), no fallback."""
     import warnings

@@ -1,6 +1,7 @@
 """The native rollout engine against independent references: HF `generate` and the reference engine (greedy,
 token for token), the softmax (sampling, statistically), the training forward (log-probs of its samples)."""
 
+import copy
 import math
 
 import pytest
@@ -287,6 +288,93 @@ def test_sampled_completions_logprobs_equal_the_training_forward(
         kept = torch.log_softmax(filtered(scaled, top_k, top_p, min_p), -1).gather(-1, c_ids.reshape(-1, 1))
         bias = (kept.view_as(ref) - ref)[c_mask.bool()]
         assert (bias >= -1e-6).all() and bias.max() > 1e-2, bias.max()
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+@pytest.mark.parametrize("share_prefix", [True, False])
+@pytest.mark.parametrize("compile", ["auto", "graphs"])
+def test_repetition_penalty_greedy_equals_hf_generate(kind, share_prefix, compile, monkeypatch, cpu_kernels):
+    """Under transformers' repetition penalty (prompt and completion tokens), greedy native (eager, and on
+    the buckets CUDA graphs replay) and reference completions are HF `generate`'s, token for token; the
+    penalty is real: without it the completions differ."""
+    for name in ("SYNC_EVERY", "SYNC_EVERY_CPU"):  # windows of several tokens, compaction within 30 tokens
+        monkeypatch.setattr(native, name, 3)
+    model = eos_likely_lm(kind, V, EOS, 0, factor=1.5)
+    ids, mask = _prompts(4)
+    G, C, penalty = 2, 30, 1.3
+    opts = dict(temperature=0.0, eos_token_id=EOS, share_prefix=share_prefix)
+    native_opts = dict(engine="native", compile=compile, **opts)
+    got = generate_groups(model, ids, mask, G, C, repetition_penalty=penalty, **native_opts)
+    plain = generate_groups(model, ids, mask, G, C, **native_opts)
+    ref = generate_groups(model, ids, mask, G, C, engine="reference", repetition_penalty=penalty, **opts)
+    assert_greedy_equal(model, ids, mask, G, got, ref, repetition_penalty=penalty)
+    lengths = got[1].sum(1)
+    assert len(set(lengths.tolist())) > 1 and int(lengths.min()) < C  # EOS at different points: compaction
+    changed = 0
+    for i in range(ids.shape[0]):
+        p = ids[i][mask[i].bool()][None]
+        hf = model.generate(
+            p, max_new_tokens=C, do_sample=False, eos_token_id=EOS, pad_token_id=EOS,
+            repetition_penalty=penalty,
+        )[0, p.shape[1] :]  # fmt: skip
+        row = got[0][i * G][got[1][i * G].bool()]
+        assert_greedy_row_equal(model, p[0], row, hf, repetition_penalty=penalty)
+        changed += row.tolist() != plain[0][i * G][plain[1][i * G].bool()].tolist()
+    assert changed >= 2, changed
+
+
+@pytest.mark.parametrize("share_prefix", [True, False])
+@pytest.mark.parametrize("compile", ["auto", "graphs"])
+def test_repetition_penalty_samples_replayed_row_by_row(share_prefix, compile, monkeypatch, cpu_kernels):
+    """Sampled under a repetition penalty, with rows ending apart (compaction moves them, with the tokens each
+    has seen): every token of every row is the one an fp64 replay of that row alone draws, written here
+    from the model's plain forward (penalized logits / T, the inverse CDF at the row's uniform: the engine
+    takes (C + 1, rows) uniforms from the generator, token j of row s at [j, s]); its log-prob is the
+    unpenalized softmax(logits / T) (the trainer's)."""
+    monkeypatch.setattr(native, "SYNC_EVERY", 3)
+    model = eos_likely_lm("llama", V, EOS, 0, factor=1.5)
+    ids, mask = _prompts(3)
+    G, C, T, penalty, seed = 4, 24, 0.8, 1.3, 7
+    c_ids, c_mask, logp = generate_groups(
+        model, ids, mask, G, C, temperature=T, eos_token_id=EOS, share_prefix=share_prefix, engine="native",
+        compile=compile, repetition_penalty=penalty, generator=torch.Generator().manual_seed(seed),
+        return_logprobs=True,
+    )  # fmt: skip
+    lengths = c_mask.sum(1)
+    assert len(set(lengths.tolist())) > 2, lengths
+    u = torch.rand(C + 1, ids.shape[0] * G, generator=torch.Generator().manual_seed(seed)).double()
+    oracle = copy.deepcopy(model).double()
+    for s in range(c_ids.shape[0]):
+        context = ids[s // G][mask[s // G].bool()].tolist()
+        for j in range(int(lengths[s])):
+            with torch.no_grad():
+                z = oracle(torch.tensor([context])).logits[0, -1]
+            shaped = z.clone()
+            for tok in set(context):
+                shaped[tok] = shaped[tok] / penalty if shaped[tok] > 0 else shaped[tok] * penalty
+            cdf = torch.softmax(shaped / T, 0).cumsum(0)
+            want = int((cdf <= u[j, s] * cdf[-1]).sum())
+            assert int(c_ids[s, j]) == want, (s, j, int(c_ids[s, j]), want)
+            assert abs(float(logp[s, j]) - float(torch.log_softmax(z / T, 0)[want])) < 1e-5
+            context.append(want)
+        assert int(lengths[s]) == C or context[-1] == EOS
+
+
+def test_a_penalized_draw_follows_the_penalized_softmax_and_reports_the_model_log_prob():
+    """`draw` under a repetition penalty: frequencies against softmax(penalized logits / T) (the penalty
+    written out here: divide a seen token's positive logit, multiply its negative one); the log-prob it
+    reports is the unpenalized softmax(logits / T)."""
+    torch.manual_seed(0)
+    logits = torch.randn(1, 40) * 2
+    seen = torch.zeros(1, 40, dtype=torch.bool)
+    seen[0, logits[0].argsort(descending=True)[:3]] = True  # the three likeliest (positive logits)
+    seen[0, logits[0].argsort()[:3]] = True  # and three unlikely ones (negative)
+    N, T, penalty = 100_000, 0.9, 1.5
+    tok, logp = draw(logits.expand(N, -1), torch.rand(N), T, 0, 1.0, 0.0, seen.expand(N, -1), penalty)
+    z = logits[0].double()
+    z = torch.where(seen[0], torch.where(z > 0, z / penalty, z * penalty), z)
+    assert_draws_follow(tok, torch.softmax(z / T, 0))
+    assert torch.allclose(logp, torch.log_softmax(logits[0] / T, 0)[tok], atol=1e-6)
 
 
 def test_sampling_is_reproducible_with_a_generator():

@@ -189,9 +189,10 @@ QUESTIONS = [
 ]
 
 
-def plain_loop(model, tok, question, tools, max_new, max_rounds):
+def plain_loop(model, tok, question, tools, max_new, max_rounds, repetition_penalty=1.0):
     """TRL's way with HF generate, written out: generate a turn, run its calls, re-render the whole
-    conversation with the chat template, generate again. Returns (full token ids, model-token flags)."""
+    conversation with the chat template, generate again (under a repetition penalty every token of it is
+    context). Returns (full token ids, model-token flags)."""
     template = T.tool_chat_template(tok)
     schemas = [T.tool_schema(f) for f in tools]
     by_name = {f.__name__: f for f in tools}
@@ -203,6 +204,7 @@ def plain_loop(model, tok, question, tools, max_new, max_rounds):
         out = model.generate(
             torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long), do_sample=False,
             max_new_tokens=budget, eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id,
+            repetition_penalty=repetition_penalty,
         )[0, len(ids):].tolist()  # fmt: skip
         if tok.eos_token_id in out:
             out = out[: out.index(tok.eos_token_id) + 1]
@@ -227,18 +229,25 @@ def plain_loop(model, tok, question, tools, max_new, max_rounds):
     return ids, model_tok
 
 
-def assert_like_plain_loop(model, tok, tr, questions, tools, C, rounds, near_tie_ok=False):
-    """Trajectory i of `tr` equals `plain_loop` on questions[i], token for token, and its tool_mask flags
-    exactly the model's tokens; with near_tie_ok a first difference may be a near-tie of the model's two best
-    tokens (another engine's summation order: oracle.assert_greedy_row_equal)."""
+def assert_like_plain_loop(model, tok, tr, questions, tools, C, rounds, near_tie_ok=False, penalty=1.0):
+    """Trajectory i of `tr` equals `plain_loop` on questions[i] (under repetition penalty `penalty`), token
+    for token, and its tool_mask flags exactly the model's tokens; with near_tie_ok a first difference may be
+    a near-tie of the model's two best tokens (another engine's summation order:
+    oracle.assert_greedy_row_equal)."""
     for i, q in enumerate(questions):
-        want, want_model = plain_loop(model, tok, q, tools, C, rounds)
+        want, want_model = plain_loop(model, tok, q, tools, C, rounds, penalty)
         m = tr.completion_mask[i].bool()
         p = tr.prompt_ids[i][tr.prompt_mask[i].bool()].tolist()
         got = p + tr.completion_ids[i][m].tolist()
         if near_tie_ok and got != want:
             n = len(p)
-            assert_greedy_row_equal(model, torch.tensor(p), torch.tensor(got[n:]), torch.tensor(want[n:]))
+            assert_greedy_row_equal(
+                model,
+                torch.tensor(p),
+                torch.tensor(got[n:]),
+                torch.tensor(want[n:]),
+                repetition_penalty=penalty,
+            )
             continue
         assert got == want, f"question {i}:\n{tok.decode(got)!r}\nvs\n{tok.decode(want)!r}"
         assert [0] * len(p) + tr.tool_mask[i][m].tolist() == want_model
@@ -600,6 +609,26 @@ def test_tiny_model_greedy_trajectories_equal_the_plain_loop(tiny_tool_model, en
     )  # fmt: skip
     assert sum(tr.tool_calls) == len(questions)  # every one called the tool
     assert_like_plain_loop(model, tok, tr, questions, [tools_task.calculator], 40, 2)
+
+
+@pytest.mark.parametrize("engine", ["native", "reference"])
+def test_tiny_model_greedy_trajectories_under_a_repetition_penalty_equal_the_plain_loop(
+    tiny_tool_model, engine
+):
+    """Under a repetition penalty the tool's turns are context too: the native engine (each row's KV and
+    seen tokens carried across its turns) and the reference one (each turn resubmitted) equal HF `generate`
+    on the re-rendered conversation, whose input holds every token so far."""
+    from grpo_fast.tasks import default_task, tools_task
+
+    model, tok = tiny_tool_model
+    problems = default_task.split_problems()["eval"][:6]
+    questions = [default_task.prompt_text(p, k % 2) for k, p in enumerate(problems)]
+    kw = dict(tools=[tools_task.calculator], temperature=0.0, engine=engine, max_tool_calling_iterations=2)
+    tr = generate_trajectories(model, tok, questions, 1, 40, repetition_penalty=2.0, **kw)
+    assert sum(tr.tool_calls) >= len(questions) // 2  # the penalty leaves it calling the tool
+    assert_like_plain_loop(model, tok, tr, questions, [tools_task.calculator], 40, 2, penalty=2.0)
+    plain = generate_trajectories(model, tok, questions, 1, 40, **kw)
+    assert not torch.equal(plain.completion_ids, tr.completion_ids)  # the penalty acted
 
 
 def test_chat_template_kwargs_reach_every_rendering_of_a_trajectory(tiny_tool_model, monkeypatch):

@@ -15,7 +15,7 @@ import grpo_fast.trainer.setup as setup_mod
 from grpo_fast.rewards import RewardError
 from grpo_fast.tasks import default_task
 from grpo_fast.trainer.batching import Packer
-from grpo_fast.trainer.config import generation_steps, parse_config, prompts_per_rollout
+from grpo_fast.trainer.config import GRPOConfig, generation_steps, parse_config, prompts_per_rollout
 from grpo_fast.trainer.data import PromptSampler
 from grpo_fast.trainer.step import sampling_correction
 from grpo_fast.trainer.train import train
@@ -311,14 +311,19 @@ def test_chat_template_kwargs_reach_the_prompts(tmp_path):
     assert prompts == {"plain": "What is 2 + 1 ? =", "marked": "MARKED What is 2 + 1 ? ="}
 
 
-def test_min_p_reaches_the_rollout(tmp_path, monkeypatch):
-    """--min-p (TRL's) is the rollout's: every generate_groups call of a run samples with it."""
+def test_min_p_and_repetition_penalty_reach_the_rollout(tmp_path, monkeypatch):
+    """--min-p and --repetition-penalty (TRL's names; the penalty's default TRL's 1.0, off) are the
+    rollout's: every generate_groups call of a run samples with them."""
     import grpo_fast.trainer.step as step_mod
 
+    trl = pytest.importorskip("trl")
+    trl_default = trl.GRPOConfig.__dataclass_fields__["repetition_penalty"].default
+    assert GRPOConfig().repetition_penalty == trl_default == 1.0
     seen, real = [], step_mod.generate_groups
-    monkeypatch.setattr(step_mod, "generate_groups", lambda *a, **k: seen.append(k["min_p"]) or real(*a, **k))
-    train(_cfg(tmp_path, "--max-steps", "2", "--min-p", "0.3"))
-    assert seen == [0.3, 0.3]
+    pick = lambda k: (k["min_p"], k["repetition_penalty"])  # noqa: E731
+    monkeypatch.setattr(step_mod, "generate_groups", lambda *a, **k: seen.append(pick(k)) or real(*a, **k))
+    train(_cfg(tmp_path, "--max-steps", "2", "--min-p", "0.3", "--repetition-penalty", "1.2"))
+    assert seen == [(0.3, 1.2), (0.3, 1.2)]
 
 
 def test_output_dir_with_checkpoints_needs_resume_or_overwrite(tmp_path):
@@ -523,6 +528,11 @@ def test_unknown_flag_values(argv, words, capsys):
         (["--num-generations", "1"], "num_generations must be >= 2, got 1: .*every advantage is 0"),
         (["--delta", "0"], "delta must be > 0"),
         (["--min-p", "1.5"], r"min_p must be in \[0, 1\]"),
+        (["--repetition-penalty", "0"], r"repetition_penalty must be > 0 \(1.0: off\), got 0.0"),
+        (
+            ["--rollout", "vllm", "--repetition-penalty", "1.2", "--temperature", "0.8"],
+            "processed ones, which include the penalty",
+        ),
         (
             ["--rollout", "vllm", "--min-p", "0.1", "--temperature", "0.8"],
             "renormalized over the kept tokens",

@@ -137,6 +137,41 @@ def test_truncated_sampling_logprobs_are_the_full_softmax_at_temperature_one():
 
 
 @needs_vllm
+def test_repetition_penalty_greedy_equals_native_and_hf_and_keeps_raw_logprobs():
+    """repetition_penalty reaches vLLM: greedy under it vLLM == native == HF `generate` (and it changes the
+    completions); sampled at T = 1 the raw log-probs stay the trainer's (the penalty shapes the draw, not
+    what is scored); processed log-probs (an engine built for T != 1) include the penalty: refused."""
+    model = eos_likely_lm("llama", V, EOS, 5, factor=2.0, head_dim=32)  # completions of 15 to 24 tokens
+    ids, mask = _prompts()
+    G, C, penalty = 2, 24, 1.5
+    kw = dict(temperature=0.0, eos_token_id=EOS, repetition_penalty=penalty)
+    got = generate_groups(model, ids, mask, G, C, engine="vllm", vllm_options=OPTS, **kw)
+    nat = generate_groups(model, ids, mask, G, C, engine="native", **kw)
+    assert_greedy_equal(model, ids, mask, G, got, nat, repetition_penalty=penalty)
+    plain = generate_groups(model, ids, mask, G, C, temperature=0.0, eos_token_id=EOS, engine="native")
+    assert not torch.equal(plain[0], nat[0])
+    for i in range(ids.shape[0]):
+        p = ids[i][mask[i].bool()][None]
+        hf = model.generate(
+            p, max_new_tokens=C, do_sample=False, eos_token_id=EOS, pad_token_id=EOS,
+            repetition_penalty=penalty,
+        )[0, p.shape[1] :]  # fmt: skip
+        assert_greedy_row_equal(
+            model, p[0], got[0][i * G][got[1][i * G].bool()], hf, repetition_penalty=penalty
+        )
+    c_ids, c_mask, logp = generate_groups(
+        model, ids, mask, 4, 20, temperature=1.0, eos_token_id=EOS, repetition_penalty=penalty, engine="vllm",
+        vllm_options=OPTS, generator=torch.Generator().manual_seed(0), return_logprobs=True,
+    )  # fmt: skip
+    with torch.no_grad():
+        hidden = shared_prefix_forward(model, ids, mask, c_ids, c_mask)
+        ref = fused_linear_logprobs(hidden, lm_head_of(model).weight, c_ids)
+    assert (logp - ref * c_mask).abs().max() <= 1e-4
+    with pytest.raises(ValueError, match="include the repetition_penalty=1.5"):
+        vllm_engine.check_logprobs_mode("processed_logprobs", 0.8, 1.0, 0, 0.0, penalty)
+
+
+@needs_vllm
 def test_sampled_logprobs_equal_the_trainers_and_sampling_options_map():
     model = _model("qwen2", seed=2)
     ids, mask = _prompts()

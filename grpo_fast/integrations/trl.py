@@ -13,9 +13,9 @@ What changes (TRL 1.16):
 
 Opt-in: `GRPOTrainer(..., rollout="native")` generates with grpo-fast's native engine (static KV cache, each
 prompt prefilled once per group, no per-token host sync; `grpo_fast.rollout`) instead of TRL's
-`model.generate`, with TRL's temperature, top_k, top_p and min_p in transformers' order; what it does not
-cover (vLLM, continuous batching, multimodal prompts or tools, a repetition penalty, a model it does not
-support, a distributed wrapper) keeps TRL's generation, with a warning saying why.
+`model.generate`, with TRL's repetition_penalty, temperature, top_k, top_p and min_p in transformers' order;
+what it does not cover (vLLM, continuous batching, multimodal prompts or tools, a model it does not support,
+a distributed wrapper) keeps TRL's generation, with a warning saying why.
 
 Every loss option of TRL 1.16 goes to the kernel with TRL's meaning: every loss_type (grpo, bnpo, dr_grpo,
 dapo, cispo, sapo, luspo, vespo), delta, the vLLM importance-sampling correction (the kernel recomputes TRL's
@@ -152,7 +152,6 @@ class GRPOTrainer(trl.GRPOTrainer):
             (self.use_vllm, "vLLM generation"),
             (self.use_transformers_continuous_batching, "continuous batching"),
             (bool(images) or bool(multimodal_fields) or has_tool_images, "multimodal prompts"),
-            (self.repetition_penalty not in (None, 1.0), "a repetition penalty"),
             (bool(self.args.generation_kwargs), "generation_kwargs (transformers' options the engine lacks)"),
             (model is not self.model or self._sharded_reason(model) is not None, "a distributed wrapper"),
         ]
@@ -190,6 +189,7 @@ class GRPOTrainer(trl.GRPOTrainer):
             self.accelerator.unwrap_model(self.model), ids, mask, G, self.max_completion_length,
             temperature=self.temperature, top_p=self.top_p if self.top_p is not None else 1.0,
             top_k=self.top_k or 0, min_p=self.min_p or 0.0, eos_token_id=list(self.eos_token_ids),
+            repetition_penalty=self.repetition_penalty or 1.0,
             share_prefix=G > 1, engine="native",
             rollout_dtype=self.grpo_fast_rollout_dtype, return_logprobs=True,
         )  # fmt: skip

@@ -18,7 +18,7 @@ and, for the python tool, grpo_fast.rewards' sandbox; never the trainer.
 import torch
 
 from . import native, reference, server, vllm_engine
-from .sampling import check_counts
+from .sampling import check_counts, check_repetition_penalty
 
 ENGINES = ("auto", "native", "reference", "vllm")
 # whether an engine's log-probs are the training forward's up to rounding (no mismatch to correct), when it
@@ -59,6 +59,7 @@ def generate_groups(
     top_p=1.0,
     top_k=0,
     min_p=0.0,
+    repetition_penalty=1.0,
     eos_token_id=None,
     share_prefix=True,
     generator=None,
@@ -78,6 +79,10 @@ def generate_groups(
         temperature, top_p, top_k, min_p: sampling (temperature 0 = greedy; top_k 0 and min_p 0: off), the
             filters in transformers' order: top-k, top-p, then min-p (tokens below min_p x the likeliest's
             probability).
+        repetition_penalty: transformers' and vLLM's (CTRL's): before temperature and the filters, the
+            logit of every token already in the row's context (its prompt, its completion so far, a tool's
+            turns) is divided by it where positive and multiplied where negative; 1.0: off. It shapes the
+            draw only: the log-probs returned stay the model's (the trainer's).
         eos_token_id: int or list of ints ending a completion (kept, mask 1).
         share_prefix: prefill each prompt once and keep its KV once (True), or repeat it G times (False).
         generator: torch.Generator for reproducible sampling.
@@ -113,8 +118,9 @@ def generate_groups(
     check_counts(num_generations, max_new_tokens)
     kind, reason = resolve_engine(model, engine)
     kw = dict(
-        temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p or 0.0, eos_token_id=eos_token_id
-    )
+        temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p or 0.0, eos_token_id=eos_token_id,
+        repetition_penalty=check_repetition_penalty(repetition_penalty),
+    )  # fmt: skip
     if kind == "native":
         return native.engine_for(model).generate(
             prompt_ids, prompt_mask, num_generations, max_new_tokens, share_prefix=share_prefix,

@@ -627,13 +627,27 @@ at::Tensor linear(at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> bia
 // token of softmax(logits / T) at the inverse CDF of u (R,), found over the sums of blocks of DRAW_BLOCK
 // tokens, then the chosen block's tokens (double sums), never one of mass 0; and its log-prob,
 // logits / T - max - log(sum). One pass for the max, one for the exponentials and the block sums.
+// Under a repetition penalty (`seen` (R, V) bool, the tokens of each row's context): the softmax sampled is
+// over the penalized logits (a seen token's divided by `penalty` where positive, multiplied where not), the
+// log-prob stays the unpenalized one: its sum is the penalized one with the seen tokens' terms exchanged for
+// their unpenalized ones (double), one more pass over the mask, no second pass of exponentials.
 constexpr int64_t DRAW_BLOCK = 256;
-std::vector<at::Tensor> draw(at::Tensor logits, at::Tensor u, double temperature) {
+std::vector<at::Tensor> draw(at::Tensor logits, at::Tensor u, double temperature,
+                             c10::optional<at::Tensor> seen, double penalty) {
   TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat, "draw: logits (rows, vocab), float32");
   TORCH_CHECK(u.scalar_type() == at::kFloat && u.numel() == logits.size(0), "draw: u (rows,), float32");
   TORCH_CHECK(temperature > 0, "draw: temperature > 0");
   auto l = logits.contiguous(), uc = u.contiguous();
   const int64_t R = l.size(0), V = l.size(1), nb = (V + DRAW_BLOCK - 1) / DRAW_BLOCK;
+  at::Tensor sc;
+  if (seen.has_value() && seen->defined()) {
+    TORCH_CHECK(seen->scalar_type() == at::kBool && seen->sizes() == l.sizes(),
+                "draw: seen (rows, vocab), bool");
+    TORCH_CHECK(penalty > 0, "draw: penalty > 0");
+    sc = seen->contiguous();
+  }
+  const bool* sp = sc.defined() ? sc.data_ptr<bool>() : nullptr;
+  const float pen = static_cast<float>(penalty);
   auto tok = at::empty({R}, l.options().dtype(at::kLong));
   auto logp = at::empty({R}, l.options());
   const float inv_t = static_cast<float>(1.0 / temperature);
@@ -645,19 +659,38 @@ std::vector<at::Tensor> draw(at::Tensor logits, at::Tensor u, double temperature
     std::vector<float> e(V), sums(nb);
     for (int64_t r = r0; r < r1; ++r) {
       const float* x = lp + r * V;
+      const bool* on = sp ? sp + r * V : nullptr;
+      auto shaped = [&](int64_t i) { return on[i] ? (x[i] > 0.f ? x[i] / pen : x[i] * pen) : x[i]; };
       float mx = MASKED;
-      for (int64_t i = 0; i < V; ++i) mx = std::max(mx, x[i]);
+      if (on) {
+        for (int64_t i = 0; i < V; ++i) mx = std::max(mx, shaped(i));
+      } else {
+        for (int64_t i = 0; i < V; ++i) mx = std::max(mx, x[i]);
+      }
       mx *= inv_t;
       double total = 0.0;
       for (int64_t b = 0; b < nb; ++b) {
         const int64_t end = std::min(V, (b + 1) * DRAW_BLOCK);
         float sb = 0.f;
-        for (int64_t i = b * DRAW_BLOCK; i < end; ++i) {
-          e[i] = std::exp(x[i] * inv_t - mx);
-          sb += e[i];
+        if (on) {
+          for (int64_t i = b * DRAW_BLOCK; i < end; ++i) {
+            e[i] = std::exp(shaped(i) * inv_t - mx);
+            sb += e[i];
+          }
+        } else {
+          for (int64_t i = b * DRAW_BLOCK; i < end; ++i) {
+            e[i] = std::exp(x[i] * inv_t - mx);
+            sb += e[i];
+          }
         }
         sums[b] = sb;
         total += sb;
+      }
+      double raw_total = total;  // the unpenalized softmax's sum, on the same max
+      if (on) {
+        for (int64_t i = 0; i < V; ++i) {
+          if (on[i]) raw_total += std::exp(static_cast<double>(x[i]) * inv_t - mx) - e[i];
+        }
       }
       const double want = static_cast<double>(up[r]) * total;
       int64_t j = -1, last = 0;
@@ -686,7 +719,7 @@ std::vector<at::Tensor> draw(at::Tensor logits, at::Tensor u, double temperature
         if (acc > rest) break;
       }
       tp[r] = k;
-      op[r] = x[k] * inv_t - mx - static_cast<float>(std::log(total));
+      op[r] = x[k] * inv_t - mx - static_cast<float>(std::log(raw_total));
     }
   });
   return {tok, logp};
@@ -735,7 +768,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_dtypes", &linear_dtypes, released());
   m.def("pack_linear", &pack_linear, released());
   m.def("decode_layers", &decode_layers, released());
-  m.def("draw", &draw, released());
+  m.def("draw", &draw, py::arg("logits"), py::arg("u"), py::arg("temperature"), py::arg("seen") = py::none(),
+        py::arg("penalty") = 1.0, released());
 }
 """
 

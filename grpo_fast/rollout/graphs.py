@@ -90,6 +90,7 @@ class Static:
             comp_k=rows(f.comp_k), comp_v=rows(f.comp_v), plen=f.plen[:R], out=f.out[:R], logp=f.logp[:R],
             done=f.done[:R], lengths=f.lengths[:R], t=f.t[:R], noise=f.noise[:, :R], parked=f.parked[:R],
             final=f.final[:R], prompt_kt=grp(f.prompt_kt), comp_kt=rows(f.comp_kt),
+            seen=None if f.seen is None else f.seen[:R],
         )  # fmt: skip
 
     def step(self, bucket, b, step, args) -> None:
@@ -164,8 +165,8 @@ class Static:
 
 def _row_tensors(b) -> list:
     """The tensors of a bucket's views indexed by row first."""
-    kt = b.comp_kt or []
-    return [*b.comp_k, *b.comp_v, *kt, b.plen, b.out, b.logp, b.done, b.lengths, b.t, b.parked, b.final]
+    extra = [*(b.comp_kt or []), *([] if b.seen is None else [b.seen])]
+    return [*b.comp_k, *b.comp_v, *extra, b.plen, b.out, b.logp, b.done, b.lengths, b.t, b.parked, b.final]
 
 
 def _group_tensors(b) -> list:

@@ -18,8 +18,9 @@ are Llama-style (RMSNorm, SiLU MLP, no q / k norms; fp32 or bf16) runs between i
 of `cpu_decode` (norm and residual add, RoPE + KV write + one softmax over prompt and own keys, SiLU * up):
 four calls a layer in place of ~30 PyTorch operators.
 
-Draws: inverse CDF of softmax(logits / T) after top-k and top-p, with one uniform per row and token made up
-front from the caller's generator, so the step itself holds no RNG state (CUDA graphs replay it).
+Draws: inverse CDF of softmax(logits / T) after the repetition penalty, top-k and top-p, with one uniform per
+row and token made up front from the caller's generator, so the step itself holds no RNG state (CUDA graphs
+replay it). The penalty reads a (rows, vocabulary) mask of each row's context, updated in place per token.
 """
 
 import time
@@ -33,7 +34,7 @@ from ..models.model_parts import causal_lm, position_ids_from_mask
 from . import cpu_decode
 from .dtypes import HEAD_FORMATS, Packed, check_rollout_dtype, fused_linear, packable
 from .graphs import PROMPT_STEP, Static, select_rows
-from .sampling import draw, eos_and_pad, is_eos
+from .sampling import draw, eos_and_pad, is_eos, mark_seen, seen_tokens
 
 SUPPORTED_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 SYNC_EVERY = 16  # tokens between host checks of "all done" (and compaction) on CUDA
@@ -93,6 +94,8 @@ class _Buffers:
     # (`_block_keys`)
     prompt_kt: list | None = None
     comp_kt: list | None = None
+    # under a repetition penalty (R, V) bool: the tokens of each row's context so far (prompt, its own turns)
+    seen: torch.Tensor | None = None
 
 
 def _norm(mod):
@@ -381,6 +384,7 @@ class NativeEngine:
         top_k: int,
         top_p: float,
         min_p: float,
+        penalty: float,
     ):
         R, cap = b.out.shape[0], b.comp_k[0].shape[2]
         kvh, d = self.n_kv, self.head_dim
@@ -391,7 +395,7 @@ class NativeEngine:
         if kern is not None:
             self._kernel_steps += 1
             logits = head(self._decoder_kernels(x.contiguous(), cos, sin, layers, b, kern))
-            return self._draw_and_book(b, logits, eos, pad, temperature, top_k, top_p, min_p, kern)
+            return self._draw_and_book(b, logits, eos, pad, temperature, top_k, top_p, min_p, penalty, kern)
         # the completion slots attended: eager on a CPU only those written so far (a host read costs nothing
         # there; SmolLM2's own-KV attention over a 256-slot capacity, fp32: 298 -> 82 us at 64 slots written,
         # 344 -> 240 us at 256); a compiled or GPU step keeps the full capacity, its shapes fixed
@@ -414,17 +418,21 @@ class NativeEngine:
             return _merge_attention(q, pk, pv, ck, cv, prompt_bias, own_bias, self.scaling)
 
         logits = head(self.final_norm(self._decoder(x, cos, sin, layers, attend)))
-        return self._draw_and_book(b, logits, eos, pad, temperature, top_k, top_p, min_p)
+        return self._draw_and_book(b, logits, eos, pad, temperature, top_k, top_p, min_p, penalty)
 
-    def _draw_and_book(self, b: _Buffers, logits, eos, pad, temperature, top_k, top_p, min_p, kern=None):
+    def _draw_and_book(
+        self, b: _Buffers, logits, eos, pad, temperature, top_k, top_p, min_p, penalty, kern=None
+    ):
         t, C = b.t, b.out.shape[1] - 1
         u = b.noise.gather(0, (t + 1)[None, :]).squeeze(0)
         if kern is not None and temperature > 0 and not top_k and top_p >= 1 and not min_p:  # one-pass draw
-            nxt, logp = kern.mod.draw(logits.float(), u, float(temperature))
+            nxt, logp = kern.mod.draw(logits.float(), u, float(temperature), b.seen, penalty)
         else:
-            nxt, logp = draw(logits, u, temperature, top_k, top_p, min_p)
+            nxt, logp = draw(logits, u, temperature, top_k, top_p, min_p, b.seen, penalty)
         # bookkeeping on the device: rows already done emit padding (into the scratch column past their end),
         # stop counting and stay at their position
+        if b.seen is not None:
+            mark_seen(b.seen, nxt, ~b.done)
         nxt = torch.where(b.done, pad, nxt)
         b.out.scatter_(1, (t + 1)[:, None], nxt.unsqueeze(1))
         b.logp.scatter_(1, (t + 1)[:, None], torch.where(b.done, 0.0, logp).unsqueeze(1))
@@ -441,6 +449,8 @@ class NativeEngine:
         is fed by the next decode step, which draws the model's next token. The row decodes on."""
         e, L = int(b.lengths[r]) - 1, len(tokens)
         b.out[r, e + 1 : e + 1 + L] = torch.tensor(tokens, dtype=b.out.dtype, device=b.out.device)
+        if b.seen is not None:  # the tool's tokens are context the penalty reads, as in a resubmitted prompt
+            b.seen[r, b.out[r, e + 1 : e + 1 + L]] = True
         b.logp[r, e + 1 : e + 1 + L] = 0.0
         n = b.prompt_bias.shape[0]
         g, cap, kvh, d = r // (b.out.shape[0] // n), b.comp_k[0].shape[2], self.n_kv, self.head_dim
@@ -542,7 +552,7 @@ class NativeEngine:
     def generate(
         self, prompt_ids, prompt_mask, G, max_new_tokens, *, temperature, top_p, top_k, eos_token_id,
         share_prefix, generator, all_done, return_logprobs, compile="auto", rollout_dtype="model",
-        turn_hook=None, min_p=0.0,
+        turn_hook=None, min_p=0.0, repetition_penalty=1.0,
     ):  # fmt: skip
         """`generate_groups`' contract; `turn_hook` (grpo_fast.rollout.trajectories) makes the rows
         multi-turn: when row s ends a turn at EOS, `turn_hook.start(s, tokens)` (its tokens so far) returns
@@ -578,15 +588,19 @@ class NativeEngine:
         # own, or on buckets the Static of this call shape's, refilled in place
         cap = max(1, -(-C // CAPACITY_STEP) * CAPACITY_STEP)
         noise = torch.rand(C + 1, R, generator=generator, device=device) if temperature > 0 else None
+        penalty = float(repetition_penalty)
+        seen = None
+        if penalty != 1.0:  # each row's context so far: its prompt
+            seen = seen_tokens(prompt_ids, prompt_mask, res.logits.shape[-1]).repeat_interleave(G, 0)
         fill = dict(
             pk=pk, pv=pv, bias=torch.where(prompt_mask.bool(), 0.0, float("-inf"))[:, None, None, :].float(),
             plen=prompt_mask.long().sum(1).repeat_interleave(G, 0), pad=pad,
-            noise=noise if noise is not None else torch.zeros(C + 1, R, device=device),
+            noise=noise if noise is not None else torch.zeros(C + 1, R, device=device), seen=seen,
         )  # fmt: skip
         st, bucket = None, (n, G)
         if self.on_buckets(device):
             key = (n, G, cap, C, pk[0].dtype, device, self.rollout_dtype, float(temperature), top_k, top_p,
-                   float(min_p), tuple(eos))  # fmt: skip
+                   float(min_p), penalty, tuple(eos))  # fmt: skip
             st = self._static_for(key, fill, cap)
             if st.eos is None:
                 st.eos = eos_t
@@ -596,7 +610,9 @@ class NativeEngine:
             b = _fresh_buffers(fill, cap, self.n_kv, self.head_dim, pk[0].shape[2])
         # 3. the first token, from the prefill's last logits
         first = res.logits[:, -1].repeat_interleave(G, 0)
-        tok, lp = draw(first, b.noise[0], temperature, top_k, top_p, min_p)
+        tok, lp = draw(first, b.noise[0], temperature, top_k, top_p, min_p, b.seen, penalty)
+        if b.seen is not None:
+            mark_seen(b.seen, tok, ~b.done)
         b.out[:, 0], b.logp[:, 0] = tok, lp
         b.done |= is_eos(tok, eos_t) | (b.lengths >= C)
         t_prefill = time.perf_counter()
@@ -605,7 +621,7 @@ class NativeEngine:
         if kern is not None:
             _block_keys(st.full if st is not None else b)
             b = st.view(n, G) if st is not None else b
-        filters = (float(temperature), int(top_k or 0), float(top_p), float(min_p))
+        filters = (float(temperature), int(top_k or 0), float(top_p), float(min_p), penalty)
         args = (layers, head, kern, eos_t, pad, *filters)
         t_pack, steps, capture_s = time.perf_counter(), 0, st.capture_s if st is not None else 0.0
         self._kernel_steps = 0
@@ -718,6 +734,7 @@ def _fresh_buffers(fill, cap, kvh, d, p_cap) -> _Buffers:
             logp=empty(R, C1, dtype=torch.float32), done=empty(R, dtype=torch.bool),
             t=empty(R, dtype=torch.long), lengths=empty(R, dtype=torch.long), noise=noise,
             parked=torch.empty(R, dtype=torch.bool), final=torch.empty(R, dtype=torch.bool),
+            seen=None if fill["seen"] is None else empty(*fill["seen"].shape, dtype=torch.bool),
         ),
         fill,
     )  # fmt: skip
@@ -741,6 +758,8 @@ def _refill(b: _Buffers, fill) -> _Buffers:
     b.lengths.fill_(1)
     if b.noise is not fill["noise"]:
         b.noise.copy_(fill["noise"])
+    if b.seen is not None:
+        b.seen.copy_(fill["seen"])
     return b
 
 
@@ -787,6 +806,7 @@ def _compact(b: _Buffers, rows, final: _Final, alive):
         final=b.final[src.cpu()] | filler.cpu(),
         prompt_kt=None if b.prompt_kt is None else [x.index_select(0, groups) for x in b.prompt_kt],
         comp_kt=None if b.comp_kt is None else [take(x) for x in b.comp_kt],
+        seen=None if b.seen is None else take(b.seen),
     )  # fmt: skip
     return nb, new_rows
 

@@ -9,19 +9,21 @@ import torch
 
 from ..models.hf_compat import cache_kwargs, cache_of
 from ..models.model_parts import position_ids_from_mask
-from .sampling import check_counts, eos_and_pad, sample_next
+from .sampling import check_counts, eos_and_pad, mark_seen, sample_next, seen_tokens
 from .shared_attention import shared_prefix_attention_over
 
 
 def decode(
     step, logits, max_new_tokens, *, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, eos_token_id=None,
-    generator=None, all_done=None, return_logprobs=False,
+    generator=None, all_done=None, return_logprobs=False, repetition_penalty=1.0, seen=None,
 ):  # fmt: skip
     """Sample up to `max_new_tokens` per row from `logits` (rows, V); `step(tokens)` feeds the sampled tokens
     to the model and returns the next logits. Rows stop at EOS (kept, mask 1); later tokens are padding.
     `all_done(local_done) -> bool`, when given, decides when to stop (the ranks of a sharded model step
-    together). With return_logprobs also the sampled tokens' log-probs under softmax(logits / T) (T = 1 when
-    greedy), before top-k / top-p / min-p, as training computes them; 0 on padding."""
+    together). Under a repetition penalty, `seen` (rows, V) holds each row's prompt tokens (`seen_tokens`),
+    and the row's own tokens join as it samples them. With return_logprobs also the sampled tokens' log-probs
+    under softmax(logits / T) (T = 1 when greedy), before the penalty and top-k / top-p / min-p, as training
+    computes them; 0 on padding."""
     device, rows = logits.device, logits.shape[0]
     eos, pad = eos_and_pad(eos_token_id)
     eos = torch.tensor(eos, dtype=torch.long, device=device)
@@ -29,8 +31,13 @@ def decode(
     done = torch.zeros(rows, dtype=torch.bool, device=device)
     lengths = torch.zeros(rows, dtype=torch.long, device=device)
     logp = torch.zeros(rows, max_new_tokens, device=device) if return_logprobs else None
+    if repetition_penalty == 1.0:
+        seen = None
     for t in range(max_new_tokens):
-        tok = torch.where(done, pad, sample_next(logits, temperature, top_p, top_k, generator, min_p))
+        nxt = sample_next(logits, temperature, top_p, top_k, generator, min_p, seen, repetition_penalty)
+        tok = torch.where(done, pad, nxt)
+        if seen is not None:
+            mark_seen(seen, tok, ~done)
         out[:, t] = tok
         if return_logprobs:
             scaled = logits.float() / temperature if temperature > 0 else logits.float()
@@ -47,6 +54,10 @@ def decode(
     width = int(lengths.max()) if rows else 0
     mask = (torch.arange(width, device=device)[None, :] < lengths[:, None]).long()
     return (out[:, :width], mask) if logp is None else (out[:, :width], mask, logp[:, :width])
+
+
+def _penalized(sampling) -> bool:
+    return sampling.get("repetition_penalty", 1.0) != 1.0
 
 
 @torch.no_grad()
@@ -73,7 +84,8 @@ def generate_plain(model, prompt_ids, prompt_mask, num_generations, max_new_toke
         state["cache"], state["pos"] = cache_of(out), state["pos"] + 1
         return out.logits[:, -1]
 
-    return decode(step, res.logits[:, -1], max_new_tokens, **sampling)
+    seen = seen_tokens(ids, mask, res.logits.shape[-1]) if _penalized(sampling) else None
+    return decode(step, res.logits[:, -1], max_new_tokens, seen=seen, **sampling)
 
 
 @torch.no_grad()
@@ -98,5 +110,8 @@ def generate_shared(model, prompt_ids, prompt_mask, num_generations, max_new_tok
         state["cache"], state["pos"] = cache_of(out), state["pos"] + 1
         return out.logits[:, -1]
 
+    seen = None
+    if _penalized(sampling):
+        seen = seen_tokens(prompt_ids, prompt_mask, res.logits.shape[-1]).repeat_interleave(G, 0)
     with shared_prefix_attention_over(model, keys, values, prompt_mask, G):
-        return decode(step, res.logits[:, -1].repeat_interleave(G, 0), max_new_tokens, **sampling)
+        return decode(step, res.logits[:, -1].repeat_interleave(G, 0), max_new_tokens, seen=seen, **sampling)

@@ -229,7 +229,7 @@ class VLLMEngine:
     @torch.no_grad()
     def generate(
         self, model, prompt_ids, prompt_mask, num_generations, max_new_tokens, *, temperature=1.0, top_p=1.0,
-        top_k=0, min_p=0.0, eos_token_id=None, generator=None, return_logprobs=False,
+        top_k=0, min_p=0.0, eos_token_id=None, generator=None, return_logprobs=False, repetition_penalty=1.0,
     ):  # fmt: skip
         """`generate_groups` on this engine. vLLM applies min-p before top-k / top-p (the native and
         reference engines after, transformers' order): the same where min-p is the only filter."""
@@ -245,7 +245,9 @@ class VLLMEngine:
             )
         greedy = temperature == 0
         if return_logprobs and not greedy:
-            check_logprobs_mode(self.options["logprobs_mode"], temperature, top_p, top_k, min_p)
+            check_logprobs_mode(
+                self.options["logprobs_mode"], temperature, top_p, top_k, min_p, repetition_penalty
+            )
         self.push(model)
         eos, pad = eos_and_pad(eos_token_id)
         seed = int(torch.randint(2**31 - 1, (1,), generator=generator)) if generator is not None else None
@@ -256,6 +258,7 @@ class VLLMEngine:
             top_p=1.0 if greedy else float(top_p),
             top_k=0 if greedy else int(top_k or 0),
             min_p=0.0 if greedy else float(min_p or 0.0),
+            repetition_penalty=float(repetition_penalty),
             max_tokens=C,
             stop_token_ids=list(eos),
             ignore_eos=not eos,  # the model's own EOS ends nothing unless it is asked for
@@ -298,8 +301,15 @@ def logprobs_mode_for(temperature) -> str:
     return "raw_logprobs" if temperature in (0, 1) else "processed_logprobs"
 
 
-def check_logprobs_mode(mode, temperature, top_p, top_k, min_p=0.0):
+def check_logprobs_mode(mode, temperature, top_p, top_k, min_p=0.0, repetition_penalty=1.0):
     truncated = top_p < 1.0 or bool(top_k) or bool(min_p)
+    if mode == "processed_logprobs" and repetition_penalty != 1.0:
+        raise ValueError(
+            f"vLLM's processed log-probs (at temperature={temperature}) include the repetition_penalty="
+            f"{repetition_penalty}, not softmax(logits / T) as the trainer scores them: sample at "
+            "temperature 1 (raw log-probs), or without the penalty, or without return_logprobs (the "
+            "rollout-mismatch correction off)"
+        )
     if mode == "raw_logprobs" and temperature != 1:
         raise ValueError(
             f"this vllm engine reports raw log-probs (built for temperature 1); temperature={temperature} "

@@ -145,6 +145,13 @@ class GRPOConfig:
         "top-k and top-p (transformers' order; vLLM applies it first); typical 0.01-0.2, default off",
         type=float,
     )
+    repetition_penalty: float = _f(
+        1.0,
+        "TRL's: before temperature and the filters, the logit of each token already in the sample's context "
+        "(prompt, completion so far, tool turns) is divided by it where positive, multiplied where negative; "
+        "> 1 discourages repeats, 1.0 off. It shapes sampling only: the loss scores the model's own "
+        "log-probs (as TRL's transformers path); held-out evaluation decodes greedily without it",
+    )
     share_prefix: bool = _f(
         True, "prefill and train each prompt once per group (exact; see shared_prefix.py)"
     )
@@ -480,7 +487,6 @@ TRL_EQUIVALENTS = {
     "save_strategy": "--save-steps N (0: at the end only)",
     "eval_strategy": "--eval-steps N (0: before and after training)",
     "generation_kwargs": "--temperature, --top-p, --top-k, --min-p",
-    "repetition_penalty": "none: the native engine samples without one",
     "num_generations_eval": "none: held-out accuracy is greedy, one completion a prompt (--eval-max-samples)",
     "per_device_eval_batch_size": "none: held-out evaluation runs in chunks of 64 prompts",
     "use_liger_kernel": "--liger-kernels",
@@ -556,6 +562,8 @@ def validate(cfg: GRPOConfig, require_reward: bool = True) -> GRPOConfig:
         raise ValueError(f"temperature must be > 0 for sampling, got {cfg.temperature}")
     if not 0 < cfg.top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1], got {cfg.top_p}")
+    if not cfg.repetition_penalty > 0:
+        raise ValueError(f"repetition_penalty must be > 0 (1.0: off), got {cfg.repetition_penalty}")
     if cfg.min_p is not None and not 0 <= cfg.min_p <= 1:
         raise ValueError(
             f"min_p must be in [0, 1] (a share of the likeliest token's probability), got {cfg.min_p}"
@@ -623,6 +631,13 @@ def validate(cfg: GRPOConfig, require_reward: bool = True) -> GRPOConfig:
             "vLLM reports log-probs renormalized over the kept tokens, not softmax(logits / T) as the "
             "trainer scores them, which biases the rollout-mismatch correction; sample at temperature 1, or "
             "without top_p / top_k / min_p, or pass --no-vllm-importance-sampling-correction"
+        )
+    if correcting and cfg.repetition_penalty != 1 and cfg.temperature != 1:
+        raise ValueError(
+            f"--rollout vllm with repetition_penalty={cfg.repetition_penalty} at temperature "
+            f"{cfg.temperature}: vLLM's log-probs at a temperature other than 1 are its processed ones, "
+            "which include the penalty, not softmax(logits / T) as the trainer scores them; sample at "
+            "temperature 1, or without the penalty, or pass --no-vllm-importance-sampling-correction"
         )
     if cfg.max_tool_calling_iterations is not None and cfg.max_tool_calling_iterations < 0:
         raise ValueError(

@@ -174,6 +174,7 @@ def sampling_options(run, generator=None) -> dict:
     cfg = run.cfg
     return dict(
         temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, min_p=cfg.min_p or 0.0,
+        repetition_penalty=cfg.repetition_penalty,
         eos_token_id=run.tokenizer.eos_token_id, share_prefix=cfg.share_prefix,
         generator=run.generator if generator is None else generator,
     )  # fmt: skip

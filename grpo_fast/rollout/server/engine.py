@@ -184,7 +184,7 @@ class ServerEngine(Pushes, Verification, Adapters):
         o = Sampling(**options)
         temperature, top_p, top_k, return_logprobs = o.temperature, o.top_p, o.top_k, o.return_logprobs
         if return_logprobs and temperature != 0:
-            check_logprobs_mode(self.logprobs_mode, temperature, top_p, top_k, o.min_p)
+            check_logprobs_mode(self.logprobs_mode, temperature, top_p, top_k, o.min_p, o.repetition_penalty)
         if self.auto_push:
             self.push(model)
         n, G, C = prompt_ids.shape[0], num_generations, max_new_tokens
@@ -202,6 +202,7 @@ class ServerEngine(Pushes, Verification, Adapters):
             "top_p": 1.0 if greedy else float(top_p),
             "top_k": 0 if greedy else int(top_k or 0),
             "min_p": 0.0 if greedy else float(o.min_p or 0.0),
+            "repetition_penalty": float(o.repetition_penalty),
             "stop_token_ids": list(eos),
             "ignore_eos": True,  # only `eos_token_id` ends a sample (not the model's own EOS too)
             "return_token_ids": True,
