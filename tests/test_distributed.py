@@ -192,6 +192,21 @@ def test_two_ranks_equal_one_process(runs, kind):
     assert _metrics(one)[1]["kl"] > 0  # the policy moved away from the reference: the KL term is live
 
 
+def test_held_out_evaluation_across_ranks_equals_one_process(tmp_path):
+    """Greedy and sampled (--num-generations-eval) held-out figures of two ranks, each evaluating its share
+    of 5 prompts (3 and 2), are the single process's: the counts are summed over the ranks, pass@n counted
+    per prompt."""
+    over = dict(max_steps=1, eval_max_samples=5, num_generations_eval=3, save_steps=0)
+    one, two = (_run(tmp_path, f"eval-{w}", w, **over) for w in (1, 2))
+    evals = [
+        [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "eval_accuracy" in r]
+        for out in (one, two)
+    ]
+    assert evals[0] == evals[1] and len(evals[0]) == 2
+    ev = evals[0][0]
+    assert ev["eval_samples"] == 5 and 0 < ev["eval_sampled_accuracy"] < ev["eval_pass_at_n"]
+
+
 @pytest.mark.parametrize("kind", ["ddp", "fsdp"])
 def test_packed_micro_batches_across_ranks_equal_one_process(runs, kind):
     """Micro-batches packed from each rank's real lengths (as under --max-memory-gb): the ranks' counts differ

@@ -546,12 +546,16 @@ def test_embedded_tools_task_base_model_calls_the_tool_and_trains(tmp_path):
     argv = [
         "--task", "shop-tools", "--output-dir", str(tmp_path / "run"), "--max-steps", "3",
         "--save-steps", "0", "--eval-steps", "0", "--eval-max-samples", "16", "--prompts-per-step", "4",
+        "--num-generations-eval", "2",
     ]  # fmt: skip
     train(parse_config(argv))
     records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "loss" in r]
     assert len(steps) == 3 and sum(r["tools/call_frequency"] for r in steps) > 0
-    assert all(0 <= r["eval_accuracy"] <= 1 for r in records if "eval_accuracy" in r)
+    evals = [r for r in records if "eval_accuracy" in r]
+    assert len(evals) == 2 and all(0 <= r["eval_accuracy"] <= 1 for r in evals)
+    # sampled multi-turn trajectories, two a prompt: a prompt with a paid sample counts once in pass@2
+    assert all(0 <= r["eval_sampled_accuracy"] <= r["eval_pass_at_n"] <= 1 for r in evals)
 
 
 @pytest.fixture(scope="module")

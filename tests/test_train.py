@@ -326,6 +326,49 @@ def test_min_p_and_repetition_penalty_reach_the_rollout(tmp_path, monkeypatch):
     assert seen == [(0.3, 1.2), (0.3, 1.2)]
 
 
+def test_num_generations_eval_scores_sampled_held_out_completions(tmp_path, monkeypatch):
+    """--num-generations-eval N (TRL's name): beside greedy accuracy, N completions a held-out prompt sampled
+    as training samples them; eval_sampled_accuracy and eval_pass_at_n are counted here by hand from those
+    completions (the first reward function called directly, prompt by prompt); every evaluation draws alike
+    (the same numbers twice) and leaves the training generator where it was; near-greedy sampling scores what
+    greedy decoding scores."""
+    import grpo_fast.trainer.step as step_mod
+
+    N, calls, real = 4, [], step_mod.generate_groups
+
+    def spy(*a, **k):
+        out = real(*a, **k)
+        calls.append((a, k, out))
+        return out
+
+    monkeypatch.setattr(step_mod, "generate_groups", spy)
+    run = setup_mod.setup(_cfg(tmp_path, "--eval-max-samples", "10", "--num-generations-eval", str(N)))
+    state = run.generator.get_state()
+    ev = step_mod.evaluate(run.policy, run.tokenizer, run.eval_rows, run.reward_funcs, run.cfg, run.device)
+    assert torch.equal(run.generator.get_state(), state)
+    sampled = [(a, k, out) for a, k, out in calls if a[3] == N]
+    assert len(sampled) == 1 and sampled[0][1]["temperature"] == run.cfg.temperature
+    assert sampled[0][1]["generator"] is not run.generator
+    (_, ids, mask, *_), _, (comp, cmask) = sampled[0]
+    texts = run.tokenizer.batch_decode(comp * cmask, skip_special_tokens=True)
+    func, rows = run.reward_funcs[0], run.eval_rows
+    hits = []
+    for p, row in enumerate(rows):
+        prompt = run.tokenizer.decode(ids[p][mask[p].bool()], skip_special_tokens=False)
+        columns = {k: [row[k]] * N for k in row if k != "prompt"}
+        columns["completion_ids"] = [c[m.bool()].tolist() for c, m in zip(comp[p * N : (p + 1) * N], cmask)]
+        paid = func([prompt] * N, texts[p * N : (p + 1) * N], **columns)
+        hits.append([v is not None and v >= 1.0 - 1e-6 for v in paid])
+    assert ev["eval_sampled_accuracy"] == pytest.approx(sum(map(sum, hits)) / (N * len(rows)))
+    assert ev["eval_pass_at_n"] == pytest.approx(sum(map(any, hits)) / len(rows))
+    assert 0 < ev["eval_sampled_accuracy"] < ev["eval_pass_at_n"]  # the samples differ
+    again = step_mod.evaluate(run.policy, run.tokenizer, run.eval_rows, run.reward_funcs, run.cfg, run.device)
+    assert again == ev
+    run.cfg.temperature = 1e-4  # a one-hot softmax: every sample is the greedy completion
+    cold = step_mod.evaluate(run.policy, run.tokenizer, run.eval_rows, run.reward_funcs, run.cfg, run.device)
+    assert cold["eval_sampled_accuracy"] == cold["eval_pass_at_n"] == cold["eval_accuracy"]
+
+
 def test_output_dir_with_checkpoints_needs_resume_or_overwrite(tmp_path):
     train(_cfg(tmp_path, "--max-steps", "2"))
     with pytest.raises(ValueError, match="already holds checkpoints .*--resume.*--overwrite-output-dir"):
@@ -529,6 +572,7 @@ def test_unknown_flag_values(argv, words, capsys):
         (["--delta", "0"], "delta must be > 0"),
         (["--min-p", "1.5"], r"min_p must be in \[0, 1\]"),
         (["--repetition-penalty", "0"], r"repetition_penalty must be > 0 \(1.0: off\), got 0.0"),
+        (["--num-generations-eval", "0"], r"num_generations_eval must be >= 1 \(or unset: greedy only\)"),
         (
             ["--rollout", "vllm", "--repetition-penalty", "1.2", "--temperature", "0.8"],
             "processed ones, which include the penalty",

@@ -368,6 +368,14 @@ class GRPOConfig:
     )
     eval_steps: int = _f(0, "evaluate held-out greedy accuracy every N steps (0 = only before and after)")
     eval_max_samples: int = _f(256, "held-out prompts per evaluation")
+    num_generations_eval: int = _f(
+        None,
+        "TRL's name: also sample N completions per held-out prompt as training samples them and log "
+        "eval_sampled_accuracy (the share paid in full: pass@1 at the training temperature) and "
+        "eval_pass_at_n (prompts with one or more); default off (TRL's None means num_generations: here "
+        "held-out evaluation stays greedy-only unless asked, the sampled pass costing N times the greedy)",
+        type=int,
+    )
     save_steps: int = _f(0, "checkpoint every N steps (0 = only at the end)")
     save_total_limit: int = _f(2, "checkpoints kept")
     resume: bool = _f(False, "continue from the latest checkpoint in output_dir")
@@ -487,7 +495,6 @@ TRL_EQUIVALENTS = {
     "save_strategy": "--save-steps N (0: at the end only)",
     "eval_strategy": "--eval-steps N (0: before and after training)",
     "generation_kwargs": "--temperature, --top-p, --top-k, --min-p",
-    "num_generations_eval": "none: held-out accuracy is greedy, one completion a prompt (--eval-max-samples)",
     "per_device_eval_batch_size": "none: held-out evaluation runs in chunks of 64 prompts",
     "use_liger_kernel": "--liger-kernels",
     "gradient_checkpointing_kwargs": "--gradient-checkpointing",
@@ -562,6 +569,10 @@ def validate(cfg: GRPOConfig, require_reward: bool = True) -> GRPOConfig:
         raise ValueError(f"temperature must be > 0 for sampling, got {cfg.temperature}")
     if not 0 < cfg.top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1], got {cfg.top_p}")
+    if cfg.num_generations_eval is not None and cfg.num_generations_eval < 1:
+        raise ValueError(
+            f"num_generations_eval must be >= 1 (or unset: greedy only), got {cfg.num_generations_eval}"
+        )
     if not cfg.repetition_penalty > 0:
         raise ValueError(f"repetition_penalty must be > 0 (1.0: off), got {cfg.repetition_penalty}")
     if cfg.min_p is not None and not 0 <= cfg.min_p <= 1:

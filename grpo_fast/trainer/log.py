@@ -99,6 +99,10 @@ def plot_curves(metrics_path: Path, png: Path) -> bool:
             "o-",
             label="held-out accuracy (greedy)",
         )
+    sampled = [r for r in evals if "eval_sampled_accuracy" in r]
+    for key, label in (("eval_sampled_accuracy", "held-out, sampled (pass@1)"), ("eval_pass_at_n", "pass@n")):
+        if sampled:
+            ax.plot([r["step"] for r in sampled], [r[key] for r in sampled], "s--", label=label, alpha=0.8)
     ax.set(xlabel="optimizer step", ylabel="reward / accuracy", title="GRPO training", ylim=(-0.02, 1.02))
     ax.grid(alpha=0.3)
     ax.legend()

@@ -62,7 +62,7 @@ def train(cfg: GRPOConfig) -> dict:
     if run.eval_rows and run.step == 0:
         evaluate_and_log(run)
         if run.dist.main:
-            print(f"step 0: held-out accuracy {run.last_eval['eval_accuracy']:.3f}", flush=True)
+            print(f"step 0: held-out {eval_line(run.last_eval)}", flush=True)
     bar = tqdm(total=cfg.max_steps, initial=run.step, desc="grpo", dynamic_ncols=True,
                disable=None if run.dist.main else True)  # fmt: skip
     with run.signals.install() as signals, serving(run):
@@ -196,6 +196,14 @@ def evaluate_and_log(run: Run) -> None:
         run.tools, run.environment_factory,
     )  # fmt: skip
     log_record(run, {"step": run.step, **run.last_eval})
+
+
+def eval_line(ev: dict) -> str:
+    """An evaluation in a line: greedy accuracy, and with --num-generations-eval the sampled figures."""
+    line = f"accuracy {ev['eval_accuracy']:.3f}"
+    if "eval_sampled_accuracy" in ev:
+        line += f", sampled {ev['eval_sampled_accuracy']:.3f}, pass@n {ev['eval_pass_at_n']:.3f}"
+    return line
 
 
 def log_record(run: Run, record: dict) -> None:
