@@ -123,6 +123,16 @@ def assert_within(name, out, ref, lowp, dtype):
 NEAR_TIE = 1e-4  # of the top logit's size: ~100x fp32 rounding through a model's layers
 
 
+def hf_greedy(model, prompt, max_new_tokens, eos, **generate_kwargs):
+    """HF `generate`'s greedy continuation (1-D ids) of the unpadded 1-D `prompt`, stopping at `eos`;
+    `generate_kwargs`: transformers' other options (repetition_penalty, ...)."""
+    out = model.generate(
+        prompt[None], max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=eos,
+        **generate_kwargs,
+    )  # fmt: skip
+    return out[0, prompt.numel() :]
+
+
 def assert_greedy_row_equal(model, prompt, got, want, tie=NEAR_TIE, repetition_penalty=1.0):
     """Greedy continuations `got` and `want` (1-D ids after the unpadded 1-D `prompt`) are equal, or first
     differ where the model's two best next tokens (on the common prefix, one plain forward; under a

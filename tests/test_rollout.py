@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 from grpo_fast.kernels import fused_linear_logprobs
-from oracle import assert_draws_follow, assert_greedy_equal, assert_greedy_row_equal
+from oracle import assert_draws_follow, assert_greedy_equal, assert_greedy_row_equal, hf_greedy
 from tiny_models import eos_likely_lm, ragged_prompts
 from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -66,10 +66,8 @@ def test_greedy_equals_hf_generate_and_the_reference_engine(kind, share_prefix, 
     lengths = got[1].sum(1)
     assert len(set(lengths.tolist())) > 1 and int(lengths.min()) < C  # EOS at different points
     for i in range(ids.shape[0]):
-        p = ids[i][mask[i].bool()][None]
-        hf = model.generate(p, max_new_tokens=C, do_sample=False, eos_token_id=EOS, pad_token_id=EOS)
-        hf = hf[0, p.shape[1] :]
-        assert_greedy_row_equal(model, p[0], got[0][i * G][got[1][i * G].bool()], hf)
+        p = ids[i][mask[i].bool()]
+        assert_greedy_row_equal(model, p, got[0][i * G][got[1][i * G].bool()], hf_greedy(model, p, C, EOS))
 
 
 def test_the_near_tie_comparison_fails_on_a_real_difference():
@@ -312,13 +310,10 @@ def test_repetition_penalty_greedy_equals_hf_generate(kind, share_prefix, compil
     assert len(set(lengths.tolist())) > 1 and int(lengths.min()) < C  # EOS at different points: compaction
     changed = 0
     for i in range(ids.shape[0]):
-        p = ids[i][mask[i].bool()][None]
-        hf = model.generate(
-            p, max_new_tokens=C, do_sample=False, eos_token_id=EOS, pad_token_id=EOS,
-            repetition_penalty=penalty,
-        )[0, p.shape[1] :]  # fmt: skip
+        p = ids[i][mask[i].bool()]
+        hf = hf_greedy(model, p, C, EOS, repetition_penalty=penalty)
         row = got[0][i * G][got[1][i * G].bool()]
-        assert_greedy_row_equal(model, p[0], row, hf, repetition_penalty=penalty)
+        assert_greedy_row_equal(model, p, row, hf, repetition_penalty=penalty)
         changed += row.tolist() != plain[0][i * G][plain[1][i * G].bool()].tolist()
     assert changed >= 2, changed
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from grpo_fast.kernels import fused_linear_logprobs
-from oracle import assert_greedy_equal, assert_greedy_row_equal
+from oracle import assert_greedy_equal, assert_greedy_row_equal, hf_greedy
 from tiny_models import eos_likely_lm, ragged_prompts
 
 from grpo_fast.models.model_parts import lm_head_of
@@ -35,13 +35,9 @@ def _prompts(n=3, P=7):
     return ragged_prompts(V, n, P)
 
 
-def _hf_greedy(model, ids, mask, C):
-    rows = []
-    for i in range(ids.shape[0]):
-        p = ids[i][mask[i].bool()][None]
-        out = model.generate(p, max_new_tokens=C, do_sample=False, eos_token_id=EOS, pad_token_id=EOS)
-        rows.append(out[0, p.shape[1] :].tolist())
-    return rows
+def _hf_greedy(model, ids, mask, C, **generate_kwargs):
+    """HF `generate`'s greedy continuation of each left-padded prompt."""
+    return [hf_greedy(model, i[m.bool()], C, EOS, **generate_kwargs) for i, m in zip(ids, mask)]
 
 
 def _optimizer_step(model, opt, seed):
@@ -65,7 +61,7 @@ def _check_greedy(model, ids, mask, G, C):
     for i, hf in enumerate(_hf_greedy(model, ids, mask, C)):
         for s in range(i * G, (i + 1) * G):
             got = got_ids[s][got_mask[s].bool()]
-            assert_greedy_row_equal(model, ids[i][mask[i].bool()], got, torch.tensor(hf))
+            assert_greedy_row_equal(model, ids[i][mask[i].bool()], got, hf)
     return got_ids
 
 
@@ -150,15 +146,9 @@ def test_repetition_penalty_greedy_equals_native_and_hf_and_keeps_raw_logprobs()
     assert_greedy_equal(model, ids, mask, G, got, nat, repetition_penalty=penalty)
     plain = generate_groups(model, ids, mask, G, C, temperature=0.0, eos_token_id=EOS, engine="native")
     assert not torch.equal(plain[0], nat[0])
-    for i in range(ids.shape[0]):
-        p = ids[i][mask[i].bool()][None]
-        hf = model.generate(
-            p, max_new_tokens=C, do_sample=False, eos_token_id=EOS, pad_token_id=EOS,
-            repetition_penalty=penalty,
-        )[0, p.shape[1] :]  # fmt: skip
-        assert_greedy_row_equal(
-            model, p[0], got[0][i * G][got[1][i * G].bool()], hf, repetition_penalty=penalty
-        )
+    for i, hf in enumerate(_hf_greedy(model, ids, mask, C, repetition_penalty=penalty)):
+        row = got[0][i * G][got[1][i * G].bool()]
+        assert_greedy_row_equal(model, ids[i][mask[i].bool()], row, hf, repetition_penalty=penalty)
     c_ids, c_mask, logp = generate_groups(
         model, ids, mask, 4, 20, temperature=1.0, eos_token_id=EOS, repetition_penalty=penalty, engine="vllm",
         vllm_options=OPTS, generator=torch.Generator().manual_seed(0), return_logprobs=True,
