@@ -369,6 +369,43 @@ def test_num_generations_eval_scores_sampled_held_out_completions(tmp_path, monk
     assert cold["eval_sampled_accuracy"] == cold["eval_pass_at_n"] == cold["eval_accuracy"]
 
 
+def test_a_rollout_cut_by_max_steps_trains_its_untrained_prompts_on_resume(tmp_path):
+    """Two steps a rollout, --max-steps 3: the second rollout trains its first step only; its checkpoint's
+    sampler sits before the second step's prompts, so a --resume to step 4 trains the prompts the
+    uninterrupted 4-step run trains at step 4 (not the next ones)."""
+    every = ["--steps-per-generation", "2", "--log-completions", "--num-completions-to-print", "0"]
+    G = int(QUICK[QUICK.index("--num-generations") + 1])
+
+    def rollouts(root):  # each logged rollout's prompts, a group's once, in the sampler's order
+        lines = (root / "run" / "completions.jsonl").read_text().splitlines()
+        recs = [json.loads(x) for x in lines][::G]
+        return {s: [r["prompt"] for r in recs if r["step"] == s] for s in sorted({r["step"] for r in recs})}
+
+    full, part = tmp_path / "full", tmp_path / "part"
+    train(_cfg(full, "--max-steps", "4", *every))
+    train(_cfg(part, "--max-steps", "3", *every))
+    state = json.loads((part / "run" / "checkpoint-3" / "trainer_state.json").read_text())
+    assert state["sampler"] == {"epoch": 0, "pos": 2 * 4 - 2}  # two rollouts of 4 prompts, 2 untrained
+    train(_cfg(part, "--max-steps", "4", "--resume", *every))
+    want, got = rollouts(full), rollouts(part)
+    assert len(want[4]) == len(got[4]) == 4 and want[2] == got[2]
+    assert got[3] == want[4]  # the cut rollout drew what the uninterrupted one did for steps 3 and 4
+    assert got[4][:2] == want[4][2:]  # step 4's prompts, drawn again after the resume
+
+
+def test_the_sampler_rewinds_across_epochs():
+    """`rewound(state, n)`: a sampler loaded with it draws the n prompts before `state` again, also back
+    across an epoch's end (each epoch shuffled by its own seed)."""
+    rows = [{"prompt": str(i)} for i in range(5)]
+    s = PromptSampler(rows, 3, seed=7)
+    drawn = [r["prompt"] for _ in range(4) for r in s.next()]  # 12 prompts: into the third epoch
+    again = PromptSampler(rows, 3, seed=7)
+    again.load_state_dict(s.rewound(s.state_dict(), 6))
+    assert [r["prompt"] for _ in range(2) for r in again.next()] == drawn[-6:]
+    with pytest.raises(ValueError, match="before the first"):
+        s.rewound({"epoch": 0, "pos": 2}, 3)
+
+
 def test_output_dir_with_checkpoints_needs_resume_or_overwrite(tmp_path):
     train(_cfg(tmp_path, "--max-steps", "2"))
     with pytest.raises(ValueError, match="already holds checkpoints .*--resume.*--overwrite-output-dir"):

@@ -187,6 +187,16 @@ class PromptSampler:
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "pos": self.pos}
 
+    def rewound(self, state: dict, n: int) -> dict:
+        """The state `n` prompts before `state` (back across epochs: each epoch's order is its seed's), so
+        that the next draw from it starts with those n prompts again."""
+        epoch, pos = state["epoch"], state["pos"] - n
+        while pos < 0:
+            if epoch == 0:
+                raise ValueError(f"rewinding {n} prompts goes before the first one (from {state})")
+            epoch, pos = epoch - 1, pos + len(self.rows)
+        return {"epoch": epoch, "pos": pos}
+
     def load_state_dict(self, state: dict) -> None:
         self.epoch, self.pos = state["epoch"], state["pos"]
         self._order = self._shuffle()

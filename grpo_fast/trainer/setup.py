@@ -74,6 +74,7 @@ class Run:
     resume_from: Path | None
     identity: str = ""  # the name vLLM servers know this run by, agreed by its ranks (checkpoint.run_id)
     step: int = 0
+    untrained_prompts: int = 0  # of the last rollout, cut by max_steps: its checkpoint draws them again
     elapsed_train: float = 0.0
     last_eval: dict = field(default_factory=dict)
     log: "MetricsLog | None" = None

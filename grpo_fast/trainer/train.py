@@ -35,7 +35,7 @@ from tqdm import tqdm
 from ..rollout.server import ServerError
 from . import checkpoint as ckpt_mod
 from . import rollouts
-from .config import GRPOConfig, parse_config, to_dict
+from .config import GRPOConfig, generation_steps, parse_config, to_dict
 from .distributed import (
     DistInfo,
     all_sum,
@@ -87,6 +87,8 @@ def train(cfg: GRPOConfig) -> dict:
             sc = score_rollout(run, rows, ro)  # 2. rewards, group advantages over the global batch
             t2, start = clock(run.device), run.step
             metrics, grad_norm, micro = optimize(run, ro, sc)  # 3. the clipped loss through the fused kernels
+            # a rollout cut by max_steps in its first pass leaves its later steps' prompts untrained
+            run.untrained_prompts = max(0, generation_steps(cfg) - (run.step - start)) * cfg.prompts_per_step
             peaks = (rollout_peak, peak_mib(run.device))
             release_free_memory(run.device, under_pressure_only=not cfg.max_memory_gb)  # the same
             t3 = clock(run.device)
@@ -282,10 +284,12 @@ def save(run: Run, at_step: int) -> Path:
 
 
 def sampler_state(run: Run) -> dict:
-    """The prompt sampler's position after the last trained batch (a generation thread may have "
-    "drawn more)."""
+    """The prompt sampler's position after the last trained batch (a generation thread may have drawn
+    more), before the prompts of the steps that batch left untrained (cut by max_steps: a --resume with a
+    higher max_steps trains them, as the uninterrupted run does)."""
     state = run.rollouts.sampler_state() if run.rollouts is not None else None
-    return state if state is not None else run.sampler.state_dict()
+    state = state if state is not None else run.sampler.state_dict()
+    return run.sampler.rewound(state, run.untrained_prompts)
 
 
 # --------------------------------------------------------------------------------------------------------
