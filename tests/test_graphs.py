@@ -105,13 +105,17 @@ def test_buckets():
 
 
 @pytest.mark.parametrize("share_prefix", [True, False])
-@pytest.mark.parametrize("temperature,factor", [(1.0, 8.0), (0.0, 2.0)], ids=["sampled", "greedy"])
+@pytest.mark.parametrize(
+    "temperature,factor,penalty",
+    [(1.0, 8.0, 1.0), (0.0, 2.0, 1.0), (1.0, 8.0, 1.3)],
+    ids=["sampled", "greedy", "sampled under a repetition penalty"],
+)
 def test_padded_buckets_sample_bit_for_bit_what_the_eager_step_samples(
-    share_prefix, temperature, factor, seen_buckets
+    share_prefix, temperature, factor, penalty, seen_buckets
 ):
     _kernels_or_skip()
     model = eos_likely_lm("llama", V, EOS, factor=factor)
-    kw = dict(share_prefix=share_prefix, temperature=temperature)
+    kw = dict(share_prefix=share_prefix, temperature=temperature, repetition_penalty=penalty)
     eager = _run(model, False, **kw)
     bucketed = _run(model, "graphs", **kw)
     for want, got in zip(eager, bucketed, strict=True):
@@ -243,10 +247,11 @@ def test_the_trainer_flag_reaches_the_engine():
     assert eval_engine_options(parse_config(["--rollout-compile", "on"]))["compile"] is True
 
 
-@pytest.mark.parametrize("rollout_dtype", ["model", "fp8"])
-def test_the_step_cuda_captures_reads_nothing_back_on_the_host(monkeypatch, rollout_dtype):
-    """The step exactly as CUDA runs it (no CPU kernels, the full KV capacity), top-k / top-p / min-p and the
-    draw included, makes no host read: a CUDA graph can capture it. Checked with the operators it runs."""
+@pytest.mark.parametrize("rollout_dtype,penalty", [("model", 1.0), ("fp8", 1.0), ("model", 1.3)])
+def test_the_step_cuda_captures_reads_nothing_back_on_the_host(monkeypatch, rollout_dtype, penalty):
+    """The step exactly as CUDA runs it (no CPU kernels, the full KV capacity), top-k / top-p / min-p, the
+    repetition penalty's mask and the draw included, makes no host read: a CUDA graph can capture it.
+    Checked with the operators it runs."""
     monkeypatch.setattr(cpu_decode, "ENABLED", False)
     monkeypatch.setattr(native.NativeEngine, "_eager_cpu", lambda self, device: False)
     real, modes = graphs.Static.step, []
@@ -258,7 +263,7 @@ def test_the_step_cuda_captures_reads_nothing_back_on_the_host(monkeypatch, roll
 
     monkeypatch.setattr(graphs.Static, "step", watched)
     model = eos_likely_lm("qwen2", V, EOS, factor=8.0)
-    _run(model, "graphs", C=12, rollout_dtype=rollout_dtype)
+    _run(model, "graphs", C=12, rollout_dtype=rollout_dtype, repetition_penalty=penalty)
     assert len(modes) >= 12 and all(m.seen == [] for m in modes), {s for m in modes for s in m.seen}
     with graphs.HostReads() as mode:  # the detector (the one the capture runs first) detects
         torch.ones(3).sum().item()

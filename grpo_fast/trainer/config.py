@@ -494,7 +494,7 @@ TRL_EQUIVALENTS = {
     "resume_from_checkpoint": "--resume (the latest checkpoint in --output-dir)",
     "save_strategy": "--save-steps N (0: at the end only)",
     "eval_strategy": "--eval-steps N (0: before and after training)",
-    "generation_kwargs": "--temperature, --top-p, --top-k, --min-p",
+    "generation_kwargs": "--temperature, --top-p, --top-k, --min-p, --repetition-penalty",
     "per_device_eval_batch_size": "none: held-out evaluation runs in chunks of 64 prompts",
     "use_liger_kernel": "--liger-kernels",
     "gradient_checkpointing_kwargs": "--gradient-checkpointing",
