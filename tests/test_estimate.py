@@ -5,6 +5,7 @@ import json
 import pytest
 
 from bench.models import memory as bench_memory
+from grpo_fast.tasks import default_task
 from grpo_fast.trainer.config import parse_config
 from grpo_fast.trainer.estimate import PLAN_MARGIN, Estimator, Plan, main, plan
 from grpo_fast.trainer.train import train
@@ -54,6 +55,12 @@ def test_estimate_parts_follow_the_flags():
     split = est.estimate(plan=Plan(False, 0.0), C=256)  # packed to nothing: one completion per micro-batch
     assert split["micro_batches"] == 8 and split["parts"]["activations"] < longer["parts"]["activations"] / 4
     assert e["kv_cache_unshared"] > p["rollout KV cache"]  # prefix sharing keeps one prompt KV per group
+    # a repetition penalty: each of the 2 x 4 rows' context mask (1 byte a vocabulary entry) and three fp32
+    # temporaries of its penalized logits at the draw's peak
+    vocab = json.loads((default_task.ASSET_DIR / "config.json").read_text())["vocab_size"]
+    flags = TINY + ["--max-completion-length", "64", "--repetition-penalty", "1.1"]
+    penalized = Estimator(parse_config(flags)).estimate()["parts"]["rollout working set"]
+    assert penalized - p["rollout working set"] == 2 * 4 * vocab * (1 + 3 * 4)
     # fp32 log-probs held through a rollout's steps: 2 prompts x 4 completions x 64 tokens x 4 bytes a step's
     # worth, for the reference (beta) and for each step that trains off-policy (not the first of one pass)
     step_logps = 2 * 4 * 64 * 4

@@ -343,8 +343,11 @@ class Estimator:
         packed = engine_copy_bytes(p, cfg, self.device)
         prefill = self.probe(plan.gradient_checkpointing, cfg.share_prefix).forward_nograd(P, prompt_rows)
         prefill += kv_tok * prompt_rows * P
-        # logits, probabilities, the draw's buffers; tokens, log-probs
-        decode = n * steps * G * (V * 4 * 3 + C * 12)
+        # logits, probabilities, the draw's buffers; tokens, log-probs; under a repetition penalty each
+        # row's context mask (bool) and the penalized logits' fp32 temporaries (sampling.penalized: three at
+        # its peak)
+        penalty = V * (1 + 4 * 3) if cfg.repetition_penalty != 1.0 else 0
+        decode = n * steps * G * (V * 4 * 3 + penalty + C * 12)
         rollout = {
             "rollout KV cache": kv,
             "rollout working set": max(prefill, packed + decode),
