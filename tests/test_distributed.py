@@ -69,13 +69,14 @@ def _join(rank, world, port):
 
 def _worker(rank, world, port, cfg, pack=None):
     _join(rank, world, port)
+    import grpo_fast.trainer.evaluate as E
     import grpo_fast.trainer.setup as U
     import grpo_fast.trainer.step as S
     import grpo_fast.trainer.train as T
     from grpo_fast.trainer.batching import Packer
     from grpo_fast.trainer.config import GRPOConfig
 
-    S.generate_groups = _fixed_completions
+    S.generate_groups = E.generate_groups = _fixed_completions  # rollouts and held-out evaluation
     if pack is not None:  # micro-batches packed as under --max-memory-gb, to `pack` completion tokens
         U.plan_memory = lambda cfg, dist, device: (cfg, None, Packer(_completion_tokens, pack))
     T.train(GRPOConfig(**cfg))

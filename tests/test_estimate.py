@@ -104,12 +104,16 @@ def test_estimate_command_prints_the_table_and_what_fits(capsys):
     assert "--device must be cpu or cuda" in capsys.readouterr().err
 
 
-def test_estimate_needs_no_reward_and_says_what_the_plan_fits_first(capsys):
+def test_estimate_needs_no_reward_and_says_what_the_plan_fits_first(capsys, monkeypatch):
     """A model and a budget are enough (memory does not depend on the rewards). Where the whole step as one
     micro-batch does not fit but the trainer's plan does, the first line says what the plan reaches and the
-    second, labelled as one micro-batch, says that nothing fits that way."""
-    from grpo_fast.tasks import default_task
+    second, labelled as one micro-batch, says that nothing fits that way. The process's own resident set is
+    measured once and held for the test and the command alike (it moves as a test session frees memory:
+    a budget between two estimates must be the command's too)."""
+    import grpo_fast.trainer.estimate as estimate_mod
 
+    held = estimate_mod._runtime_bytes("cpu", parse_config(TINY))
+    monkeypatch.setattr(estimate_mod, "_runtime_bytes", lambda device, cfg: held)
     argv = ["--model", str(default_task.ASSET_DIR), "--prompts-per-step", "16", "--num-generations", "16",
             "--max-completion-length", "256", "--max-prompt-length", "2048"]  # fmt: skip
     main(argv)  # no --reward: no error

@@ -237,7 +237,8 @@ def test_compile_must_be_a_known_mode():
 
 def test_the_trainer_flag_reaches_the_engine():
     from grpo_fast.trainer.config import parse_config
-    from grpo_fast.trainer.step import engine_options, eval_engine_options
+    from grpo_fast.trainer.evaluate import eval_engine_options
+    from grpo_fast.trainer.step import engine_options
 
     assert engine_options(parse_config(["--rollout-compile", "graphs"]))["compile"] == "graphs"
     assert engine_options(parse_config([]))["compile"] == "auto"

@@ -20,8 +20,9 @@ from grpo_fast.rollout import dtypes
 from grpo_fast.tasks import default_task
 from grpo_fast.trainer import precision
 from grpo_fast.trainer.config import parse_config
+from grpo_fast.trainer.evaluate import eval_engine_options
 from grpo_fast.trainer.optimizers import OPTIMIZERS, AdamW16, build_optimizer, stochastic_round_bf16
-from grpo_fast.trainer.step import engine_options, eval_engine_options, sampling_correction
+from grpo_fast.trainer.step import engine_options, sampling_correction
 from grpo_fast.trainer.train import train
 
 ASSET = default_task.ASSET_DIR

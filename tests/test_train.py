@@ -332,19 +332,19 @@ def test_num_generations_eval_scores_sampled_held_out_completions(tmp_path, monk
     completions (the first reward function called directly, prompt by prompt); every evaluation draws alike
     (the same numbers twice) and leaves the training generator where it was; near-greedy sampling scores what
     greedy decoding scores."""
-    import grpo_fast.trainer.step as step_mod
+    import grpo_fast.trainer.evaluate as eval_mod
 
-    N, calls, real = 4, [], step_mod.generate_groups
+    N, calls, real = 4, [], eval_mod.generate_groups
 
     def spy(*a, **k):
         out = real(*a, **k)
         calls.append((a, k, out))
         return out
 
-    monkeypatch.setattr(step_mod, "generate_groups", spy)
+    monkeypatch.setattr(eval_mod, "generate_groups", spy)
     run = setup_mod.setup(_cfg(tmp_path, "--eval-max-samples", "10", "--num-generations-eval", str(N)))
     state = run.generator.get_state()
-    ev = step_mod.evaluate(run.policy, run.tokenizer, run.eval_rows, run.reward_funcs, run.cfg, run.device)
+    ev = eval_mod.evaluate(run.policy, run.tokenizer, run.eval_rows, run.reward_funcs, run.cfg, run.device)
     assert torch.equal(run.generator.get_state(), state)
     sampled = [(a, k, out) for a, k, out in calls if a[3] == N]
     assert len(sampled) == 1 and sampled[0][1]["temperature"] == run.cfg.temperature
@@ -362,10 +362,10 @@ def test_num_generations_eval_scores_sampled_held_out_completions(tmp_path, monk
     assert ev["eval_sampled_accuracy"] == pytest.approx(sum(map(sum, hits)) / (N * len(rows)))
     assert ev["eval_pass_at_n"] == pytest.approx(sum(map(any, hits)) / len(rows))
     assert 0 < ev["eval_sampled_accuracy"] < ev["eval_pass_at_n"]  # the samples differ
-    again = step_mod.evaluate(run.policy, run.tokenizer, run.eval_rows, run.reward_funcs, run.cfg, run.device)
+    again = eval_mod.evaluate(run.policy, run.tokenizer, run.eval_rows, run.reward_funcs, run.cfg, run.device)
     assert again == ev
     run.cfg.temperature = 1e-4  # a one-hot softmax: every sample is the greedy completion
-    cold = step_mod.evaluate(run.policy, run.tokenizer, run.eval_rows, run.reward_funcs, run.cfg, run.device)
+    cold = eval_mod.evaluate(run.policy, run.tokenizer, run.eval_rows, run.reward_funcs, run.cfg, run.device)
     assert cold["eval_sampled_accuracy"] == cold["eval_pass_at_n"] == cold["eval_accuracy"]
 
 

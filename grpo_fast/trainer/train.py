@@ -45,10 +45,11 @@ from .distributed import (
     full_optimizer_state,
     shutdown,
 )
+from .evaluate import evaluate
 from .log import plot_curves, print_completions
 from .memory import peak_mib, release_free_memory, reset_peak
 from .setup import Run, setup
-from .step import completion_samples, encode_prompts, evaluate, optimize, rollout, score_rollout, step_record
+from .step import completion_samples, encode_prompts, optimize, rollout, score_rollout, step_record
 from .stopping import Stopping
 
 __all__ = ["train", "main", "encode_prompts"]
