@@ -1,7 +1,7 @@
 """The rollout against this machine's floor, and where its time goes.
 
     python -m bench.profiles.decode [--dtypes model,bf16] [--C 256] [--repeats 3] [--vllm] [--ops]
-                                   [--out-dir DIR]
+                                   [--torch-ops] [--repetition-penalty P] [--out-dir DIR]
 
 The work: bench_generate's real workload (SmolLM2-135M-Instruct, 2 chat prompts x G=8 = 16 rows), C tokens
 per row, T=1, no EOS (every row decodes all C tokens, so every call does the same work). Per rollout dtype
@@ -24,8 +24,10 @@ FLOPs', and `decode_bandwidth_fraction_ceiling` = bandwidth floor / floor is the
 the machine allows that dtype (1 where the bandwidth bounds it). The
 prefill is held against the fp32 peak (`prefill_gemm_fraction`: it runs the model's own forward). `--vllm`
 adds vLLM CPU (the `.venv-vllm` engine, `make setup-vllm`) on the same rows, C and dtype, no EOS, its time
-per token step (prefill included) against the same floor. `--ops` adds the per-operator profile
-(torch.profiler, self CPU time) of one call per dtype.
+per token step (prefill included) against the same floor. `--torch-ops` adds the native engine through
+PyTorch ops (no CPU decode kernels), `--repetition-penalty P` the native engine under that penalty (its cost,
+`decode_repetition_penalty_cost_<dtype>`, x the unpenalized step), each interleaved call by call. `--ops`
+adds the per-operator profile (torch.profiler, self CPU time) of one call per dtype.
 
 Writes <out-dir, default bench/results/<machine>>/profile_decode.{json,md} with the CPU model and flags; the
 summary keys (`decode_bandwidth_fraction_fp32`, `_bf16`, ...) reach summary.json through bench.report.
@@ -159,34 +161,36 @@ def prefill_flops(model, prompt_tokens: int) -> int:
     return 2 * prompt_tokens * params + 2 * PROMPTS * model.config.vocab_size * model.config.hidden_size
 
 
-def measure_native(model, ids, mask, C, dtype, repeats, torch_ops=False) -> tuple[list, list]:
-    """(calls through the CPU decode kernels, calls through PyTorch ops: empty unless `torch_ops`), each
-    call's phases with the read bandwidth measured before it; with `torch_ops` the two interleave call by
-    call, so that a shared machine's drift falls on both."""
+def measure_native(model, ids, mask, C, dtype, repeats, torch_ops=False, penalty=1.0) -> tuple[list, ...]:
+    """(calls through the CPU decode kernels, calls through PyTorch ops: empty unless `torch_ops`, calls
+    under a repetition penalty: empty unless `penalty` != 1), each call's phases with the read bandwidth
+    measured before it; the kinds interleave call by call, so that a shared machine's drift falls on all."""
     from grpo_fast.rollout import cpu_decode, generate_groups, native
 
     eng = native.engine_for(model)
 
-    def call(seed, kernels):
+    def call(seed, kernels, repetition_penalty):
         cpu_decode.ENABLED = kernels
         try:
             generate_groups(
                 model, ids, mask, G, C, temperature=1.0, eos_token_id=None, engine="native", compile=False,
                 rollout_dtype=dtype, generator=torch.Generator().manual_seed(seed),
+                repetition_penalty=repetition_penalty,
             )  # fmt: skip
         finally:
             cpu_decode.ENABLED = True
         return dict(eng.last_call)
 
-    modes = (True, False) if torch_ops else (True,)
-    for kernels in modes:
-        call(99, kernels)  # warm-up: allocator, oneDNN primitives for these shapes
+    modes = [(True, 1.0)] + [(False, 1.0)] * torch_ops + [(True, penalty)] * (penalty != 1.0)
+    for mode in modes:
+        call(99, *mode)  # warm-up: allocator, oneDNN primitives for these shapes
     calls = {m: [] for m in modes}
     for seed in range(repeats):
-        for kernels in modes:
+        for mode in modes:
             bw = read_bandwidth()
-            calls[kernels].append(dict(call(seed, kernels), bandwidth_gbs=bw))
-    return calls[True], calls.get(False, [])
+            calls[mode].append(dict(call(seed, *mode), bandwidth_gbs=bw))
+    penalized = calls[(True, penalty)] if penalty != 1.0 else []
+    return calls[(True, 1.0)], calls.get((False, 1.0), []), penalized
 
 
 def measure_vllm(dtype, C, repeats) -> dict:
@@ -242,6 +246,10 @@ def main(argv=None) -> None:
         "--torch-ops", action="store_true",
         help="the native engine through PyTorch ops too (no CPU decode kernels), interleaved call by call",
     )  # fmt: skip
+    ap.add_argument(
+        "--repetition-penalty", type=float, default=1.0,
+        help="the native engine under this repetition penalty too (1: not run), interleaved call by call",
+    )  # fmt: skip
     ap.add_argument("--top", type=int, default=12, help="operators shown per dtype (--ops)")
     ap.add_argument("--out-dir", default=None)
     args = ap.parse_args(argv)
@@ -258,15 +266,20 @@ def main(argv=None) -> None:
         for dtype in args.dtypes.split(","):
             name = "fp32" if dtype == "model" else dtype
             peak = max(gemm_peak(PEAK_DTYPE[dtype]), gemm_peak(torch.float32), fma)
-            calls, ops_calls = measure_native(model, ids, mask, C, dtype, args.repeats, args.torch_ops)
-            assert all(c["decode_steps"] == steps for c in calls + ops_calls), calls + ops_calls
+            calls, ops_calls, pen_calls = measure_native(
+                model, ids, mask, C, dtype, args.repeats, args.torch_ops, args.repetition_penalty
+            )
+            assert all(c["decode_steps"] == steps for c in calls + ops_calls + pen_calls), calls + ops_calls
             assert all(c["kernel_steps"] in (0, steps) for c in calls), calls  # all steps, or none can
             work = decode_work(model, prompt_tokens, PROMPTS, R, steps, dtype)
             pre = prefill_flops(model, prompt_tokens) / gemm_peak(torch.float32) / 1e9
             measured.append((name, "native", calls, work, peak, pre))
+            penalized = f"native, repetition penalty {args.repetition_penalty:g}"
             if ops_calls:
                 measured.append((name, "native, PyTorch ops", ops_calls, work, peak, pre))
-            for engine, cs in (("native", calls), ("native, PyTorch ops", ops_calls)):
+            if pen_calls:
+                measured.append((name, penalized, pen_calls, work, peak, pre))
+            for engine, cs in (("native", calls), ("native, PyTorch ops", ops_calls), (penalized, pen_calls)):
                 if cs:
                     per_step = [round(1e3 * c["decode_s"] / steps, 1) for c in cs]
                     print(f"{engine} {name}: {per_step} ms per step", flush=True)
@@ -285,13 +298,16 @@ def main(argv=None) -> None:
         mid = sorted(range(len(per)), key=lambda i: per[i]["ms_per_step"])[len(per) // 2]  # the median call
         c, f = calls[mid], per[mid]
         pre = pre_s / c["prefill_s"]
-        if engine != "native":  # the PyTorch-ops A/B row: its time, and the kernels' gain over it
+        if engine != "native":  # an A/B row (PyTorch ops, a penalty): its time, its ratio to the native one
             rows.append(dict(engine=engine, dtype=name, **f, bandwidth_gbs=bw, gemm_peak_gflops=peak,
                              ms_per_step_all=[p["ms_per_step"] for p in per]))  # fmt: skip
-            summary[f"decode_ms_per_step_{name}_torch_ops"] = f["ms_per_step"]
-            summary[f"decode_kernels_speedup_{name}"] = (
-                f["ms_per_step"] / summary[f"decode_ms_per_step_{name}"]
-            )
+            ratio = f["ms_per_step"] / summary[f"decode_ms_per_step_{name}"]
+            if engine.startswith("native, repetition penalty"):
+                summary[f"decode_ms_per_step_{name}_penalized"] = f["ms_per_step"]
+                summary[f"decode_repetition_penalty_cost_{name}"] = ratio  # x the unpenalized step
+            else:
+                summary[f"decode_ms_per_step_{name}_torch_ops"] = f["ms_per_step"]
+                summary[f"decode_kernels_speedup_{name}"] = ratio
             continue
         rows.append(dict(engine="native", dtype=name, **f, bandwidth_gbs=bw, gemm_peak_gflops=peak,
                          kernels="yes" if c["kernel_steps"] else "no",
