@@ -73,6 +73,7 @@ def held_out_hits(
     per_chunk = max(1, EVAL_CHUNK_ROWS // G)
     n_chunks = math.ceil(len(rows) / (per_chunk * dist.world))
     sampling = dict(temperature=0.0) if generator is None else dict(**draw_options(cfg), generator=generator)
+    sampling.update(eval_engine_options(cfg))
     hits = []
     for k in range(n_chunks):
         chunk = mine[k * per_chunk : (k + 1) * per_chunk]
@@ -85,26 +86,24 @@ def held_out_hits(
                 max_tool_calling_iterations=cfg.max_tool_calling_iterations,
                 tool_timeout_s=cfg.tool_timeout_s, max_prompt_length=cfg.max_prompt_length,
                 chat_template_kwargs=cfg.chat_template_kwargs, eos_token_id=tokenizer.eos_token_id,
-                **sampling, **eval_engine_options(cfg),
+                **sampling,
             )  # fmt: skip
+            prompts, completions = tr.texts, tr.messages
             cols = reward_columns(chunk, G, tr.completion_ids, tr.completion_mask * tr.tool_mask)
             if tr.environments is not None:
                 cols["environments"] = tr.environments
-            texts = [t for t in tr.texts for _ in range(G)]
-            scored = score(reward_funcs[:1], [1.0], texts, tr.messages, cols, on_error="skip")
-            hits.append(scored.per_func[:counted, 0] >= 1.0 - 1e-6)
-            continue
-        texts, ids, mask = encode_prompts(
-            chunk, tokenizer, cfg.max_prompt_length, device, cfg.chat_template_kwargs
-        )
-        comp, cmask = policy(
-            generate_groups, ids, mask, G, cfg.max_completion_length, eos_token_id=tokenizer.eos_token_id,
-            share_prefix=G > 1, all_done=(lambda done: all_done(done, dist)) if dist.on else None,
-            **sampling, **eval_engine_options(cfg),
-        )  # fmt: skip
-        completions = tokenizer.batch_decode(comp * cmask, skip_special_tokens=True)
-        cols = reward_columns(chunk, G, comp, cmask)
-        texts = [t for t in texts for _ in range(G)]
+        else:
+            prompts, ids, mask = encode_prompts(
+                chunk, tokenizer, cfg.max_prompt_length, device, cfg.chat_template_kwargs
+            )
+            comp, cmask = policy(
+                generate_groups, ids, mask, G, cfg.max_completion_length, eos_token_id=tokenizer.eos_token_id,
+                share_prefix=G > 1, all_done=(lambda done: all_done(done, dist)) if dist.on else None,
+                **sampling,
+            )  # fmt: skip
+            completions = tokenizer.batch_decode(comp * cmask, skip_special_tokens=True)
+            cols = reward_columns(chunk, G, comp, cmask)
+        texts = [t for t in prompts for _ in range(G)]
         values = score(reward_funcs[:1], [1.0], texts, completions, cols, on_error="skip").per_func[:, 0]
         hits.append(values[:counted] >= 1.0 - 1e-6)
     return torch.cat(hits) if hits else torch.zeros(0, dtype=torch.bool)
