@@ -421,13 +421,61 @@ def test_native_rollout_with_generation_kwargs_is_trls_generation(tmp_path, monk
     ]
     prompts = [p for p in prompts for _ in range(2)]
     monkeypatch.setattr(integ, "generate_groups", lambda *a, **k: pytest.fail("the native engine ran"))
-    with pytest.warns(UserWarning, match="TRL's generation runs because of generation_kwargs"):
+    with pytest.warns(
+        UserWarning, match="TRL's generation runs because of generation_kwargs no_repeat_ngram"
+    ):
         got, _ = native._generate_single_turn(prompts, None, {}, 2)
     ref, _ = trl_gen._generate_single_turn(prompts, None, {}, 2)
     assert got == ref
     for c in got:  # the option took effect: no bigram twice
         bigrams = list(zip(c, c[1:]))
         assert len(bigrams) == len(set(bigrams)), c
+
+
+def test_native_rollout_honours_the_generation_kwargs_it_has(tmp_path, monkeypatch):
+    """generation_kwargs override TRL's own sampling options (TRL's transformers path): keys the engine has
+    (temperature, repetition_penalty, max_new_tokens, ...) reach it, with no fallback, and near-greedy its
+    completions equal TRL's own `model.generate` under the same generation_kwargs; do_sample=False (greedy,
+    no sampling log-probs) keeps TRL's generation, named."""
+    import warnings
+
+    model = AutoModelForCausalLM.from_pretrained(default_task.ASSET_DIR)
+    gen = {
+        "temperature": 1e-4,
+        "repetition_penalty": 3.0,
+        "max_new_tokens": 5,
+        "top_k": 40,
+        "use_cache": True,
+    }
+    kw = dict(temperature=1.0, generation_kwargs=gen)  # TRL's own temperature is overridden
+    trl_gen = _trainer(integ.GRPOTrainer, model, tmp_path, **kw)
+    native = _trainer(integ.GRPOTrainer, model, tmp_path / "n", {"rollout": "native"}, **kw)
+    tok = native._tokenizer
+    prompts = [
+        tok(r["prompt"], add_special_tokens=False).input_ids for r in default_task.dataset_rows("train")[:3]
+    ]
+    prompts = [p for p in prompts for _ in range(2)]
+    calls, orig = [], integ.generate_groups
+    monkeypatch.setattr(integ, "generate_groups", lambda *a, **k: calls.append((a, k)) or orig(*a, **k))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a fallback to TRL's generation warns
+        got, logps = native._generate_single_turn(prompts, None, {}, 2)
+    ((args, options),) = calls
+    assert args[4] == 5 and options["temperature"] == 1e-4 and options["repetition_penalty"] == 3.0
+    assert options["top_k"] == 40 and options["eos_token_id"] == list(trl_gen.eos_token_ids)
+    ref, _ = trl_gen._generate_single_turn(prompts, None, {}, 2)
+    assert got == ref and max(len(c) for c in got) <= 5 < native.max_completion_length
+    assert [len(lp) for lp in logps] == [len(c) for c in got]
+    greedy = _trainer(
+        integ.GRPOTrainer,
+        model,
+        tmp_path / "g",
+        {"rollout": "native"},
+        generation_kwargs={"do_sample": False},
+    )
+    monkeypatch.setattr(integ, "generate_groups", lambda *a, **k: pytest.fail("the native engine ran"))
+    with pytest.warns(UserWarning, match="generation_kwargs do_sample=False"):
+        greedy._generate_single_turn(prompts[:2], None, {}, 2)
 
 
 def test_native_rollout_takes_the_repetition_penalty_and_generates_what_trl_generates(tmp_path, monkeypatch):

@@ -13,9 +13,11 @@ What changes (TRL 1.16):
 
 Opt-in: `GRPOTrainer(..., rollout="native")` generates with grpo-fast's native engine (static KV cache, each
 prompt prefilled once per group, no per-token host sync; `grpo_fast.rollout`) instead of TRL's
-`model.generate`, with TRL's repetition_penalty, temperature, top_k, top_p and min_p in transformers' order;
-what it does not cover (vLLM, continuous batching, multimodal prompts or tools, a model it does not support,
-a distributed wrapper) keeps TRL's generation, with a warning saying why.
+`model.generate`, with TRL's repetition_penalty, temperature, top_k, top_p and min_p in transformers'
+order, as the user's generation_kwargs override them (max_new_tokens and eos_token_id too); what it does
+not cover (vLLM, continuous batching, multimodal prompts or tools, generation_kwargs it lacks such as
+no_repeat_ngram_size or do_sample=False, a model it does not support, a distributed wrapper) keeps TRL's
+generation, with a warning saying why.
 
 Every loss option of TRL 1.16 goes to the kernel with TRL's meaning: every loss_type (grpo, bnpo, dr_grpo,
 dapo, cispo, sapo, luspo, vespo), delta, the vLLM importance-sampling correction (the kernel recomputes TRL's
@@ -63,6 +65,16 @@ _MULTIMODAL_KEYS = (
     "token_type_ids",
     "mm_token_type_ids",
     "image_position_ids",
+)
+# TRL's generation config (its own keys updated by the user's generation_kwargs): what the native engine
+# samples with, and what does not change the draw
+_NATIVE_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+_INERT_GENERATION_KEYS = (
+    "pad_token_id",
+    "bos_token_id",
+    "cache_implementation",
+    "use_cache",
+    "disable_compile",
 )
 
 
@@ -152,11 +164,39 @@ class GRPOTrainer(trl.GRPOTrainer):
             (self.use_vllm, "vLLM generation"),
             (self.use_transformers_continuous_batching, "continuous batching"),
             (bool(images) or bool(multimodal_fields) or has_tool_images, "multimodal prompts"),
-            (bool(self.args.generation_kwargs), "generation_kwargs (transformers' options the engine lacks)"),
             (model is not self.model or self._sharded_reason(model) is not None, "a distributed wrapper"),
         ]
         why = next((why for bad, why in checks if bad), None)
-        return why or native.unsupported_reason(model)
+        return why or self._generation_kwargs_reason() or native.unsupported_reason(model)
+
+    def _generation_kwargs_reason(self) -> str | None:
+        """The generation_kwargs the native engine cannot honour, named; None where it samples what TRL's
+        `model.generate` would (sampling options, max_new_tokens, eos_token_id, keys changing nothing)."""
+        kwargs = self.generation_kwargs
+        if kwargs.get("do_sample") is False:
+            return "generation_kwargs do_sample=False (greedy decoding leaves no sampling log-probs)"
+        known = (
+            *_NATIVE_SAMPLING_KEYS,
+            *_INERT_GENERATION_KEYS,
+            "do_sample",
+            "max_new_tokens",
+            "eos_token_id",
+        )
+        other = sorted(k for k, v in kwargs.items() if k not in known and v is not None)
+        if other:
+            return f"generation_kwargs {', '.join(other)} (transformers' options the engine lacks)"
+        return None
+
+    def _native_sampling(self) -> dict:
+        """generate_groups' options from TRL's generation config as the user's generation_kwargs left it (they
+        override TRL's own temperature, top_p, ..., as in TRL's transformers path); None means off."""
+        kw = self.generation_kwargs
+        off = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
+        options = {k: kw[k] if kw.get(k) is not None else off[k] for k in _NATIVE_SAMPLING_KEYS}
+        eos = kw.get("eos_token_id")
+        options["eos_token_id"] = [eos] if isinstance(eos, int) else list(eos or [])
+        options["max_new_tokens"] = kw.get("max_new_tokens") or self.max_completion_length
+        return options
 
     def _generate_single_turn(
         self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False
@@ -185,11 +225,9 @@ class GRPOTrainer(trl.GRPOTrainer):
         pad = self._tokenizer.pad_token_id or 0
         ids = torch.tensor([[pad] * (P - len(p)) + list(p) for p in unique], device=device)
         mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in unique], device=device)
+        options = self._native_sampling()
         completion, cmask, logp = generate_groups(
-            self.accelerator.unwrap_model(self.model), ids, mask, G, self.max_completion_length,
-            temperature=self.temperature, top_p=self.top_p if self.top_p is not None else 1.0,
-            top_k=self.top_k or 0, min_p=self.min_p or 0.0, eos_token_id=list(self.eos_token_ids),
-            repetition_penalty=self.repetition_penalty or 1.0,
+            self.accelerator.unwrap_model(self.model), ids, mask, G, options.pop("max_new_tokens"), **options,
             share_prefix=G > 1, engine="native",
             rollout_dtype=self.grpo_fast_rollout_dtype, return_logprobs=True,
         )  # fmt: skip
