@@ -125,7 +125,7 @@ def test_linear(dtype, M, N, K, with_bias):
     w, x = torch.randn(N, K).to(dtype), torch.randn(M, K).to(dtype)
     bias = torch.randn(N) if with_bias else None
     pack, linear = cpu_decode.linear_for(dtype)
-    y = linear(x, pack(w, dtype), bias, N)
+    y = linear(x, pack([w], dtype), bias, N)
     assert y.dtype == dtype and y.shape == (M, N)
     want = x.double() @ w.double().t() + (bias.double() if with_bias else 0)
     # fp32: accumulation order; bf16: the output's rounding (8 bits) on top of fp32 accumulation
@@ -140,12 +140,21 @@ def test_pack_linear_lays_out_and_rounds_as_torch(dtype, src):
     N, K = 37, 10
     w = torch.randn(N, K).to(src)
     pack, _ = cpu_decode.linear_for(dtype)
-    p = pack(w, dtype)  # (N/16, K/per, 16, per): bf16 in pairs where the build multiplies pairs (AVX512-BF16)
+    p = pack(
+        [w], dtype
+    )  # (N/16, K/per, 16, per): bf16 in pairs where the build multiplies pairs (AVX512-BF16)
     per = p.shape[-1]
-    unpacked = p.permute(0, 2, 1, 3).reshape(-1, K)
-    assert torch.equal(unpacked[:N], w.to(dtype))  # torch's cast: round to nearest even
-    assert not unpacked[N:].any() and unpacked.shape[0] == 48
+    unpack = lambda p: p.permute(0, 2, 1, 3).reshape(-1, K)  # noqa: E731
+    assert torch.equal(unpack(p)[:N], w.to(dtype))  # torch's cast: round to nearest even
+    assert not unpack(p)[N:].any() and unpack(p).shape[0] == 48
     assert per in ((1, 2) if dtype == torch.bfloat16 else (1,))
+    # several matrices stacked by rows (a fused q / k / v), repacked in place into the same storage
+    parts = [torch.randn(n, K).to(src) for n in (20, 3, 14)]
+    address = p.data_ptr()
+    assert pack(parts, dtype, out=p) is p and p.data_ptr() == address
+    assert torch.equal(unpack(p)[:N], torch.cat(parts).to(dtype)) and not unpack(p)[N:].any()
+    with pytest.raises(RuntimeError, match="out packed for 49 outputs and 10 inputs"):
+        pack([*parts, w[:12]], dtype, out=p)  # 4 blocks of 16 outputs, not 3
 
 
 @pytest.mark.skipif(torch.bfloat16 not in LINEAR, reason="no bf16 linear kernel on this CPU")
@@ -155,7 +164,7 @@ def test_linear_accumulates_bf16_in_fp32():
     x = torch.ones(3, 4096, dtype=torch.bfloat16)
     w = torch.full((20, 4096), 1 + 2**-7, dtype=torch.bfloat16)
     pack, linear = cpu_decode.linear_for(torch.bfloat16)
-    assert torch.equal(linear(x, pack(w, torch.bfloat16), None, 20).float(), torch.full((3, 20), 4128.0))
+    assert torch.equal(linear(x, pack([w], torch.bfloat16), None, 20).float(), torch.full((3, 20), 4128.0))
 
 
 def test_loading_the_kernels_leaves_denormals_alone():
@@ -238,7 +247,7 @@ def test_kernels_release_the_gil():
     import threading
 
     pack, linear = cpu_decode.linear_for(torch.float32)
-    w = pack(torch.randn(2048, 2048), torch.float32)
+    w = pack([torch.randn(2048, 2048)], torch.float32)
     x = torch.randn(1024, 2048)
     calling, returned = threading.Event(), threading.Event()
 

@@ -91,6 +91,32 @@ def test_cuda_graphs_keep_the_rollout_buffers_through_training():
     assert "rollout buffers kept (CUDA graphs)" not in Estimator(parse_config(flags)).estimate()["parts"]
 
 
+def test_the_cpu_engine_keeps_its_weight_copy_through_training(monkeypatch):
+    """On a CPU the native engine keeps its packed copy of the linear weights between calls (the next call
+    rewrites it in place): the training peak holds it, written out from the config (every Linear's weight,
+    fp32; bf16: half)."""
+    flags = TINY + ["--max-completion-length", "64"]
+    cfg = json.loads((default_task.ASSET_DIR / "config.json").read_text())
+    H, inter, L, V = (cfg[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size"))
+    d = cfg.get("head_dim", H // cfg["num_attention_heads"])
+    per_layer = H * d * (cfg["num_attention_heads"] * 2 + cfg["num_key_value_heads"] * 2) + 3 * H * inter
+    for extra, width in [([], 4), (["--rollout-dtype", "bf16"], 2)]:
+        est = Estimator(parse_config(flags + extra), device="cpu").estimate()
+        assert est["parts"]["rollout weight copy kept"] == (L * per_layer + V * H) * width, extra
+    import grpo_fast.trainer.estimate as estimate_mod
+
+    held = estimate_mod._runtime_bytes("cpu", parse_config(flags))  # the process's resident set, held
+    monkeypatch.setattr(estimate_mod, "_runtime_bytes", lambda device, cfg: held)
+    kept = Estimator(parse_config(flags), device="cpu").estimate()
+    monkeypatch.setattr(estimate_mod, "engine_copy_bytes", lambda *a: 0.0)  # the modules' own weights
+    unkept = Estimator(parse_config(flags), device="cpu").estimate()
+    copy = kept["parts"]["rollout weight copy kept"]
+    assert kept["train_peak"] - unkept["train_peak"] == pytest.approx(copy, rel=1e-9)
+    monkeypatch.undo()
+    async_ = Estimator(parse_config(flags + ["--max-staleness", "1"]), device="cpu").estimate()
+    assert "rollout weight copy kept" not in async_["parts"]  # the overlap holds a whole rollout already
+
+
 def test_estimate_command_prints_the_table_and_what_fits(capsys):
     main(TINY + ["--max-memory-gb", "2"])
     out = capsys.readouterr().out

@@ -394,6 +394,52 @@ def test_sampling_is_reproducible_with_a_generator():
     assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
 
 
+def _kept_copies(model) -> list:
+    """Where each of the engine's kept weight copies lives: a tensor's address (oneDNN's packed weights are
+    opaque: their object)."""
+    from grpo_fast.rollout.dtypes import Packed
+
+    _, (layers, head) = native.engine_for(model)._kept
+    packed = [getattr(ly, f) for ly in layers for f in native._LINEARS] + [head]
+    tensors = [t for p in packed if isinstance(p, Packed) for t in p.tensors if t is not None]
+    return [id(t) if t.is_mkldnn else t.data_ptr() for t in tensors]
+
+
+@pytest.mark.parametrize("rollout_dtype", ["model", "bf16"])
+def test_eager_cpu_calls_rewrite_one_kept_weight_copy(rollout_dtype, cpu_kernels):
+    """Eager on a CPU the engine keeps its copy of the linear weights (fp32 packed, or bf16) between calls and
+    rewrites it in place: an optimizer step between two calls is seen by the second (greedy, against the
+    reference engine on the updated model) through the same copies; a call in another rollout dtype
+    replaces the copy (one at a time), and a call of another row count where the packing depends on it
+    (oneDNN's) packs afresh."""
+    model = _model("llama")
+    ids, mask = _prompts()
+    kw = dict(temperature=0.0, eos_token_id=EOS, engine="native", compile=False, rollout_dtype=rollout_dtype)
+    before = generate_groups(model, ids, mask, 4, 20, **kw)
+    where = _kept_copies(model)
+    assert len(where) >= 2 * 4 + 1  # every layer's linears and the LM head
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    model(ids, attention_mask=mask).logits.float().pow(2).mean().backward()
+    opt.step()
+    after = generate_groups(model, ids, mask, 4, 20, **kw)
+    assert _kept_copies(model) == where
+    ref = generate_plain(model, ids, mask, 4, 20, temperature=0.0, eos_token_id=EOS)
+    assert_greedy_equal(model, ids, mask, 4, after, ref)
+    assert not torch.equal(after[0], before[0])
+    other = "bf16" if rollout_dtype == "model" else "fp32"
+    generate_groups(model, ids, mask, 4, 20, **{**kw, "rollout_dtype": other})
+    assert native.engine_for(model)._kept[0][0] == other
+    generate_groups(model, ids, mask, 4, 20, **kw)
+    where = _kept_copies(model)
+    fewer = generate_groups(model, ids[:2], mask[:2], 4, 20, **kw)  # 8 rows, not 12
+    dtype = torch.bfloat16 if rollout_dtype == "bf16" else torch.float32
+    repacked = False  # cpu_decode's packing serves any row count
+    if not cpu_kernels or cpu_decode.linear_for(dtype) is None:  # oneDNN's (its reorder is for a row count)
+        repacked = dtype == torch.float32 or torch.ops.mkldnn._is_mkldnn_bf16_supported()  # else F.linear
+    assert (_kept_copies(model) != where) == repacked
+    assert_greedy_equal(model, ids[:2], mask[:2], 4, fewer, [t[:8] for t in after])
+
+
 @pytest.mark.slow
 def test_compiled_step_matches_eager_and_sees_updated_weights():
     # one compile of a 2-layer step (tens of seconds on 2 CPU cores), then an in-place weight update

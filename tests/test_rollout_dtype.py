@@ -67,7 +67,7 @@ def test_each_format_computes_its_quantization(fmt):
     x = torch.randn(5, 64, generator=g) * 3
     w[3, 7] = 0.9  # an outlier weight: its row's scale, not the others'
     bias = torch.randn(96, generator=g)
-    got = dtypes.LINEAR_FORMATS[fmt](w, bias, 5)(x)
+    got = dtypes.LINEAR_FORMATS[fmt]([w], bias, 5)(x)
     want = _fp64_reference(fmt, w, x) + bias.double()
     # 16-bit outputs stay in their dtype (the step casts where it needs fp32); 8-bit products come out fp32
     out_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(fmt, torch.float32)

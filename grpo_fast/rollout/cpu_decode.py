@@ -15,12 +15,13 @@ calls:
 - `silu_mul(gate_up)`: SiLU(gate) * up of the fused gate / up projection, in its dtype;
 - `linear(x, packed, bias, N)` (fp32 and bf16 weights on AVX-512, bf16 through vdpbf16ps where AVX512-BF16
   has it; fp32 and bf16 on AVX2 + FMA, bf16 widened to fp32 in registers; `linear_for`): the linears
-  themselves, weights packed once per call by `pack_linear` in blocks of 16 output columns and streamed once
-  per call, tiles of up to 8 rows x 48 columns (AVX2: 6 x 16) accumulating in fp32 registers, the rows split
-  into tiles as even as can be. At decode shapes it beats oneDNN's packed linear (SmolLM2's 30 layers, 16
-  rows, weights streamed from memory, Zen 4: bf16 ~16 -> ~13 ms, fp32 ~26 -> ~20 ms; 8 rows 1.6x), whose
-  small-M GEMMs run well below the machine's bandwidth; on a Zen 3 (AVX2) it reaches torch's large-GEMM peak
-  there at 16 rows, where torch's own bf16 product runs at 0.3 GFLOP/s.
+  themselves, weights packed by `pack_linear` (repacked in place at each generate call) in blocks of 16
+  output columns and streamed once per call, tiles of up to 8 rows x 48 columns (AVX2: 6 x 16)
+  accumulating in fp32 registers, the rows split into tiles as even as can be. At decode shapes it beats
+  oneDNN's packed linear (SmolLM2's 30 layers, 16 rows, weights streamed from memory, Zen 4: bf16 ~16 ->
+  ~13 ms, fp32 ~26 -> ~20 ms; 8 rows 1.6x), whose small-M GEMMs run well below the machine's bandwidth; on
+  a Zen 3 (AVX2) it reaches torch's large-GEMM peak there at 16 rows, where torch's own bf16 product runs at
+  0.3 GFLOP/s.
 The attention keeps the keys transposed as well, in blocks of 64 keys (d x 64 each, `blocked_keys`), so that
 a query's scores accumulate 32 (AVX2) or 64 keys at a time in vector registers; one task per (row, KV head)
 does RoPE on its query heads and key, writes the key and value, and runs those query heads together, each
@@ -490,18 +491,20 @@ constexpr bool HAS_LINEAR_FP32 = false, HAS_LINEAR_BF16 = false;
 constexpr int64_t BF16_PER = 1;
 #endif
 
-// W (N, K) in S -> the layout `linear` reads in D: (N/16, K/PER, 16, PER), rows past N zero
+// W (N, K) in S, given as its rows' addresses, -> the layout `linear` reads in D: (N/16, K/PER, 16, PER),
+// rows past N zero
 template <typename S, typename D, int PER>
-void pack_linear_impl(const S* w, D* out, int64_t N, int64_t K) {
+void pack_linear_impl(const S* const* rows, D* out, int64_t N, int64_t K) {
   const int64_t blocks = (N + 15) / 16, steps = K / PER;
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       D* o = out + b * 16 * K;
       for (int64_t i = 0; i < 16; ++i) {
         const int64_t n = b * 16 + i;
+        const S* w = n < N ? rows[n] : nullptr;
         for (int64_t s = 0; s < steps; ++s)
           for (int p = 0; p < PER; ++p)
-            o[(s * 16 + i) * PER + p] = static_cast<D>(n < N ? f32(w[n * K + s * PER + p]) : 0.f);
+            o[(s * 16 + i) * PER + p] = static_cast<D>(w ? f32(w[s * PER + p]) : 0.f);
       }
     }
   });
@@ -570,19 +573,34 @@ at::Tensor rope_attend(at::Tensor qkv, at::Tensor cos, at::Tensor sin, at::Tenso
   return out;
 }
 
-at::Tensor pack_linear(at::Tensor w, at::ScalarType dtype) {  // (N, K) -> `linear`'s layout in dtype
-  TORCH_CHECK(w.dim() == 2, "pack_linear: w (N, K)");
-  auto wc = w.contiguous();
-  const int64_t N = wc.size(0), K = wc.size(1), per = dtype == at::kBFloat16 ? BF16_PER : 1;
+// the (N_i, K) weights `ws` stacked by rows -> `linear`'s layout in dtype, into `out` where given (its
+// storage rewritten in place: a captured graph or a kept copy reads it there), else a new tensor
+at::Tensor pack_linear(std::vector<at::Tensor> ws, at::ScalarType dtype, c10::optional<at::Tensor> out) {
+  TORCH_CHECK(!ws.empty() && ws[0].dim() == 2, "pack_linear: weights (N_i, K)");
+  const int64_t K = ws[0].size(1), per = dtype == at::kBFloat16 ? BF16_PER : 1;
   TORCH_CHECK(K % per == 0, "pack_linear: bf16 needs an even K");
-  auto out = at::empty({(N + 15) / 16, K / per, 16, per}, wc.options().dtype(dtype));
-  FLOAT_OR_BF16(wc.scalar_type(), S, [&] {
+  const auto src = ws[0].scalar_type();
+  int64_t N = 0;
+  for (auto& w : ws) {
+    TORCH_CHECK(w.dim() == 2 && w.size(1) == K, "pack_linear: weights (N_i, K) of one K");
+    w = w.scalar_type() == src ? w.contiguous() : w.to(src).contiguous();
+    N += w.size(0);
+  }
+  const std::vector<int64_t> shape = {(N + 15) / 16, K / per, 16, per};
+  at::Tensor o = out.has_value() ? *out : at::empty(shape, ws[0].options().dtype(dtype));
+  TORCH_CHECK(o.sizes() == at::IntArrayRef(shape) && o.scalar_type() == dtype && o.is_contiguous(),
+              "pack_linear: out packed for ", N, " outputs and ", K, " inputs in ", dtype);
+  FLOAT_OR_BF16(src, S, [&] {
+    std::vector<const S*> rows;
+    rows.reserve(N);
+    for (auto& w : ws)
+      for (int64_t n = 0; n < w.size(0); ++n) rows.push_back(w.data_ptr<S>() + n * K);
     if (dtype == at::kBFloat16)
-      pack_linear_impl<S, at::BFloat16, BF16_PER>(wc.data_ptr<S>(), out.data_ptr<at::BFloat16>(), N, K);
+      pack_linear_impl<S, at::BFloat16, BF16_PER>(rows.data(), o.data_ptr<at::BFloat16>(), N, K);
     else
-      pack_linear_impl<S, float, 1>(wc.data_ptr<S>(), out.data_ptr<float>(), N, K);
+      pack_linear_impl<S, float, 1>(rows.data(), o.data_ptr<float>(), N, K);
   });
-  return out;
+  return o;
 }
 
 std::vector<std::string> linear_dtypes() {  // the weight dtypes `linear` runs on this build
@@ -766,7 +784,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, released());
   m.def("linear", &linear, released());
   m.def("linear_dtypes", &linear_dtypes, released());
-  m.def("pack_linear", &pack_linear, released());
+  m.def("pack_linear", &pack_linear, py::arg("ws"), py::arg("dtype"), py::arg("out") = py::none(),
+        released());
   m.def("decode_layers", &decode_layers, released());
   m.def("draw", &draw, py::arg("logits"), py::arg("u"), py::arg("temperature"), py::arg("seen") = py::none(),
         py::arg("penalty") = 1.0, released());
@@ -833,9 +852,10 @@ def active():
 
 def linear_for(dtype):
     """`(pack, run)` for the decode's linear layers in `dtype` through the `linear` kernel where this CPU's
-    build has it (AVX-512 or AVX2 + FMA: fp32 and bf16), else None: `pack(w, dtype)` lays the (N, K) weights
-    (any float dtype) out as the kernel reads them, in `dtype` (one pass: copy, cast rounding to nearest
-    even), `run(x, packed, bias, N)` is x W^T + bias in `dtype` (fp32 accumulation)."""
+    build has it (AVX-512 or AVX2 + FMA: fp32 and bf16), else None: `pack([w, ...], dtype, out=None)` lays
+    the (N_i, K) fp32 / bf16 weights, stacked by rows, out as the kernel reads them, in `dtype` (one pass:
+    copy, cast rounding to nearest even; into `out`'s storage where given: a repack in place), `run(x,
+    packed, bias, N)` is x W^T + bias in `dtype` (fp32 accumulation)."""
     kern = active()
     if kern is None or str(dtype).removeprefix("torch.") not in kern.linear_dtypes():
         return None
@@ -855,8 +875,9 @@ def _build():
         os.environ["PATH"] = here + os.pathsep + os.environ.get("PATH", "")
     cpu = cpu_info()
     march = os.environ.get("GRPO_FAST_CPU_MARCH", "native")  # e.g. x86-64-v3: an AVX2 build on any machine
-    key = f"{cpu.get('model name', '')}|{cpu.get('flags', '')}|{march}"
-    name = f"grpo_fast_cpu_decode_{hashlib.sha1(key.encode()).hexdigest()[:10]}"  # a build per CPU, -march
+    key = f"{cpu.get('model name', '')}|{cpu.get('flags', '')}|{march}|{_SOURCE}"
+    # a build per CPU, -march and source: checkouts of two versions on one machine do not rebuild each other's
+    name = f"grpo_fast_cpu_decode_{hashlib.sha1(key.encode()).hexdigest()[:10]}"
     try:
         from torch.utils.cpp_extension import _get_build_directory, load_inline
 

@@ -23,12 +23,14 @@ def _weight_of(m):
 class Packed:
     """A linear layer in a rollout format: `fn(x, *tensors)`, its weights (and scales, bias) in `tensors`.
     `refresh(newer)` copies a newer copy's tensors into these in place: their addresses stay, so a captured
-    CUDA graph that reads them samples from the newer weights. `outputs`: where it is cpu_decode's `linear`
-    (tensors: the packed weights, the fp32 bias or None), its output count N (cpu_decode.decode_layers
-    calls it with these), else None."""
+    CUDA graph (or a copy kept between calls) samples from the newer weights. `repack(weights, bias)`, where
+    not None, does that straight from the policy's weights (a list of (N_i, K), stacked by rows), with no
+    newer copy made first. `outputs`: where it is cpu_decode's `linear` (tensors: the packed weights, the fp32
+    bias or None), its output count N (cpu_decode.decode_layers calls it with these), else None. `rows`: the
+    row count it was packed for where the packing depends on it (oneDNN's reorder), else None."""
 
-    def __init__(self, fn, *tensors, outputs: int | None = None):
-        self.fn, self.tensors, self.outputs = fn, tensors, outputs
+    def __init__(self, fn, *tensors, outputs: int | None = None, repack=None, rows: int | None = None):
+        self.fn, self.tensors, self.outputs, self.repack, self.rows = fn, tensors, outputs, repack, rows
 
     def __call__(self, x):
         return self.fn(x, *self.tensors)
@@ -39,28 +41,40 @@ class Packed:
                 mine.copy_(theirs)
 
 
-def _packed(w, bias, rows, dtype) -> Packed:
-    """`w` copied into `dtype`, its inputs cast to it and its outputs left in it (the step casts only where
-    fp32 is needed: a residual add promotes on its own, and the MLP's product feeds the next 16-bit linear
-    as it is): packed for cpu_decode's linear kernel where it is built for that dtype, else oneDNN-packed on a
-    CPU whose oneDNN runs that dtype natively, else a plain `F.linear` in it
-    (a GPU; fp16 on a CPU without avx512_fp16 / AMX-fp16)."""
+def _stacked(ws):
+    return torch.cat(ws) if len(ws) > 1 else ws[0]
+
+
+def _packed(ws, bias, rows, dtype) -> Packed:
+    """The weights `ws` (a list of (N_i, K), stacked by rows) copied into `dtype`, its inputs cast to it and
+    its outputs left in it (the step casts only where fp32 is needed: a residual add promotes on its own, and
+    the MLP's product feeds the next 16-bit linear as it is): packed for cpu_decode's linear kernel where it
+    is built for that dtype (repacked in place, no concatenated copy), else oneDNN-packed on a CPU whose
+    oneDNN runs that dtype natively, else a plain `F.linear` in it (a GPU; fp16 on a CPU without avx512_fp16
+    / AMX-fp16)."""
     cast = lambda x: x if x.dtype == dtype else x.to(dtype)  # noqa: E731
-    ours = _our_linear(w, dtype)
+    ours = _our_linear(ws[0], dtype)
     if ours is not None:
         pack, linear = ours
-        N, K = w.shape
+        N, K = sum(w.shape[0] for w in ws), ws[0].shape[1]
 
         def run(x, packed, bias32):
             return linear(cast(x).reshape(-1, K), packed, bias32, N).view(*x.shape[:-1], N)
 
+        def repack(newer, newer_bias):
+            pack([w.detach() for w in newer], dtype, out=packed)
+            if bias32 is not None:
+                bias32.copy_(newer_bias)
+
+        packed = pack([w.detach() for w in ws], dtype)
         bias32 = None if bias is None else bias.detach().float()
-        return Packed(run, pack(w.detach(), dtype), bias32, outputs=N)
+        return Packed(run, packed, bias32, outputs=N, repack=repack)
+    w = _stacked(ws)
     b = None if bias is None else bias.detach().to(dtype)
     if w.device.type == "cpu" and dtype in _ONEDNN_NATIVE and _ONEDNN_NATIVE[dtype]():
         linear = torch.ops.mkldnn._linear_pointwise
         packed = torch.ops.mkldnn._reorder_linear_weight(w.detach().to(dtype), rows)
-        return Packed(lambda x, wp, bp: linear(cast(x), wp, bp, "none", [], ""), packed, b)
+        return Packed(lambda x, wp, bp: linear(cast(x), wp, bp, "none", [], ""), packed, b, rows=rows)
     wd = w.detach().to(dtype)
     return Packed(lambda x, wd, bd: torch.nn.functional.linear(cast(x), wd, bd), wd, b)
 
@@ -100,16 +114,16 @@ def _w8a8(w, bias, qmax, to_8bit, matmul) -> Packed:
     return Packed(run, wq, ws.view(1, -1), None if bias is None else bias.detach().float())
 
 
-def _int8(w, bias, rows):
+def _int8(ws, bias, rows):
     """W8A8 int8, int8 x int8 -> int32 products (`torch._int_mm`: oneDNN VNNI / AMX on x86)."""
     to_int8 = lambda t: torch.round(t).to(torch.int8)  # noqa: E731 - |t| <= 127 by the scales
-    return _w8a8(w, bias, 127, to_int8, lambda x8, w8, xs, ws: torch._int_mm(x8, w8) * (xs * ws))
+    return _w8a8(_stacked(ws), bias, 127, to_int8, lambda x8, w8, xs, ws: torch._int_mm(x8, w8) * (xs * ws))
 
 
-def _fp8(w, bias, rows):
+def _fp8(ws, bias, rows):
     """W8A8 fp8 (e4m3), the same scales, run by `torch._scaled_mm` (fp8 tensor cores on a GPU of compute
     capability >= 8.9; emulated, slowly, on a CPU)."""
-    e4m3 = torch.float8_e4m3fn
+    e4m3, w = torch.float8_e4m3fn, _stacked(ws)
     out = torch.bfloat16 if w.is_cuda else torch.float32  # row-wise scaled outputs are bf16 on CUDA
 
     def matmul(x8, w8, xs, ws):
@@ -118,7 +132,8 @@ def _fp8(w, bias, rows):
     return _w8a8(w, bias, torch.finfo(e4m3).max, lambda t: t.to(e4m3), matmul)
 
 
-# how the decode step runs a linear layer, by rollout dtype (weights copied from the policy per call)
+# how the decode step runs a linear layer, by rollout dtype: `(weights, bias, rows) -> Packed`, the weights a
+# list of (N_i, K) stacked by rows (copied from the policy: afresh, or in place into a kept copy per call)
 LINEAR_FORMATS = {
     "fp32": lambda w, b, rows: _packed(w, b, rows, torch.float32),
     "bf16": lambda w, b, rows: _packed(w, b, rows, torch.bfloat16),
@@ -131,20 +146,27 @@ HEAD_FORMATS = {"fp32": "fp32", "bf16": "bf16", "fp16": "fp16", "int8": "fp32", 
 ROLLOUT_DTYPES = ("model", "auto", *LINEAR_FORMATS)
 
 
-def fused_linear(mods, fmt, rows: int):
+def fused_linear(mods, fmt, rows: int, into=None):
     """x -> the outputs of the Linear modules `mods` on x, concatenated. With a format (LINEAR_FORMATS) their
-    weights are copied once per call into one matrix of that format, a `Packed` (fp32 oneDNN-packed: 3-4x
-    faster than `F.linear` for the LM head at 16 rows, 1.5x for the layers); None: the modules run as they
-    are (on their live weights)."""
+    weights are copied into one matrix of that format, a `Packed` (fp32 packed: 3-4x faster than `F.linear`
+    for the LM head at 16 rows, 1.5x for the layers): into `into` (the same modules' Packed from an earlier
+    call, same format and rows) in place, returned, else a new one; None: the modules run as they are (on
+    their live weights)."""
     if fmt is not None:
         weights, biases = zip(*(_weight_of(m) for m in mods))
-        w = torch.cat(weights) if len(mods) > 1 else weights[0]
         bias = None
         if any(b is not None for b in biases):
             bias = torch.cat(
-                [b if b is not None else w.new_zeros(m.out_features) for b, m in zip(biases, mods)]
+                [b if b is not None else weights[0].new_zeros(m.out_features) for b, m in zip(biases, mods)]
             )
-        return LINEAR_FORMATS[fmt](w, bias, rows)
+        if isinstance(into, Packed) and into.repack is not None:
+            into.repack(weights, bias)
+            return into
+        newer = LINEAR_FORMATS[fmt](list(weights), bias, rows)
+        if isinstance(into, Packed):
+            into.refresh(newer)
+            return into
+        return newer
     if len(mods) == 1:
         return mods[0]
     return lambda x: torch.cat([m(x) for m in mods], dim=-1)

@@ -160,27 +160,40 @@ def _kernel_args(layer, fmt, f_attn, f_mlp):
     return n1, n2, dtype
 
 
-def _layer(layer, fmt, rows: int) -> _Layer:
-    """A decoder layer as the step calls it; `fmt` a LINEAR_FORMATS key or None (the modules)."""
+def _layer(layer, fmt, rows: int, old: "_Layer | None" = None) -> _Layer:
+    """A decoder layer as the step calls it; `fmt` a LINEAR_FORMATS key or None (the modules); `old`: this
+    layer from an earlier call in the same format, whose weight copies are rewritten in place and reused."""
     a, m = layer.self_attn, layer.mlp
     attn = [a.q_proj, a.k_proj, a.v_proj, a.o_proj]
     f_attn = fmt if fmt and all(packable(x, fmt) for x in attn) else None
     mlp_ok = all(hasattr(m, x) for x in ("gate_proj", "up_proj", "down_proj", "act_fn"))
     mlp = [m.gate_proj, m.up_proj, m.down_proj] if mlp_ok else []
     f_mlp = fmt if fmt and mlp_ok and all(packable(x, fmt) for x in mlp) else None
+    gate_up = down = None
+    if mlp_ok:
+        gate_up = fused_linear([m.gate_proj, m.up_proj], f_mlp, rows, into=getattr(old, "gate_up", None))
+        down = fused_linear([m.down_proj], f_mlp, rows, into=getattr(old, "down", None))
     return _Layer(
         norm1=_norm(layer.input_layernorm),
-        qkv=fused_linear([a.q_proj, a.k_proj, a.v_proj], f_attn, rows),
+        qkv=fused_linear([a.q_proj, a.k_proj, a.v_proj], f_attn, rows, into=getattr(old, "qkv", None)),
         q_norm=_norm(a.q_norm) if hasattr(a, "q_norm") else None,
         k_norm=_norm(a.k_norm) if hasattr(a, "k_norm") else None,
-        o=fused_linear([a.o_proj], f_attn, rows),
+        o=fused_linear([a.o_proj], f_attn, rows, into=getattr(old, "o", None)),
         norm2=_norm(layer.post_attention_layernorm),
-        gate_up=fused_linear([m.gate_proj, m.up_proj], f_mlp, rows) if mlp_ok else None,
+        gate_up=gate_up,
         act=m.act_fn if mlp_ok else None,
-        down=fused_linear([m.down_proj], f_mlp, rows) if mlp_ok else None,
+        down=down,
         mlp=m,
         kernel_args=_kernel_args(layer, fmt, f_attn, f_mlp) if mlp_ok else None,
     )
+
+
+def _packed_for(weights, rows: int) -> bool:
+    """Whether kept weight copies (layers, head) serve a call of `rows` rows: none was packed for another
+    row count (oneDNN's reorder is; cpu_decode's packing and the 8-bit formats are not)."""
+    layers, head = weights
+    copies = [getattr(ly, f) for ly in layers for f in _LINEARS] + [head]
+    return all(getattr(c, "rows", None) in (None, rows) for c in copies if isinstance(c, Packed))
 
 
 @dataclass
@@ -303,6 +316,9 @@ class NativeEngine:
         self.rollout_dtype = "model"  # of the call in progress
         self._compiled = None
         self._module_weights = None
+        self._kept = (
+            None  # ((format, device), weights): a CPU call's weight copies, rewritten by the next call
+        )
         self._static = None  # graphs.Static of the last call shape run on buckets
         self._kernel_steps = 0  # of the call in progress: steps through cpu_decode's kernels
         self.stats = {
@@ -489,11 +505,13 @@ class NativeEngine:
         return mode == "graphs" or (mode == "auto" and device.type == "cuda")
 
     def _weights(self, rows, device, dtype, static=None):
-        """The layers and LM head as the step calls them: copied afresh for this call into the rollout
-        dtype's format (eager CPU: the optimizer has moved the weights since the last call; fp32 packed, or a
-        low-precision copy), or the modules themselves (built once, so that a compiled step keeps seeing the
-        same functions). On buckets (`static`, a graphs.Static) the copies are the Static's own, refreshed in
-        place one layer at a time (never two whole copies): a captured graph reads them where they are."""
+        """The layers and LM head as the step calls them: copied for this call into the rollout dtype's format
+        (the optimizer has moved the weights since the last call; fp32 packed on a CPU, or a low-precision
+        copy), or the modules themselves (built once, so that a compiled step keeps seeing the same
+        functions). The copies are kept between calls on buckets (`static`, a graphs.Static: a captured graph
+        reads them where they are) and on a CPU (`_kept`: an allocation of the whole copy, its pages faulted
+        in afresh, cost more than the packing), and then rewritten in place one matrix at a time, never two
+        whole copies; elsewhere (eager CUDA) a call's copy is freed with the call."""
         fmt = self.rollout_dtype
         if fmt == "model":
             pack = (
@@ -507,21 +525,20 @@ class NativeEngine:
             return self._module_weights
         lm_head = self.lm.lm_head
         head_fmt = HEAD_FORMATS[fmt] if packable(lm_head, HEAD_FORMATS[fmt]) else None
-        if static is None or static.weights is None:
-            layers = [_layer(x, fmt, rows) for x in self.base.layers]
-            weights = layers, fused_linear([lm_head], head_fmt, rows)
-            if static is not None:
-                static.weights = weights
-            return weights
-        layers, head = static.weights
-        for mine, layer in zip(layers, self.base.layers, strict=True):
-            newer = _layer(layer, fmt, rows)
-            for f in _LINEARS:
-                if isinstance(getattr(mine, f), Packed):
-                    getattr(mine, f).refresh(getattr(newer, f))
-        if isinstance(head, Packed):
-            head.refresh(fused_linear([lm_head], head_fmt, rows))
-        return static.weights
+        if static is not None:
+            old, self._kept = static.weights, None  # the Static's copies are the ones kept
+        else:
+            kept, self._kept = self._kept, None
+            old = kept[1] if kept and kept[0] == (fmt, device) and _packed_for(kept[1], rows) else None
+            del kept  # a copy that does not serve this call is freed before the new one is made
+        layers = [_layer(x, fmt, rows, old[0][i] if old else None) for i, x in enumerate(self.base.layers)]
+        weights = layers, fused_linear([lm_head], head_fmt, rows, into=old[1] if old else None)
+        if static is not None:
+            static.weights = old or weights  # its own _Layer objects: the ones its graphs were captured on
+            return static.weights
+        if device.type == "cpu":
+            self._kept = (fmt, device), weights
+        return weights
 
     def _run_step(self, b, *args):
         if not self.compiles(b.out.device):

@@ -183,9 +183,9 @@ def _decode_step(s: Shapes, recipe: str):
     layer = _Layer(s)
     B, hd = DECODE_BATCH, s.hidden // s.heads
     fmt = LINEAR_FORMATS["bf16" if recipe == "bf16" else "fp32"]
-    qkv = fmt(torch.cat([layer.q.weight, layer.k.weight, layer.v.weight]).detach(), None, B)
-    o, down = (fmt(m.weight.detach(), None, B) for m in (layer.o, layer.down))
-    gate_up = fmt(torch.cat([layer.gate.weight, layer.up.weight]).detach(), None, B)
+    qkv = fmt([m.weight.detach() for m in (layer.q, layer.k, layer.v)], None, B)
+    o, down = (fmt([m.weight.detach()], None, B) for m in (layer.o, layer.down))
+    gate_up = fmt([m.weight.detach() for m in (layer.gate, layer.up)], None, B)
     cache = [torch.randn(B, s.kv_heads, DECODE_CONTEXT, hd) for _ in range(2)]
     x = torch.randn(B, s.hidden)
 

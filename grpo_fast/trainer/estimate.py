@@ -13,7 +13,8 @@ Parts, from the model's config alone (no weights are loaded):
   copy), the prefill's working set, and on a CPU the copy of the linear weights the engine makes for the call
   (fp32 oneDNN-packed, or the --rollout-dtype's: bf16 half of it, int8 a quarter with the LM head kept fp32);
   on CUDA with the engine on CUDA graphs (`--rollout-compile auto|graphs`) the KV, the weight copy and the
-  graphs' pool (the decode step's working set) stay allocated through training (the graphs read them there);
+  graphs' pool (the decode step's working set) stay allocated through training (the graphs read them there),
+  on a CPU the weight copy does (the next call rewrites it in place);
 - training activations of one micro-batch: a probe runs the trainer's own forward (`completion_hidden_states`,
   gradient checkpointing, LoRA and the autocast region applied the same way: autocast's bf16 weight copies
   are saved for backward, so they count per layer) and backward on a 1- and a 2-layer model of this
@@ -133,8 +134,8 @@ COPY_BYTES = {"fp32": (4, 4), "bf16": (2, 2), "fp16": (2, 2), "int8": (1, 4), "f
 
 
 def engine_copy_bytes(p: dict, cfg: GRPOConfig, device: str) -> float:
-    """The native engine's copy of the linear weights for a call (fp32 packed on a CPU, or the rollout
-    dtype's); `cfg` as `precision.resolve` leaves it."""
+    """The native engine's copy of the linear weights (fp32 packed on a CPU, or the rollout dtype's; kept
+    between calls on a CPU and on CUDA graphs); `cfg` as `precision.resolve` leaves it."""
     dtype = rollout_dtype_of(cfg)  # cfg resolved: "auto" decided (precision.resolve)
     if dtype in ("model", "fp32") and (device != "cpu" or cfg.dtype != "fp32"):
         return 0.0  # the modules themselves (fp32 weights are packed for a call on the CPU only)
@@ -424,9 +425,13 @@ class Estimator:
         # buffers and weight copies at their addresses between calls, and the graphs' pool (the largest
         # bucket's step: its logits and the draw's buffers): through training too
         kept = {}
-        graphs = cfg.rollout in ("auto", "native") and cfg.rollout_compile in ("auto", "graphs")
+        native = cfg.rollout in ("auto", "native")
+        graphs = native and cfg.rollout_compile in ("auto", "graphs")
         if self.device == "cuda" and graphs and not overlap:
             kept = {"rollout buffers kept (CUDA graphs)": kv + packed + decode}
+        elif self.device == "cpu" and native and packed and not overlap:
+            # on a CPU the engine keeps its weight copy between calls (rewritten in place by the next)
+            kept = {"rollout weight copy kept": packed}
         persistent = sum(parts.values())
         rollout_peak = persistent + sum(rollout.values())
         train_peak = (
