@@ -499,12 +499,16 @@ void pack_linear_impl(const S* const* rows, D* out, int64_t N, int64_t K) {
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       D* o = out + b * 16 * K;
-      for (int64_t i = 0; i < 16; ++i) {
-        const int64_t n = b * 16 + i;
-        const S* w = n < N ? rows[n] : nullptr;
-        for (int64_t s = 0; s < steps; ++s)
-          for (int p = 0; p < PER; ++p)
-            o[(s * 16 + i) * PER + p] = static_cast<D>(w ? f32(w[s * PER + p]) : 0.f);
+      // in tiles of 16 steps: each row's stretch read in order, the tile's outputs (16 x 16 x PER) in L1
+      for (int64_t s0 = 0; s0 < steps; s0 += 16) {
+        const int64_t s1 = std::min(steps, s0 + 16);
+        for (int64_t i = 0; i < 16; ++i) {
+          const int64_t n = b * 16 + i;
+          const S* w = n < N ? rows[n] : nullptr;
+          for (int64_t s = s0; s < s1; ++s)
+            for (int p = 0; p < PER; ++p)
+              o[(s * 16 + i) * PER + p] = static_cast<D>(w ? f32(w[s * PER + p]) : 0.f);
+        }
       }
     }
   });
