@@ -1,6 +1,6 @@
 """The rollout dtype: which one a run samples in (`check_rollout_dtype`; "auto": `auto_rollout_dtype`, from
 what the machine multiplies natively, `cpu_flags`) and how the native engine's decode step runs a linear layer
-in it (`LINEAR_FORMATS`: the policy's weights copied once per call, packed for cpu_decode's linear kernel
+in it (`LINEAR_FORMATS`: the policy's weights copied at every call, packed for cpu_decode's linear kernel
 (fp32 / bf16 on AVX-512 or AVX2) or oneDNN's (fp32 / bf16 / fp16), or W8A8 int8 / fp8; `fused_linear`
 concatenates a layer's projections into one such matrix)."""
 
