@@ -388,9 +388,7 @@ def test_native_rollout_opt_in_generates_what_trl_generates(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(default_task.ASSET_DIR)
     trl_gen = _trainer(integ.GRPOTrainer, model, tmp_path, temperature=1e-4)
     native = _trainer(integ.GRPOTrainer, model, tmp_path / "n", {"rollout": "native"}, temperature=1e-4)
-    tok = trl_gen._tokenizer
-    texts = [r["prompt"] for r in default_task.dataset_rows("train")[:3]]
-    prompts = [tok(t, add_special_tokens=False).input_ids for t in texts for _ in range(2)]
+    prompts = _grouped_prompts(trl_gen, 3)
     calls = []
     orig = integ.generate_groups
     integ.generate_groups = lambda *a, **k: calls.append(k) or orig(*a, **k)
@@ -408,6 +406,14 @@ def test_native_rollout_opt_in_generates_what_trl_generates(tmp_path):
         integ.GRPOTrainer(model=model, reward_funcs=_reward, rollout="vllm")
 
 
+def _grouped_prompts(trainer, n: int) -> list:
+    """The first n training prompts' ids, each twice in a row (TRL's batch for G=2)."""
+    rows = default_task.dataset_rows("train")[:n]
+    return [
+        trainer._tokenizer(r["prompt"], add_special_tokens=False).input_ids for r in rows for _ in range(2)
+    ]
+
+
 def test_native_rollout_with_generation_kwargs_is_trls_generation(tmp_path, monkeypatch):
     """TRL's generation_kwargs (here no_repeat_ngram_size, which the native engine does not implement) are
     not ignored: TRL's own generation runs, with a warning naming them, and samples what TRL samples."""
@@ -415,11 +421,7 @@ def test_native_rollout_with_generation_kwargs_is_trls_generation(tmp_path, monk
     kw = dict(temperature=1e-4, generation_kwargs={"no_repeat_ngram_size": 2})
     trl_gen = _trainer(integ.GRPOTrainer, model, tmp_path, **kw)
     native = _trainer(integ.GRPOTrainer, model, tmp_path / "n", {"rollout": "native"}, **kw)
-    tok = native._tokenizer
-    prompts = [
-        tok(r["prompt"], add_special_tokens=False).input_ids for r in default_task.dataset_rows("train")[:2]
-    ]
-    prompts = [p for p in prompts for _ in range(2)]
+    prompts = _grouped_prompts(native, 2)
     monkeypatch.setattr(integ, "generate_groups", lambda *a, **k: pytest.fail("the native engine ran"))
     with pytest.warns(
         UserWarning, match="TRL's generation runs because of generation_kwargs no_repeat_ngram"
@@ -450,11 +452,7 @@ def test_native_rollout_honours_the_generation_kwargs_it_has(tmp_path, monkeypat
     kw = dict(temperature=1.0, generation_kwargs=gen)  # TRL's own temperature is overridden
     trl_gen = _trainer(integ.GRPOTrainer, model, tmp_path, **kw)
     native = _trainer(integ.GRPOTrainer, model, tmp_path / "n", {"rollout": "native"}, **kw)
-    tok = native._tokenizer
-    prompts = [
-        tok(r["prompt"], add_special_tokens=False).input_ids for r in default_task.dataset_rows("train")[:3]
-    ]
-    prompts = [p for p in prompts for _ in range(2)]
+    prompts = _grouped_prompts(native, 3)
     calls, orig = [], integ.generate_groups
     monkeypatch.setattr(integ, "generate_groups", lambda *a, **k: calls.append((a, k)) or orig(*a, **k))
     with warnings.catch_warnings():
@@ -489,11 +487,7 @@ def test_native_rollout_takes_the_repetition_penalty_and_generates_what_trl_gene
     trl_gen = _trainer(integ.GRPOTrainer, model, tmp_path, **kw)
     native = _trainer(integ.GRPOTrainer, model, tmp_path / "n", {"rollout": "native"}, **kw)
     plain = _trainer(integ.GRPOTrainer, model, tmp_path / "p", {"rollout": "native"}, temperature=1e-4)
-    tok = native._tokenizer
-    prompts = [
-        tok(r["prompt"], add_special_tokens=False).input_ids for r in default_task.dataset_rows("train")[:3]
-    ]
-    prompts = [p for p in prompts for _ in range(2)]
+    prompts = _grouped_prompts(native, 3)
     calls, orig = [], integ.generate_groups
     monkeypatch.setattr(integ, "generate_groups", lambda *a, **k: calls.append(k) or orig(*a, **k))
     with warnings.catch_warnings():
@@ -512,13 +506,10 @@ def test_native_rollout_takes_min_p(tmp_path, monkeypatch):
 
     model = AutoModelForCausalLM.from_pretrained(default_task.ASSET_DIR)
     native = _trainer(integ.GRPOTrainer, model, tmp_path, {"rollout": "native"}, min_p=0.1)
-    tok = native._tokenizer
-    prompts = [
-        tok(r["prompt"], add_special_tokens=False).input_ids for r in default_task.dataset_rows("train")[:2]
-    ]
+    prompts = _grouped_prompts(native, 2)
     calls, orig = [], integ.generate_groups
     monkeypatch.setattr(integ, "generate_groups", lambda *a, **k: calls.append(k) or orig(*a, **k))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a fallback to TRL's generation warns
-        got, _ = native._generate_single_turn([p for p in prompts for _ in range(2)], None, {}, 2)
+        got, _ = native._generate_single_turn(prompts, None, {}, 2)
     assert len(calls) == 1 and calls[0]["min_p"] == 0.1 and len(got) == 4
