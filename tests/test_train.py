@@ -780,6 +780,17 @@ def test_config_file_with_flags_winning(tmp_path):
     said = str(err.value)
     assert "unknown fields ['per_device_train_batch_size', 'use_vllm']" in said
     assert "use_vllm: --rollout vllm" in said and "per_device_train_batch_size: --prompts-per-step" in said
+    # TRL's deprecated vllm_importance_sampling_cap, with TRL's meaning: it replaces clip_max, with a warning
+    fields = "vllm_importance_sampling_cap: 2.5\nvllm_importance_sampling_clip_max: 9.0\n"
+    cap_file = _write(tmp_path, "cap.yaml", fields)
+    with pytest.warns(FutureWarning, match="deprecated name for vllm_importance_sampling_clip_max"):
+        cfg = parse_config(["--config", str(cap_file)])
+    trl, yaml = pytest.importorskip("trl"), pytest.importorskip("yaml")
+    with pytest.warns(FutureWarning):  # TRL's own deprecation warning
+        theirs = trl.GRPOConfig(
+            output_dir=str(tmp_path / "trl"), use_cpu=True, bf16=False, **yaml.safe_load(fields)
+        )
+    assert cfg.vllm_importance_sampling_clip_max == theirs.vllm_importance_sampling_clip_max == 2.5
     shutil.rmtree(tmp_path / "run", ignore_errors=True)
 
 

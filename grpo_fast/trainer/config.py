@@ -9,6 +9,7 @@ import dataclasses
 import json
 import types
 import typing
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -499,7 +500,15 @@ TRL_EQUIVALENTS = {
     "use_liger_kernel": "--liger-kernels",
     "gradient_checkpointing_kwargs": "--gradient-checkpointing",
     "use_cpu": "none: the device is CUDA where there is one, else the CPU",
+    "pad_to_multiple_of": "none: sequences are not padded to a multiple (TRL's default 'auto' pads on Neuron "
+    "only)",
+    "cache_implementation": "none: the native engine keeps its own static KV cache (--rollout native)",
+    "use_transformers_paged": "--rollout native (static KV cache, each prompt prefilled once per group)",
+    "use_transformers_continuous_batching": "--rollout native or --rollout vllm",
+    "vllm_max_model_length": "none: vLLM's context is --max-prompt-length + --max-completion-length",
 }
+# TRL 1.16's deprecated alias of vllm_importance_sampling_clip_max, taken with TRL's meaning (it replaces it)
+TRL_DEPRECATED_CAP = "vllm_importance_sampling_cap"
 
 
 def load_config_file(path: str) -> dict:
@@ -516,11 +525,22 @@ def load_config_file(path: str) -> dict:
     unknown = sorted(k for k in (k.replace("-", "_") for k in data) if k not in names)
     if "warmup_ratio" in unknown:  # transformers 5 folded it into warmup_steps, as we do
         raise ValueError(f"--config {path}: warmup_ratio is warmup_steps now (a value < 1 is a fraction)")
+    data = {k.replace("-", "_"): v for k, v in data.items()}
+    cap = data.pop(TRL_DEPRECATED_CAP, None) if TRL_DEPRECATED_CAP in unknown else None
+    unknown = [k for k in unknown if k != TRL_DEPRECATED_CAP]
     if unknown:
         hints = [f"{k}: {TRL_EQUIVALENTS[k]}" for k in unknown if k in TRL_EQUIVALENTS]
         said = f"; TRL's fields here: {'; '.join(hints)}" if hints else ""
         raise ValueError(f"--config {path}: unknown fields {unknown}{said}")
-    return {k.replace("-", "_"): v for k, v in data.items()}
+    if cap is not None:  # TRL 1.16's meaning: the deprecated cap replaces clip_max, with a warning
+        warnings.warn(
+            f"--config {path}: {TRL_DEPRECATED_CAP} is TRL's deprecated name for "
+            f"vllm_importance_sampling_clip_max; taken as it ({cap})",
+            FutureWarning,
+            stacklevel=2,
+        )
+        data["vllm_importance_sampling_clip_max"] = cap
+    return data
 
 
 def validate(cfg: GRPOConfig, require_reward: bool = True) -> GRPOConfig:
