@@ -205,6 +205,31 @@ class _Tools:
         return fut.result()
 
 
+def test_a_linear_that_changes_format_between_calls_is_not_sampled_stale():
+    """A projection swapped between two calls for one the fp32 copy does not take (a Linear subclass, as an
+    adapter wrapper is): the buckets drop the copies (and graphs) made on the old module and sample from the
+    new one, greedy as the reference engine does."""
+    from grpo_fast.rollout.reference import generate_plain
+
+    class Wrapped(torch.nn.Linear):
+        pass
+
+    model = eos_likely_lm("llama", V, EOS, factor=8.0)
+    ids, mask = _prompts()
+    kw = dict(temperature=0.0, eos_token_id=EOS, engine="native", compile="graphs")
+    first = generate_groups(model, ids, mask, 2, 16, **kw)
+    torch.manual_seed(0)
+    for layer in model.model.layers:
+        q = layer.self_attn.q_proj
+        layer.self_attn.q_proj = Wrapped(q.in_features, q.out_features, bias=False)
+        with torch.no_grad():
+            layer.self_attn.q_proj.weight.copy_(torch.randn_like(q.weight) * 3)
+    after = generate_groups(model, ids, mask, 2, 16, **kw)
+    ref = generate_plain(model, ids, mask, 2, 16, temperature=0.0, eos_token_id=EOS)
+    assert_greedy_equal(model, ids, mask, 2, after, ref)
+    assert not torch.equal(after[0], first[0])
+
+
 def test_multi_turn_rows_on_buckets_equal_the_eager_step(seen_buckets):
     model = eos_likely_lm("llama", V, EOS, factor=8.0)
     ids, mask = _prompts()

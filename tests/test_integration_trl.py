@@ -474,6 +474,17 @@ def test_native_rollout_honours_the_generation_kwargs_it_has(tmp_path, monkeypat
     monkeypatch.setattr(integ, "generate_groups", lambda *a, **k: pytest.fail("the native engine ran"))
     with pytest.warns(UserWarning, match="generation_kwargs do_sample=False"):
         greedy._generate_single_turn(prompts[:2], None, {}, 2)
+    # a key set to None: transformers takes the model's generation_config.json or its own default (top_k 50)
+    unset = _trainer(
+        integ.GRPOTrainer, model, tmp_path / "u", {"rollout": "native"}, generation_kwargs={"top_k": None}
+    )
+    assert unset._generation_kwargs_reason() == "generation_kwargs top_k set to None (transformers' defaults)"
+    # another EOS: TRL's generate stops there, then TRL cuts after the first of its own: either ends it
+    other = _trainer(
+        integ.GRPOTrainer, model, tmp_path / "e", {"rollout": "native"}, generation_kwargs={"eos_token_id": 5}
+    )
+    assert other._generation_kwargs_reason() is None
+    assert other._native_sampling()["eos_token_id"] == [5, *[e for e in trl_gen.eos_token_ids if e != 5]]
 
 
 def test_native_rollout_takes_the_repetition_penalty_and_generates_what_trl_generates(tmp_path, monkeypatch):

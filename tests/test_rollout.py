@@ -411,11 +411,13 @@ def test_eager_cpu_calls_rewrite_one_kept_weight_copy(rollout_dtype, cpu_kernels
     rewrites it in place: an optimizer step between two calls is seen by the second (greedy, against the
     reference engine on the updated model) through the same copies; a call in another rollout dtype
     replaces the copy (one at a time), and a call of another row count where the packing depends on it
-    (oneDNN's) packs afresh."""
-    model = _model("llama")
+    (oneDNN's) packs afresh. The first call runs under inference mode (an evaluation loop's), the next ones
+    outside it: the copies stay writable (qwen2: its q / k / v biases are copied too)."""
+    model = _model("qwen2")
     ids, mask = _prompts()
     kw = dict(temperature=0.0, eos_token_id=EOS, engine="native", compile=False, rollout_dtype=rollout_dtype)
-    before = generate_groups(model, ids, mask, 4, 20, **kw)
+    with torch.inference_mode():
+        before = generate_groups(model, ids, mask, 4, 20, **kw)
     where = _kept_copies(model)
     assert len(where) >= 2 * 4 + 1  # every layer's linears and the LM head
     opt = torch.optim.SGD(model.parameters(), lr=0.5)

@@ -185,6 +185,9 @@ class GRPOTrainer(trl.GRPOTrainer):
         other = sorted(k for k, v in kwargs.items() if k not in known and v is not None)
         if other:
             return f"generation_kwargs {', '.join(other)} (transformers' options the engine lacks)"
+        unset = sorted(k for k, v in (self.args.generation_kwargs or {}).items() if v is None and k in known)
+        if unset:  # transformers then takes the model's generation_config.json value or its own default
+            return f"generation_kwargs {', '.join(unset)} set to None (transformers' defaults)"
         return None
 
     def _native_sampling(self) -> dict:
@@ -193,8 +196,11 @@ class GRPOTrainer(trl.GRPOTrainer):
         kw = self.generation_kwargs
         off = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
         options = {k: kw[k] if kw.get(k) is not None else off[k] for k in _NATIVE_SAMPLING_KEYS}
+        # TRL's generate stops at the config's EOS and TRL then cuts each completion after the first of its
+        # own eos_token_ids: a completion ends at the first of either
         eos = kw.get("eos_token_id")
-        options["eos_token_id"] = [eos] if isinstance(eos, int) else list(eos or [])
+        eos = [eos] if isinstance(eos, int) else list(eos or [])
+        options["eos_token_id"] = eos + [e for e in self.eos_token_ids if e not in eos]
         options["max_new_tokens"] = kw.get("max_new_tokens") or self.max_completion_length
         return options
 

@@ -583,7 +583,9 @@ at::Tensor pack_linear(std::vector<at::Tensor> ws, at::ScalarType dtype, c10::op
   TORCH_CHECK(!ws.empty() && ws[0].dim() == 2, "pack_linear: weights (N_i, K)");
   const int64_t K = ws[0].size(1), per = dtype == at::kBFloat16 ? BF16_PER : 1;
   TORCH_CHECK(K % per == 0, "pack_linear: bf16 needs an even K");
-  const auto src = ws[0].scalar_type();
+  auto src = ws[0].scalar_type();  // matrices of mixed dtypes are read as fp32 (torch.cat would promote)
+  for (auto& w : ws)
+    if (w.scalar_type() != src) src = at::kFloat;
   int64_t N = 0;
   for (auto& w : ws) {
     TORCH_CHECK(w.dim() == 2 && w.size(1) == K, "pack_linear: weights (N_i, K) of one K");

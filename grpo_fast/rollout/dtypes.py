@@ -25,9 +25,10 @@ class Packed:
     `refresh(newer)` copies a newer copy's tensors into these in place: their addresses stay, so a captured
     CUDA graph (or a copy kept between calls) samples from the newer weights. `repack(weights, bias)`, where
     not None, does that straight from the policy's weights (a list of (N_i, K), stacked by rows), with no
-    newer copy made first. `outputs`: where it is cpu_decode's `linear` (tensors: the packed weights, the fp32
-    bias or None), its output count N (cpu_decode.decode_layers calls it with these), else None. `rows`: the
-    row count it was packed for where the packing depends on it (oneDNN's reorder), else None."""
+    newer copy made first (False where it cannot: a bias came or went). `outputs`: where it is cpu_decode's
+    `linear` (tensors: the packed weights, the fp32 bias or None), its output count N
+    (cpu_decode.decode_layers calls it with these), else None. `rows`: the row count it was packed for where
+    the packing depends on it (oneDNN's reorder), else None."""
 
     def __init__(self, fn, *tensors, outputs: int | None = None, repack=None, rows: int | None = None):
         self.fn, self.tensors, self.outputs, self.repack, self.rows = fn, tensors, outputs, repack, rows
@@ -61,10 +62,13 @@ def _packed(ws, bias, rows, dtype) -> Packed:
         def run(x, packed, bias32):
             return linear(cast(x).reshape(-1, K), packed, bias32, N).view(*x.shape[:-1], N)
 
-        def repack(newer, newer_bias):
+        def repack(newer, newer_bias) -> bool:
+            if (newer_bias is None) != (bias32 is None):
+                return False  # a bias came or went: a new copy
             pack([w.detach() for w in newer], dtype, out=packed)
             if bias32 is not None:
                 bias32.copy_(newer_bias)
+            return True
 
         packed = pack([w.detach() for w in ws], dtype)
         bias32 = None if bias is None else bias.detach().float()
@@ -159,17 +163,23 @@ def fused_linear(mods, fmt, rows: int, into=None):
             bias = torch.cat(
                 [b if b is not None else weights[0].new_zeros(m.out_features) for b, m in zip(biases, mods)]
             )
-        if isinstance(into, Packed) and into.repack is not None:
-            into.repack(weights, bias)
+        if isinstance(into, Packed) and into.repack is not None and into.repack(weights, bias):
             return into
         newer = LINEAR_FORMATS[fmt](list(weights), bias, rows)
-        if isinstance(into, Packed):
+        if isinstance(into, Packed) and into.repack is None and _same_shapes(into, newer):
             into.refresh(newer)
             return into
         return newer
     if len(mods) == 1:
         return mods[0]
     return lambda x: torch.cat([m(x) for m in mods], dim=-1)
+
+
+def _same_shapes(a: Packed, b: Packed) -> bool:
+    return len(a.tensors) == len(b.tensors) and all(
+        (x is None) == (y is None) and (x is None or (x.shape, x.dtype) == (y.shape, y.dtype))
+        for x, y in zip(a.tensors, b.tensors)
+    )
 
 
 def packable(m, fmt) -> bool:

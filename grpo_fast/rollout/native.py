@@ -196,6 +196,14 @@ def _packed_for(weights, rows: int) -> bool:
     return all(getattr(c, "rows", None) in (None, rows) for c in copies if isinstance(c, Packed))
 
 
+def _same_copies(old, new) -> bool:
+    """Whether `new` (layers, head) runs on `old`'s weight copies: each of its Packed is old's own (rewritten
+    in place), and nothing old ran as a copy runs as a module now, or the other way round."""
+    pairs = [(getattr(o, f), getattr(n, f)) for o, n in zip(old[0], new[0], strict=True) for f in _LINEARS]
+    pairs.append((old[1], new[1]))
+    return all(a is b if isinstance(a, Packed) else not isinstance(b, Packed) for a, b in pairs)
+
+
 @dataclass
 class _Kernels:
     """cpu_decode's module for a generate call, and `_stack_args` of its layers (None: layer by layer)."""
@@ -520,24 +528,34 @@ class NativeEngine:
             )  # fmt: skip
             fmt = "fp32" if pack else None  # (on buckets on a CPU too: they copy the packed weights in place)
         if fmt is None:
+            self._kept = None
             if self._module_weights is None:
                 self._module_weights = ([_layer(x, None, rows) for x in self.base.layers], self.lm.lm_head)
             return self._module_weights
         lm_head = self.lm.lm_head
         head_fmt = HEAD_FORMATS[fmt] if packable(lm_head, HEAD_FORMATS[fmt]) else None
+        key = (fmt, device, cpu_decode.active() is not None)  # the kernels switched: other linears
         if static is not None:
             old, self._kept = static.weights, None  # the Static's copies are the ones kept
         else:
             kept, self._kept = self._kept, None
-            old = kept[1] if kept and kept[0] == (fmt, device) and _packed_for(kept[1], rows) else None
+            old = kept[1] if kept and kept[0] == key and _packed_for(kept[1], rows) else None
             del kept  # a copy that does not serve this call is freed before the new one is made
-        layers = [_layer(x, fmt, rows, old[0][i] if old else None) for i, x in enumerate(self.base.layers)]
-        weights = layers, fused_linear([lm_head], head_fmt, rows, into=old[1] if old else None)
+        # kept copies are ordinary tensors even when a call runs under inference mode: the next call, in or
+        # out of it, rewrites them in place
+        with torch.inference_mode(False):
+            layers = [
+                _layer(x, fmt, rows, old[0][i] if old else None) for i, x in enumerate(self.base.layers)
+            ]
+            weights = layers, fused_linear([lm_head], head_fmt, rows, into=old[1] if old else None)
         if static is not None:
+            if old is not None and not _same_copies(old, weights):  # a linear changed format (LoRA added)
+                static.graphs.clear()  # captured on copies this call no longer uses: recaptured
+                old = None
             static.weights = old or weights  # its own _Layer objects: the ones its graphs were captured on
             return static.weights
         if device.type == "cpu":
-            self._kept = (fmt, device), weights
+            self._kept = key, weights
         return weights
 
     def _run_step(self, b, *args):
