@@ -442,6 +442,22 @@ def test_eager_cpu_calls_rewrite_one_kept_weight_copy(rollout_dtype, cpu_kernels
     assert_greedy_equal(model, ids[:2], mask[:2], 4, fewer, [t[:8] for t in after])
 
 
+def test_a_model_is_freed_with_its_engine_and_weight_copy():
+    """The engine (and its kept weight copy) lives as long as its model, not longer: it holds the model
+    weakly, the engines' table is keyed by it weakly."""
+    import gc
+    import weakref
+
+    model = _model("llama")
+    ids, mask = _prompts()
+    generate_groups(model, ids, mask, 2, 8, engine="native", eos_token_id=EOS)
+    engine = weakref.ref(native.engine_for(model))
+    model_ref = weakref.ref(model)
+    del model
+    gc.collect()
+    assert model_ref() is None and engine() is None
+
+
 @pytest.mark.slow
 def test_compiled_step_matches_eager_and_sees_updated_weights():
     # one compile of a 2-layer step (tens of seconds on 2 CPU cores), then an in-place weight update

@@ -312,7 +312,9 @@ class NativeEngine:
 
     def __init__(self, model):
         lm = causal_lm(model)
-        self.lm, self.base = lm, lm.model
+        # the model held weakly: _ENGINES is keyed by it, and an engine holding it would keep it (and the
+        # engine's buffers and weight copies) alive after its last user let go
+        self._lm = weakref.ref(lm)
         attn = self.base.layers[0].self_attn
         self.n_heads = lm.config.num_attention_heads
         self.n_kv = lm.config.num_key_value_heads
@@ -336,6 +338,14 @@ class NativeEngine:
         # the last call's phases in host seconds (prefill: the model's forward over the prompts; pack: the
         # weights copied into the step's format; decode: the token steps), for profiles against the floor
         self.last_call: dict = {}
+
+    @property
+    def lm(self):
+        return self._lm()
+
+    @property
+    def base(self):
+        return self._lm().model
 
     # ---------------------------------------------------------------------------------------------------
     # The decode step: one token per row, every shape fixed by the buffers
