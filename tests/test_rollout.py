@@ -399,9 +399,10 @@ def _kept_copies(model) -> list:
     opaque: their object)."""
     from grpo_fast.rollout.dtypes import Packed
 
-    _, (layers, head) = native.engine_for(model)._kept
-    packed = [getattr(ly, f) for ly in layers for f in native._LINEARS] + [head]
-    tensors = [t for p in packed if isinstance(p, Packed) for t in p.tensors if t is not None]
+    _, weights = native.engine_for(model)._kept
+    tensors = [
+        t for p in native._linears(weights) if isinstance(p, Packed) for t in p.tensors if t is not None
+    ]
     return [id(t) if t.is_mkldnn else t.data_ptr() for t in tensors]
 
 

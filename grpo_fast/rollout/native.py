@@ -188,19 +188,22 @@ def _layer(layer, fmt, rows: int, old: "_Layer | None" = None) -> _Layer:
     )
 
 
+def _linears(weights) -> list:
+    """Every linear of (layers, head), in order: a Packed copy or what runs as the module."""
+    layers, head = weights
+    return [getattr(ly, f) for ly in layers for f in _LINEARS] + [head]
+
+
 def _packed_for(weights, rows: int) -> bool:
     """Whether kept weight copies (layers, head) serve a call of `rows` rows: none was packed for another
     row count (oneDNN's reorder is; cpu_decode's packing and the 8-bit formats are not)."""
-    layers, head = weights
-    copies = [getattr(ly, f) for ly in layers for f in _LINEARS] + [head]
-    return all(getattr(c, "rows", None) in (None, rows) for c in copies if isinstance(c, Packed))
+    return all(c.rows in (None, rows) for c in _linears(weights) if isinstance(c, Packed))
 
 
 def _same_copies(old, new) -> bool:
     """Whether `new` (layers, head) runs on `old`'s weight copies: each of its Packed is old's own (rewritten
     in place), and nothing old ran as a copy runs as a module now, or the other way round."""
-    pairs = [(getattr(o, f), getattr(n, f)) for o, n in zip(old[0], new[0], strict=True) for f in _LINEARS]
-    pairs.append((old[1], new[1]))
+    pairs = zip(_linears(old), _linears(new), strict=True)
     return all(a is b if isinstance(a, Packed) else not isinstance(b, Packed) for a, b in pairs)
 
 
@@ -326,9 +329,8 @@ class NativeEngine:
         self.rollout_dtype = "model"  # of the call in progress
         self._compiled = None
         self._module_weights = None
-        self._kept = (
-            None  # ((format, device), weights): a CPU call's weight copies, rewritten by the next call
-        )
+        # (key, weights): a CPU call's weight copies, rewritten in place by the next call with that key
+        self._kept = None
         self._static = None  # graphs.Static of the last call shape run on buckets
         self._kernel_steps = 0  # of the call in progress: steps through cpu_decode's kernels
         self.stats = {
