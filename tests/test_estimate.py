@@ -103,6 +103,11 @@ def test_the_cpu_engine_keeps_its_weight_copy_through_training(monkeypatch):
     for extra, width in [([], 4), (["--rollout-dtype", "bf16"], 2)]:
         est = Estimator(parse_config(flags + extra), device="cpu").estimate()
         assert est["parts"]["rollout weight copy kept"] == (L * per_layer + V * H) * width, extra
+        # Inductor's step (--rollout-compile on) reads the fp32 modules themselves (no copy: the engine's
+        # test_compiled_step_matches_eager_and_sees_updated_weights); a bf16 copy turns it off, runs eager
+        on = Estimator(parse_config(flags + extra + ["--rollout-compile", "on"]), device="cpu").estimate()
+        want = 0 if width == 4 else est["parts"]["rollout weight copy kept"]
+        assert on["parts"].get("rollout weight copy kept", 0) == want, extra
     import grpo_fast.trainer.estimate as estimate_mod
 
     held = estimate_mod._runtime_bytes("cpu", parse_config(flags))  # the process's resident set, held

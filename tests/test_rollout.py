@@ -466,6 +466,7 @@ def test_compiled_step_matches_eager_and_sees_updated_weights():
     ids, mask = _prompts()
     kw = dict(temperature=0.0, eos_token_id=EOS, engine="native")
     compiled = generate_groups(model, ids, mask, 4, 20, compile=True, **kw)
+    assert native.engine_for(model)._kept is None  # the step reads the modules: no copy (the planner's too)
     eager = generate_groups(model, ids, mask, 4, 20, compile=False, **kw)
     assert_greedy_equal(model, ids, mask, 4, compiled, eager)
     eng = native.engine_for(model)

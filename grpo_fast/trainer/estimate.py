@@ -11,7 +11,8 @@ Parts, from the model's config alone (no weights are loaded):
 - the rollout (native engine): the prompt KV (once per group with prefix sharing, else once per sample) and
   each sample's completion KV at its fixed capacity (on a CPU the keys twice: the decode kernels' transposed
   copy), the prefill's working set, and on a CPU the copy of the linear weights the engine makes for the call
-  (fp32 oneDNN-packed, or the --rollout-dtype's: bf16 half of it, int8 a quarter with the LM head kept fp32);
+  (fp32 packed, none under Inductor's step, or the --rollout-dtype's: bf16 half of it, int8 a quarter with
+  the LM head kept fp32);
   on CUDA with the engine on CUDA graphs (`--rollout-compile auto|graphs`) the KV, the weight copy and the
   graphs' pool (the decode step's working set) stay allocated through training (the graphs read them there),
   on a CPU the weight copy does (the next call rewrites it in place);
@@ -137,8 +138,8 @@ def engine_copy_bytes(p: dict, cfg: GRPOConfig, device: str) -> float:
     """The native engine's copy of the linear weights (fp32 packed on a CPU, or the rollout dtype's; kept
     between calls on a CPU and on CUDA graphs); `cfg` as `precision.resolve` leaves it."""
     dtype = rollout_dtype_of(cfg)  # cfg resolved: "auto" decided (precision.resolve)
-    if dtype in ("model", "fp32") and (device != "cpu" or cfg.dtype != "fp32"):
-        return 0.0  # the modules themselves (fp32 weights are packed for a call on the CPU only)
+    if dtype in ("model", "fp32") and (device != "cpu" or cfg.dtype != "fp32" or cfg.rollout_compile == "on"):
+        return 0.0  # the modules themselves (fp32 weights are packed for an eager call on the CPU only)
     layers_b, head_b = COPY_BYTES["fp32" if dtype == "model" else dtype]
     head = p["head_elements"]
     return (p["linear_weights"] / 4 - head) * layers_b + head * head_b
