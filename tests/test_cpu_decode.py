@@ -67,6 +67,7 @@ def test_rope_attend(kv_dtype, io_dtype, d, rep):
     valid = (torch.arange(P)[None, :] >= pad[:, None]).to(torch.uint8)
     t = torch.randint(0, cap, (R,))
     t[0], t[1] = 0, cap - 1
+    t[2:7] = torch.tensor([15, 16, 40, 63, 64])  # a last key block's 1, 2, 3, 4 registers, then a new block
     ck0, cv0 = ck.clone(), cv.clone()
     ckt, pkt = _blocked(ck), _blocked(pk)
     out = kern.rope_attend(qkv, cos.float(), sin.float(), ck, ckt, cv, pkt, pv, valid, t, h, 0.25, io_dtype)
