@@ -41,10 +41,17 @@ SYNC_EVERY = 16  # tokens between host checks of "all done" (and compaction) on 
 SYNC_EVERY_CPU = 1  # eager on the CPU a check waits for nothing: stop as soon as every row is done
 COMPACT_AT = 0.5  # compact when the rows still running fill at most this share of the batch
 DYNAMIC = True
-CAPACITY_STEP = 64
-PACK_CPU_WEIGHTS = (
-    True  # completion KV capacity is rounded up to this, so that nearby lengths reuse a compile
-)
+CAPACITY_STEP = 64  # completion KV capacity is rounded up to this, so that nearby lengths reuse a compile
+PACK_CPU_WEIGHTS = True
+
+
+def packs_fp32_weights(device_type: str, dtype, compiled: bool) -> bool:
+    """Whether a call at the policy's own precision copies its weights (fp32, packed for the CPU's linears):
+    eager on a CPU only (Inductor's step and CUDA read the modules). The memory planner asks the same."""
+    return (
+        PACK_CPU_WEIGHTS and device_type == "cpu" and dtype == torch.float32
+        and torch.backends.mkldnn.is_available() and not compiled
+    )  # fmt: skip
 
 
 def unsupported_reason(model) -> str | None:
@@ -534,10 +541,7 @@ class NativeEngine:
         whole copies; elsewhere (eager CUDA) a call's copy is freed with the call."""
         fmt = self.rollout_dtype
         if fmt == "model":
-            pack = (
-                PACK_CPU_WEIGHTS and device.type == "cpu" and dtype == torch.float32
-                and torch.backends.mkldnn.is_available() and not self.compiles(device)
-            )  # fmt: skip
+            pack = packs_fp32_weights(device.type, dtype, self.compiles(device))
             fmt = "fp32" if pack else None  # (on buckets on a CPU too: they copy the packed weights in place)
         if fmt is None:
             self._kept = None

@@ -43,6 +43,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from ..models.model_parts import lm_head_of
+from ..rollout.native import packs_fp32_weights
 from .batching import Packer, partition, tokens_run
 from .config import GRPOConfig, generation_steps, prompts_per_rollout
 from .modeling import DTYPES
@@ -138,8 +139,9 @@ def engine_copy_bytes(p: dict, cfg: GRPOConfig, device: str) -> float:
     """The native engine's copy of the linear weights (fp32 packed on a CPU, or the rollout dtype's; kept
     between calls on a CPU and on CUDA graphs); `cfg` as `precision.resolve` leaves it."""
     dtype = rollout_dtype_of(cfg)  # cfg resolved: "auto" decided (precision.resolve)
-    if dtype in ("model", "fp32") and (device != "cpu" or cfg.dtype != "fp32" or cfg.rollout_compile == "on"):
-        return 0.0  # the modules themselves (fp32 weights are packed for an eager call on the CPU only)
+    compiled = cfg.rollout_compile == "on"
+    if dtype in ("model", "fp32") and not packs_fp32_weights(device, DTYPES[cfg.dtype], compiled):
+        return 0.0  # the modules themselves
     layers_b, head_b = COPY_BYTES["fp32" if dtype == "model" else dtype]
     head = p["head_elements"]
     return (p["linear_weights"] / 4 - head) * layers_b + head * head_b
