@@ -122,6 +122,40 @@ def test_the_cpu_engine_keeps_its_weight_copy_through_training(monkeypatch):
     assert "rollout weight copy kept" not in async_["parts"]  # the overlap holds a whole rollout already
 
 
+@pytest.mark.parametrize("rollout_dtype,kv", [("fp32", "float32"), ("bf16", "bfloat16")])
+@pytest.mark.parametrize("C", [64, 65])
+def test_the_kv_cache_is_the_engines_buffers(rollout_dtype, kv, C, monkeypatch):
+    """The estimate's rollout KV cache on a CPU is the bytes of the KV buffers the native engine allocates
+    for that call (the prompts' and completions' keys and values, the decode kernels' blocked keys), in the
+    rollout's KV dtype (bf16 for a bf16 rollout), at the engine's capacity (a 65-token completion takes two
+    blocks of 64 slots)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from grpo_fast.rollout import cpu_decode, generate_groups, native
+
+    if cpu_decode.kernels() is None:
+        pytest.skip(f"no CPU decode kernels (their blocked keys): {cpu_decode.unavailable_reason()}")
+    if rollout_dtype == "bf16" and cpu_decode.linear_for(torch.bfloat16) is None:
+        pytest.skip("no bf16 linear kernel on this CPU")
+    P = 24
+    flags = TINY + ["--max-completion-length", str(C), "--max-prompt-length", str(P)]
+    est = Estimator(parse_config(flags + ["--rollout-dtype", rollout_dtype]), device="cpu").estimate()
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(default_task.ASSET_DIR)).eval()
+    made, fresh = [], native._fresh_buffers
+    monkeypatch.setattr(native, "_fresh_buffers", lambda *a: made.append(fresh(*a)) or made[-1])
+    ids = torch.randint(3, 100, (2, P))
+    generate_groups(
+        model, ids, torch.ones_like(ids), 4, C, temperature=1.0, eos_token_id=None, engine="native",
+        rollout_dtype=rollout_dtype, generator=torch.Generator().manual_seed(0),
+    )  # fmt: skip
+    (b,) = made
+    buffers = [*b.prompt_k, *b.prompt_v, *b.prompt_kt, *b.comp_k, *b.comp_v, *b.comp_kt]
+    assert {str(x.dtype).removeprefix("torch.") for x in buffers} == {kv}
+    assert est["parts"]["rollout KV cache"] == sum(x.numel() * x.element_size() for x in buffers)
+
+
 def test_estimate_command_prints_the_table_and_what_fits(capsys):
     main(TINY + ["--max-memory-gb", "2"])
     out = capsys.readouterr().out

@@ -6,8 +6,11 @@ from tiny_models import tiny_lm
 from bench.profiles.decode import decode_work
 
 
-@pytest.mark.parametrize("dtype,elem,head_elem", [("model", 4, 4), ("bf16", 2, 2), ("int8", 1, 4)])
-def test_decode_bytes_are_the_weights_per_step_and_the_kv_written_so_far(dtype, elem, head_elem):
+@pytest.mark.parametrize(
+    "dtype,elem,head_elem,kv_elem", [("model", 4, 4, 4), ("bf16", 2, 2, 2), ("int8", 1, 4, 4)]
+)
+def test_decode_bytes_are_the_weights_per_step_and_the_kv_written_so_far(dtype, elem, head_elem, kv_elem):
+    """An fp32 policy's KV is fp32, a bf16 rollout's bf16 (the engine's), an int8 rollout's fp32."""
     model = tiny_lm("llama", vocab=97)
     cfg = model.config
     groups, G, steps, prompt_tokens = 2, 3, 5, 11
@@ -22,7 +25,7 @@ def test_decode_bytes_are_the_weights_per_step_and_the_kv_written_so_far(dtype, 
     kv = 0
     for s in range(steps):  # step s: each group's prompt once, each row's s + 1 completion slots
         for _ in model.model.layers:
-            kv += 2 * cfg.num_key_value_heads * d * 4 * (prompt_tokens + rows * (s + 1))
+            kv += 2 * cfg.num_key_value_heads * d * kv_elem * (prompt_tokens + rows * (s + 1))
     work = decode_work(model, prompt_tokens, groups, rows, steps, dtype)
     assert work["weight_bytes"] == per_step * steps
     assert work["kv_bytes"] == kv

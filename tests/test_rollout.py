@@ -181,12 +181,16 @@ def test_the_engine_times_its_phases_and_decodes_every_step_without_eos():
     assert min(last["prefill_s"], last["pack_s"]) >= 0 and last["decode_s"] > 0
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+F32, BF16 = torch.float32, torch.bfloat16
+
+
+@pytest.mark.parametrize("q_dtype,dtype,tol", [(F32, F32, 1e-5), (BF16, BF16, 2e-2), (F32, BF16, 2e-2)])
 @pytest.mark.parametrize("products", [False, True])
-def test_decode_attention_equals_one_softmax_over_prompt_and_own_keys(dtype, tol, products):
+def test_decode_attention_equals_one_softmax_over_prompt_and_own_keys(q_dtype, dtype, tol, products):
     """A decoding row's attention (the CPU's two flash calls merged by log-sum-exp, and the products other
     devices run) equals fp64 attention written here over [its group's real prompt keys; its own keys up to
-    its position], with GQA heads, left padding and unwritten slots holding garbage."""
+    its position], with GQA heads, left padding and unwritten slots holding garbage; fp32 queries over a bf16
+    rollout's bf16 KV give an fp32 output."""
     torch.manual_seed(0)
     n, G, kvh, rep, d, P, cap = 3, 4, 2, 3, 16, 9, 8
     R, h = n * G, kvh * rep
@@ -200,11 +204,13 @@ def test_decode_attention_equals_one_softmax_over_prompt_and_own_keys(dtype, tol
     bias = lambda real: torch.where(real, 0.0, float("-inf"))  # noqa: E731
     attention = native._merge_attention_products if products else native._merge_attention
     out = attention(
-        *(x.to(dtype) for x in (q, pk, pv, ck, cv)),
+        q.to(q_dtype), *(x.to(dtype) for x in (pk, pv, ck, cv)),
         bias(prompt_real).to(dtype).view(n, 1, 1, P),
         bias(own_real).to(dtype).view(R, 1, 1, cap),
         0.25,
-    ).double()
+    )  # fmt: skip
+    assert out.dtype == q_dtype
+    out = out.double()
     for r in range(R):
         g = r // G
         for j in range(h):

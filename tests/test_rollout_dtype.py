@@ -200,3 +200,40 @@ def test_a_bf16_policy_samples_in_8_bits(dtype):
     ids, mask = ragged_prompts(V, 3, 7)
     got = _greedy(model, ids, mask, dtype)
     assert_greedy_equal(model, ids, mask, 2, got, _greedy(model, ids, mask, "model"), tie=TIE[dtype] + 0.05)
+
+
+@pytest.mark.parametrize("kernels", [True, False], ids=["cpu-kernels", "torch-ops"])
+def test_a_bf16_rollout_keeps_its_kv_cache_in_bf16(kernels, monkeypatch):
+    """A bf16 rollout of an fp32 policy holds its keys and values in bf16 (half the bytes its attention
+    reads), through the CPU decode kernels and through PyTorch ops (fp32 queries cast to the KV's dtype),
+    with compaction between tokens: greedy tokens equal the fp32 engine's where bf16's margin allows, sampled
+    log-probs stay within bf16's bound of the training forward; the fp32 rollout's KV stays fp32."""
+    from grpo_fast.rollout import cpu_decode, native
+
+    if kernels and cpu_decode.kernels() is None:
+        pytest.skip(f"no CPU decode kernels: {cpu_decode.unavailable_reason()}")
+    monkeypatch.setattr(cpu_decode, "ENABLED", kernels)
+    made, fresh = [], native._fresh_buffers
+    monkeypatch.setattr(native, "_fresh_buffers", lambda *a: made.append(fresh(*a)) or made[-1])
+    model = _model("llama")
+    ids, mask = ragged_prompts(V, 3, 7)
+    want = _greedy(model, ids, mask, "model", G=4, C=30)
+    assert {x.dtype for b in made for x in (*b.prompt_k, *b.comp_v)} == {torch.float32}
+    made.clear()
+    got = _greedy(model, ids, mask, "bf16", G=4, C=30)
+    assert {x.dtype for b in made for x in (*b.prompt_k, *b.prompt_v, *b.comp_k, *b.comp_v)} == {
+        torch.bfloat16
+    }
+    last = native.engine_for(model).last_call
+    assert (last["kernel_steps"] > 0) == kernels, last
+    assert_greedy_equal(model, ids, mask, 4, got, want, tie=TIE["bf16"])
+    lengths = got[1].sum(1)
+    assert len(set(lengths.tolist())) > 1  # rows ended at different points: compaction ran
+    c_ids, c_mask, logp = generate_groups(
+        model, ids, mask, 4, 20, temperature=0.8, eos_token_id=EOS, engine="native", rollout_dtype="bf16",
+        generator=torch.Generator().manual_seed(0), return_logprobs=True,
+    )  # fmt: skip
+    with torch.no_grad():
+        hidden = shared_prefix_forward(model, ids, mask, c_ids, c_mask)
+        train = fused_linear_logprobs(hidden, lm_head_of(model).weight, c_ids, temperature=0.8)
+    assert (train - logp)[c_mask.bool()].abs().max() <= LOGP_BOUND["bf16"]

@@ -13,7 +13,7 @@ import threading
 
 import pytest
 import torch
-from oracle import assert_greedy_row_equal
+from oracle import NEAR_TIE, assert_greedy_row_equal
 
 from grpo_fast.rollout import tools as T
 from grpo_fast.rollout.trajectories import generate_trajectories
@@ -229,11 +229,13 @@ def plain_loop(model, tok, question, tools, max_new, max_rounds, repetition_pena
     return ids, model_tok
 
 
-def assert_like_plain_loop(model, tok, tr, questions, tools, C, rounds, near_tie_ok=False, penalty=1.0):
+def assert_like_plain_loop(
+    model, tok, tr, questions, tools, C, rounds, near_tie_ok=False, penalty=1.0, tie=NEAR_TIE
+):
     """Trajectory i of `tr` equals `plain_loop` on questions[i] (under repetition penalty `penalty`), token
     for token, and its tool_mask flags exactly the model's tokens; with near_tie_ok a first difference may be
-    a near-tie of the model's two best tokens (another engine's summation order:
-    oracle.assert_greedy_row_equal)."""
+    a near-tie of the model's two best tokens, within `tie` (another engine's summation order, a bf16
+    rollout's rounding: oracle.assert_greedy_row_equal)."""
     for i, q in enumerate(questions):
         want, want_model = plain_loop(model, tok, q, tools, C, rounds, penalty)
         m = tr.completion_mask[i].bool()
@@ -246,6 +248,7 @@ def assert_like_plain_loop(model, tok, tr, questions, tools, C, rounds, near_tie
                 torch.tensor(p),
                 torch.tensor(got[n:]),
                 torch.tensor(want[n:]),
+                tie=tie,
                 repetition_penalty=penalty,
             )
             continue
@@ -613,6 +616,32 @@ def test_tiny_model_greedy_trajectories_equal_the_plain_loop(tiny_tool_model, en
     )  # fmt: skip
     assert sum(tr.tool_calls) == len(questions)  # every one called the tool
     assert_like_plain_loop(model, tok, tr, questions, [tools_task.calculator], 40, 2)
+
+
+def test_tiny_model_bf16_trajectories_carry_their_bf16_kv_across_turns(tiny_tool_model, monkeypatch):
+    """A bf16 rollout's rows keep their bf16 KV across tool turns (each turn's tokens run onto it): greedy
+    trajectories equal HF's plain loop in fp32 where bf16's margin allows (oracle: 0.03 of the top logit)."""
+    from grpo_fast.rollout import native
+    from grpo_fast.tasks import default_task, tools_task
+
+    model, tok = tiny_tool_model
+    problems = default_task.split_problems()["eval"][:6]
+    questions = [default_task.prompt_text(p, k % 2) for k, p in enumerate(problems)]
+    extended, extend = [], native.NativeEngine._extend
+    monkeypatch.setattr(
+        native.NativeEngine,
+        "_extend",
+        lambda self, b, *a: extended.append(b.comp_k[0].dtype) or extend(self, b, *a),
+    )
+    tr = generate_trajectories(
+        model, tok, questions, 1, 40, tools=[tools_task.calculator], temperature=0.0, engine="native",
+        max_tool_calling_iterations=2, rollout_dtype="bf16",
+    )  # fmt: skip
+    assert sum(tr.tool_calls) == len(questions)
+    assert len(extended) >= len(questions) and set(extended) == {torch.bfloat16}  # turns onto bf16 KV
+    assert_like_plain_loop(
+        model, tok, tr, questions, [tools_task.calculator], 40, 2, near_tie_ok=True, tie=0.03
+    )
 
 
 @pytest.mark.parametrize("engine", ["native", "reference"])

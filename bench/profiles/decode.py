@@ -12,7 +12,7 @@ timers (`NativeEngine.last_call`) split each call into prefill, weight packing a
 The floor of a decode step is what it must read and what it must compute:
 - bytes: every linear layer's weights in the rollout dtype's format and the LM head (read once per token
   step, whatever the row count), plus the KV the step attends (each group's real prompt tokens, each row's
-  completion tokens so far; the KV is in the policy's dtype, fp32);
+  completion tokens so far; the KV in the engine's KV dtype: the policy's, fp32, or a bf16 rollout's bf16);
 - FLOPs: 2 x rows x those weights, plus the attention's products.
 `decode_bandwidth_fraction` = bytes x steps / (decode seconds x read bandwidth); `decode_roofline_fraction`
 = max(bytes / bandwidth, FLOPs / the dtype's peak) / seconds, the peak the fastest of what this machine is
@@ -49,6 +49,7 @@ from bench._utils import (
     write_results,
 )
 from bench.models.generate import _work
+from grpo_fast.rollout.native import kv_dtype
 
 G = 8
 PROMPTS = 2
@@ -143,7 +144,7 @@ def decode_work(model, prompt_tokens: int, groups: int, rows: int, steps: int, d
     weights = linear * DTYPE_BYTES[dtype] + head * HEAD_BYTES[dtype]
     kvh, heads = cfg.num_key_value_heads, cfg.num_attention_heads
     d = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    kv_elem = next(model.parameters()).element_size()
+    kv_elem = kv_dtype(dtype, next(model.parameters()).dtype).itemsize  # the engine's KV dtype
     # step s attends each group's real prompt tokens once and each row's s + 1 completion slots
     slots = steps * prompt_tokens + rows * steps * (steps + 1) // 2
     kv_bytes = len(layers) * 2 * kvh * d * kv_elem * slots

@@ -54,6 +54,20 @@ def packs_fp32_weights(device_type: str, dtype, compiled: bool) -> bool:
     )  # fmt: skip
 
 
+def kv_capacity(max_new_tokens: int) -> int:
+    """Completion KV slots a row of a call gets: C rounded up to CAPACITY_STEP (C - 1 tokens are fed after
+    the first, and rows that finished keep writing one scratch slot past their last)."""
+    return max(1, -(-max_new_tokens // CAPACITY_STEP) * CAPACITY_STEP)
+
+
+def kv_dtype(rollout_dtype: str, model_dtype):
+    """The dtype of a call's KV cache, as `check_rollout_dtype` resolves `rollout_dtype`: a bf16 rollout
+    keeps its keys and values in bf16, as a bf16 policy (and vLLM, and HF's generate on a bf16 model) does:
+    half the bytes the decode's attention reads, and half the cache; any other keeps the policy's (the
+    prefill's). The memory planner and the decode profile's floor ask the same."""
+    return torch.bfloat16 if rollout_dtype == "bf16" else model_dtype
+
+
 def unsupported_reason(model) -> str | None:
     """Why the native engine cannot run `model`, or None when it can."""
     from torch.distributed.tensor import DTensor
@@ -269,9 +283,11 @@ def _merge_attention(q, pk, pv, ck, cv, prompt_bias, own_bias, scaling):
     unwritten slots) in q's dtype. On a CPU: one flash-attention call each (the group's G rows x rep heads as
     the rows of the prompt's, so its KV is read once per group) merged by their log-sum-exps (fp32): 1.7x
     faster than the products below at SmolLM2's decode shapes in bf16, 1.2x in fp32, where ~15 small ops
-    cost more than their arithmetic."""
+    cost more than their arithmetic. Queries of another dtype than the KV's (fp32 activations over a bf16
+    rollout's bf16 KV) are cast to it; the output is in the queries' dtype."""
     if q.device.type != "cpu":
         return _merge_attention_products(q, pk, pv, ck, cv, prompt_bias, own_bias, scaling)
+    out_dtype, q = q.dtype, q.to(pk.dtype)
     R, h, d = q.shape
     n, kvh = pk.shape[0], pk.shape[1]
     G, rep = R // n, h // kvh
@@ -281,12 +297,13 @@ def _merge_attention(q, pk, pv, ck, cv, prompt_bias, own_bias, scaling):
     o_p = o_p.view(n, kvh, G, rep, d).transpose(1, 2).reshape(R, kvh, rep, d)
     lse_p = lse_p.view(n, kvh, G, rep).transpose(1, 2).reshape(R, kvh, rep, 1)
     w = torch.sigmoid(lse_p - lse_o.unsqueeze(-1))  # the prompt's share of the merged softmax's mass
-    return torch.lerp(o_o.float(), o_p.float(), w).to(q.dtype).reshape(R, h * d)
+    return torch.lerp(o_o.float(), o_p.float(), w).to(out_dtype).reshape(R, h * d)
 
 
 def _merge_attention_products(q, pk, pv, ck, cv, prompt_bias, own_bias, scaling):
     """`_merge_attention` as batched products and one fp32 softmax over the concatenated scores (any
     device)."""
+    out_dtype, q = q.dtype, q.to(pk.dtype)
     R, h, d = q.shape
     n, kvh, P = pk.shape[0], pk.shape[1], pk.shape[2]
     G, rep, cap = R // n, h // kvh, ck.shape[2]
@@ -302,7 +319,7 @@ def _merge_attention_products(q, pk, pv, ck, cv, prompt_bias, own_bias, scaling)
     p_p = p[..., :P].permute(0, 2, 1, 3, 4).reshape(n, kvh, G * rep, P)
     o = torch.matmul(p_p, pv).view(n, kvh, G, rep, d).permute(0, 2, 1, 3, 4)
     o = o + torch.matmul(p[..., P:], cv.view(n, G, kvh, cap, d))
-    return o.reshape(R, h * d)
+    return o.reshape(R, h * d).to(out_dtype)
 
 
 _cpu_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu  # (out, log-sum-exp)
@@ -452,8 +469,9 @@ class NativeEngine:
         slot = (slot + t[:, None]).view(-1)
 
         def attend(i, q, k, v):
-            b.comp_k[i].view(-1, d).index_copy_(0, slot, k.reshape(-1, d))
-            b.comp_v[i].view(-1, d).index_copy_(0, slot, v.reshape(-1, d))
+            kv_type = b.comp_k[i].dtype  # the activations' (fp32) cast to a bf16 rollout's KV
+            b.comp_k[i].view(-1, d).index_copy_(0, slot, k.reshape(-1, d).to(kv_type))
+            b.comp_v[i].view(-1, d).index_copy_(0, slot, v.reshape(-1, d).to(kv_type))
             ck, cv = b.comp_k[i], b.comp_v[i]
             if hi < cap:
                 ck, cv = ck[:, :, :hi], cv[:, :, :hi]
@@ -509,7 +527,7 @@ class NativeEngine:
             b.comp_k[i][r, :, e : e + L] = k.transpose(0, 1)
             b.comp_v[i][r, :, e : e + L] = v.transpose(0, 1)
             if b.comp_kt is not None:
-                cpu_decode.write_blocked_keys(b.comp_kt[i][r], slots, k)
+                cpu_decode.write_blocked_keys(b.comp_kt[i][r], slots, k.to(dtype))
             ck, cv = (c[i][r : r + 1].expand(L, kvh, cap, d) for c in (b.comp_k, b.comp_v))
             pk, pv = b.prompt_k[i][g : g + 1], b.prompt_v[i][g : g + 1]
             return _merge_attention(q, pk, pv, ck, cv, prompt_bias, own_bias, self.scaling)
@@ -633,11 +651,14 @@ class NativeEngine:
         from ..models.hf_compat import cache_of
 
         cache = cache_of(res)
-        pk = [layer.keys.contiguous() for layer in cache.layers]  # values come transposed from the projection
-        pv = [layer.values.contiguous() for layer in cache.layers]
+        # (values come transposed from the projection); in the rollout's KV dtype (kv_dtype)
+        model_dtype = cache.layers[0].keys.dtype
+        kv_type = kv_dtype(self.rollout_dtype, model_dtype)
+        pk = [layer.keys.to(kv_type).contiguous() for layer in cache.layers]
+        pv = [layer.values.to(kv_type).contiguous() for layer in cache.layers]
         # 2. buffers (a row's tokens, and its KV slots, up to C; one scratch column past them): this call's
         # own, or on buckets the Static of this call shape's, refilled in place
-        cap = max(1, -(-C // CAPACITY_STEP) * CAPACITY_STEP)
+        cap = kv_capacity(C)
         noise = torch.rand(C + 1, R, generator=generator, device=device) if temperature > 0 else None
         penalty = float(repetition_penalty)
         seen = None
@@ -667,7 +688,7 @@ class NativeEngine:
         b.out[:, 0], b.logp[:, 0] = tok, lp
         b.done |= is_eos(tok, eos_t) | (b.lengths >= C)
         t_prefill = time.perf_counter()
-        layers, head = self._weights(R, device, pk[0].dtype, st)
+        layers, head = self._weights(R, device, model_dtype, st)
         kern = self._kernels_for(layers, b, device)  # for the whole call
         if kern is not None:
             _block_keys(st.full if st is not None else b)

@@ -55,6 +55,7 @@ ISA_ENV = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")  # s
 
 TRAIN_RECIPES = ("fp32", "bf16_autocast", "bf16_weights")
 DECODE_RECIPES = ("fp32", "bf16")
+DECODE_RECIPE_VERSION = 2  # in the cache key: 2, the bf16 step's KV in bf16 (as the engine's, since 2026-12)
 
 
 @dataclass(frozen=True)
@@ -176,9 +177,10 @@ def _train_step(s: Shapes, recipe: str):
 def _decode_step(s: Shapes, recipe: str):
     """A closure running one decode step of the layer as the native engine runs it (DECODE_BATCH tokens,
     DECODE_CONTEXT cached): its linear layers in the rollout dtype's format (oneDNN-packed where the CPU runs
-    it natively, `rollout.dtypes.LINEAR_FORMATS`), fp32 activations, norms and attention over an fp32 KV
-    cache, as the engine keeps them in every rollout dtype."""
+    it natively, `rollout.dtypes.LINEAR_FORMATS`), fp32 activations and norms, the attention over a KV cache
+    in the engine's KV dtype for that rollout (`native.kv_dtype`: bf16 for bf16), the queries cast to it."""
     from ..rollout.dtypes import LINEAR_FORMATS
+    from ..rollout.native import kv_dtype
 
     layer = _Layer(s)
     B, hd = DECODE_BATCH, s.hidden // s.heads
@@ -186,13 +188,14 @@ def _decode_step(s: Shapes, recipe: str):
     qkv = fmt([m.weight.detach() for m in (layer.q, layer.k, layer.v)], None, B)
     o, down = (fmt([m.weight.detach()], None, B) for m in (layer.o, layer.down))
     gate_up = fmt([m.weight.detach() for m in (layer.gate, layer.up)], None, B)
-    cache = [torch.randn(B, s.kv_heads, DECODE_CONTEXT, hd) for _ in range(2)]
+    kv = kv_dtype(recipe, torch.float32)
+    cache = [torch.randn(B, s.kv_heads, DECODE_CONTEXT, hd, dtype=kv) for _ in range(2)]
     x = torch.randn(B, s.hidden)
 
     @torch.inference_mode()
     def step():
-        q = qkv(layer.norm1(x))[:, : s.hidden].float().view(B, s.heads, 1, hd)
-        a = F.scaled_dot_product_attention(q, *cache, enable_gqa=True)
+        q = qkv(layer.norm1(x))[:, : s.hidden].to(kv).view(B, s.heads, 1, hd)
+        a = F.scaled_dot_product_attention(q, *cache, enable_gqa=True).float()
         y = x + o(a.reshape(B, s.hidden))
         g, u = gate_up(layer.norm2(y)).chunk(2, dim=-1)
         return y + down(F.silu(g) * u)
@@ -278,7 +281,8 @@ def cache_path() -> Path:
 def cache_key(shapes: Shapes) -> str:
     """CPU model name, a digest of its flags, torch version and ATen capability, the ISA settings of the
     environment, threads, shapes, a digest of the CPU decode kernels' source (the decode recipes run their
-    linear kernel: a newer kernel is measured again): what a ratio depends on."""
+    linear kernel: a newer kernel is measured again) and the decode recipe's version: what a ratio depends
+    on."""
     from ..rollout import cpu_decode, dtypes
 
     info = dtypes.cpu_info()
@@ -293,6 +297,7 @@ def cache_key(shapes: Shapes) -> str:
         f"threads {torch.get_num_threads()}",
         "shapes " + ",".join(f"{k}={v}" for k, v in asdict(shapes).items()),
         "decode kernels " + hashlib.sha1(cpu_decode._SOURCE.encode()).hexdigest()[:8],
+        f"decode recipe {DECODE_RECIPE_VERSION}",
     ]
     return " | ".join(parts)
 

@@ -9,10 +9,10 @@ Parts, from the model's config alone (no weights are loaded):
   parameter), and the optimizer step's own temporaries (16-bit weights: the largest tensor's fp32 gradient
   and weight);
 - the rollout (native engine): the prompt KV (once per group with prefix sharing, else once per sample) and
-  each sample's completion KV at its fixed capacity (on a CPU the keys twice: the decode kernels' transposed
-  copy), the prefill's working set, and on a CPU the copy of the linear weights the engine makes for the call
-  (fp32 packed, none under Inductor's step, or the --rollout-dtype's: bf16 half of it, int8 a quarter with
-  the LM head kept fp32);
+  each sample's completion KV at the engine's capacity, in the policy's dtype or a bf16 rollout's bf16 (on a
+  CPU the keys twice: the decode kernels' transposed copy), the prefill's working set, and on a CPU the copy
+  of the linear weights the engine makes for the call (fp32 packed, none under Inductor's step, or the
+  --rollout-dtype's: bf16 half of it, int8 a quarter with the LM head kept fp32);
   on CUDA with the engine on CUDA graphs (`--rollout-compile auto|graphs`) the KV, the weight copy and the
   graphs' pool (the decode step's working set) stay allocated through training (the graphs read them there),
   on a CPU the weight copy does (the next call rewrites it in place);
@@ -43,7 +43,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from ..models.model_parts import lm_head_of
-from ..rollout.native import packs_fp32_weights
+from ..rollout.native import kv_capacity, kv_dtype, packs_fp32_weights
 from .batching import Packer, partition, tokens_run
 from .config import GRPOConfig, generation_steps, prompts_per_rollout
 from .modeling import DTYPES
@@ -333,20 +333,22 @@ class Estimator:
             "master weights": optim.master_bytes * p["trainable_16bit_params"],
             "optimizer state": optim.state_bytes * p["trainable_params"],
         }
-        # rollout: the native engine's KV, its prefill, and (CPU, eager) its copy of the linear weights
-        kv_tok = L * 2 * kvh * hd * b
+        # rollout: the native engine's KV (in the rollout's KV dtype: a bf16 rollout's is bf16), its prefill
+        # (the policy's dtype), and (CPU, eager) its copy of the linear weights
+        kv_b = kv_dtype(rollout_dtype_of(cfg), DTYPES[cfg.dtype]).itemsize
+        kv_tok = L * 2 * kvh * hd * kv_b
         prompt_rows = n * steps if cfg.share_prefix else n * steps * G
-        cap = max(1, -(-(C - 1) // 64) * 64)
+        cap = kv_capacity(C)
         # on a CPU the decode kernels (grpo_fast.rollout.cpu_decode) keep the keys a second time, transposed,
         # the prompt's padded to 64 slots
-        kt_tok = L * kvh * hd * b if self.device == "cpu" else 0
+        kt_tok = L * kvh * hd * kv_b if self.device == "cpu" else 0
         prompt_kv = kv_tok * P + kt_tok * -(-P // 64) * 64  # a prompt row's
         completion_kv = (kv_tok + kt_tok) * n * steps * G * cap
         kv = prompt_kv * prompt_rows + completion_kv
         kv_unshared = prompt_kv * n * steps * G + completion_kv
         packed = engine_copy_bytes(p, cfg, self.device)
         prefill = self.probe(plan.gradient_checkpointing, cfg.share_prefix).forward_nograd(P, prompt_rows)
-        prefill += kv_tok * prompt_rows * P
+        prefill += L * 2 * kvh * hd * b * prompt_rows * P
         # logits, probabilities, the draw's buffers; tokens, log-probs; under a repetition penalty each
         # row's context mask (bool) and the penalized logits' fp32 temporaries (sampling.penalized: three at
         # its peak)
