@@ -143,6 +143,24 @@ def test_greedy_buckets_equal_the_eager_step_through_pytorch_ops(monkeypatch):
     assert native.engine_for(model).last_call["kernel_steps"] == 0
 
 
+def test_the_gpu_steps_path_of_a_bf16_rollout_on_buckets(monkeypatch):
+    """What a CUDA device runs for a bf16 rollout of an fp32 policy, on a CPU: buckets, PyTorch ops, the
+    attention as batched products (`_merge_attention_products`, the non-CPU path) over bf16 KV with fp32
+    queries cast to it. Greedy tokens equal the fp32 eager engine's where bf16's margin allows."""
+    monkeypatch.setattr(cpu_decode, "ENABLED", False)
+    model = eos_likely_lm("qwen2", V, EOS, factor=8.0)
+    ids, mask = _prompts()
+    want = _run(model, False, temperature=0.0, return_logprobs=False)
+    products = []
+    real = native._merge_attention_products
+    monkeypatch.setattr(native, "_merge_attention", lambda *a: products.append(a[1].dtype) or real(*a))
+    got = _run(model, "graphs", temperature=0.0, return_logprobs=False, rollout_dtype="bf16")
+    assert products and set(products) == {torch.bfloat16}
+    st = native.engine_for(model)._static
+    assert {x.dtype for x in (*st.full.comp_k, *st.full.prompt_v)} == {torch.bfloat16}
+    assert_greedy_equal(model, ids, mask, 6, got, want, tie=0.03)
+
+
 def test_no_buffer_moves_inside_a_call_or_between_calls(seen_buckets):
     model = eos_likely_lm("llama", V, EOS, factor=8.0)
     _run(model, "graphs")
