@@ -280,11 +280,11 @@ def _rope(x, cos, sin):
 def _merge_attention(q, pk, pv, ck, cv, prompt_bias, own_bias, scaling):
     """q (R, h, d) over its group's prompt KV (n, kvh, P, d) and its own completion KV (R, kvh, Cap, d): one
     softmax over both. `prompt_bias` (n, 1, 1, P) and `own_bias` (R, 1, 1, Cap) hold 0 / -inf (padding,
-    unwritten slots) in q's dtype. On a CPU: one flash-attention call each (the group's G rows x rep heads as
-    the rows of the prompt's, so its KV is read once per group) merged by their log-sum-exps (fp32): 1.7x
-    faster than the products below at SmolLM2's decode shapes in bf16, 1.2x in fp32, where ~15 small ops
-    cost more than their arithmetic. Queries of another dtype than the KV's (fp32 activations over a bf16
-    rollout's bf16 KV) are cast to it; the output is in the queries' dtype."""
+    unwritten slots) in the KV's dtype. Queries of another dtype (fp32 activations over a bf16 rollout's bf16
+    KV) are cast to it; the output is in the queries' dtype. On a CPU: one flash-attention call each (the
+    group's G rows x rep heads as the rows of the prompt's, so its KV is read once per group) merged by their
+    log-sum-exps (fp32): 1.7x faster than the products below at SmolLM2's decode shapes in bf16, 1.2x in
+    fp32, where ~15 small ops cost more than their arithmetic."""
     if q.device.type != "cpu":
         return _merge_attention_products(q, pk, pv, ck, cv, prompt_bias, own_bias, scaling)
     out_dtype, q = q.dtype, q.to(pk.dtype)
