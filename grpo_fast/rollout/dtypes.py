@@ -254,9 +254,9 @@ def auto_rollout_dtype(device, model_dtype) -> tuple[str, str]:
     """(rollout dtype, reason) for "auto": bf16 for an fp32 policy where the machine multiplies bf16 natively
     (a CPU with avx512_bf16 / AMX-bf16, a GPU of compute capability >= 8.0), else the policy's dtype: the
     fastest choice whose mismatch to the fp32 trainer stays under AUTO_MISMATCH_K3 in the measured table
-    (bench/results/zen4/bench_generate_rollout_dtype.md; SmolLM2-135M, AMD EPYC with avx512_bf16: bf16 1.18x
-    fp32 at mean k3 8.8e-4; fp16 0.61x, no avx512_fp16; int8 1.27x at k3 0.032, fp8 emulated 0.19x at k3
-    0.042: both over the bound, asked for by name only)."""
+    (bench/results/zen4/bench_generate_rollout_dtype.md; SmolLM2-135M, AMD EPYC with avx512_bf16: bf16 1.87x
+    fp32's tokens/s at mean k3 9.5e-4; fp16 0.26x, no avx512_fp16; int8 0.87x at k3 0.039, fp8 emulated
+    0.09x at k3 0.045: both over the bound, asked for by name only)."""
     flags = cpu_flags() if device.type == "cpu" else set()
     bf16 = flags & {"avx512_bf16", "amx_bf16"}
     gpu = device.type == "cuda" and torch.cuda.is_available()
