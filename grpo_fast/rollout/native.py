@@ -461,15 +461,15 @@ class NativeEngine:
         # 344 -> 240 us at 256); a compiled or GPU step keeps the full capacity, its shapes fixed
         hi = int(t.max()) + 1 if self._eager_cpu(x.device) else cap
         own = torch.arange(hi, device=x.device)[None, :] <= t[:, None]
-        own_bias = torch.where(own, 0.0, float("-inf")).to(b.comp_k[0].dtype).view(R, 1, 1, hi)
-        prompt_bias = b.prompt_bias.to(b.comp_k[0].dtype)
+        kv_type = b.comp_k[0].dtype  # a bf16 rollout's bf16: the fp32 activations are cast to it
+        own_bias = torch.where(own, 0.0, float("-inf")).to(kv_type).view(R, 1, 1, hi)
+        prompt_bias = b.prompt_bias.to(kv_type)
         # where each row's new key / value goes in a layer's (R, kvh, Cap, d) buffer, as rows of its (-1, d)
         # view: an index copy of R * kvh rows (a scatter_ along Cap ran 7x slower in bf16 at decode shapes)
         slot = ((torch.arange(R, device=t.device) * kvh)[:, None] + torch.arange(kvh, device=t.device)) * cap
         slot = (slot + t[:, None]).view(-1)
 
         def attend(i, q, k, v):
-            kv_type = b.comp_k[i].dtype  # the activations' (fp32) cast to a bf16 rollout's KV
             b.comp_k[i].view(-1, d).index_copy_(0, slot, k.reshape(-1, d).to(kv_type))
             b.comp_v[i].view(-1, d).index_copy_(0, slot, v.reshape(-1, d).to(kv_type))
             ck, cv = b.comp_k[i], b.comp_v[i]
